@@ -1,0 +1,2 @@
+//! The `kvlane` command-line tool.
+fn main() {}

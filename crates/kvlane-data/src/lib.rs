@@ -1,0 +1,1 @@
+//! kvlane data plane (being written).
