@@ -5,6 +5,7 @@
 mod auth;
 pub mod channel;
 pub mod config;
+pub mod driver;
 pub mod error;
 pub mod group;
 pub mod probe;
@@ -28,3 +29,8 @@ impl std::fmt::Display for ConnectionId {
         write!(f, "conn#{}", self.0)
     }
 }
+
+pub use channel::{Channel, ChannelEvent, MemChannel, MemNetwork, ZmqChannel};
+pub use driver::{ControlNode, PeerSnapshot};
+pub use group::{GroupHandshake, GroupMember};
+pub use probe::probe;
