@@ -285,10 +285,18 @@ impl Peer {
     pub fn handle_frame(&mut self, now: Instant, bytes: &[u8]) {
         match Message::decode(bytes, self.config.frame_cap) {
             Ok(msg) => self.handle_message(now, msg),
-            Err(WireError::VersionMismatch { local, remote }) if self.hs.is_some() => {
+            Err(e) => self.handle_decode_error(now, e),
+        }
+    }
+
+    /// A frame for this peer failed to decode: dropped and counted, except a
+    /// version mismatch during the handshake, which is a refusal.
+    pub fn handle_decode_error(&mut self, now: Instant, e: WireError) {
+        match e {
+            WireError::VersionMismatch { local, remote } if self.hs.is_some() => {
                 self.refuse(now, Refusal::Version { local, remote }, true);
             }
-            Err(e) => {
+            e => {
                 debug!(peer = %self.addr, error = %e, "dropped frame");
                 self.stats.count(&e);
             }

@@ -175,34 +175,52 @@ impl Registry {
     /// so a reconnecting peer's first frame always finds a fresh entry.
     pub fn handle_frame(&mut self, now: Instant, link: Link, bytes: &[u8]) {
         self.reap_dead();
-        let id = match &link {
-            Link::Dial(id) => Some(*id),
-            Link::Accepted(rid) => self.by_link.get(rid).copied(),
+        let rid = match link {
+            Link::Dial(id) => {
+                if let Some(e) = self.peers.get_mut(&id) {
+                    let _g = e.span.enter();
+                    e.peer.handle_frame(now, bytes);
+                    drop(_g);
+                    self.collect(id);
+                } else {
+                    self.stats.unexpected += 1;
+                }
+                return;
+            }
+            Link::Accepted(rid) => rid,
         };
-        if let Some(id) = id {
-            if let Some(e) = self.peers.get_mut(&id) {
-                let _g = e.span.enter();
-                e.peer.handle_frame(now, bytes);
-                drop(_g);
-                self.collect(id);
-            } else {
+        let decoded = Message::decode(bytes, self.config.frame_cap);
+        let known = self.by_link.get(&rid).copied();
+        match (decoded, known) {
+            // A hello always starts a new connection, even on a routing id we
+            // know (a restarted peer reusing its identity): the old entry is
+            // retired first, the hello is never dropped.
+            (Ok(Message::Hello(hello)), known) => {
+                if let Some(old) = known {
+                    self.release(old);
+                }
+                self.accept(now, rid, hello);
+            }
+            (msg, Some(id)) => {
+                if let Some(e) = self.peers.get_mut(&id) {
+                    let _g = e.span.enter();
+                    match msg {
+                        Ok(m) => e.peer.handle_message(now, m),
+                        Err(err) => e.peer.handle_decode_error(now, err),
+                    }
+                    drop(_g);
+                    self.collect(id);
+                }
+            }
+            (Ok(_), None) => {
+                // Traffic for a connection we already released: drop it.
                 self.stats.unexpected += 1;
             }
-            return;
-        }
-        let Link::Accepted(rid) = link else { return };
-        match Message::decode(bytes, self.config.frame_cap) {
-            Ok(Message::Hello(hello)) => self.accept(now, rid, hello),
-            Ok(Message::Bye(_)) | Ok(Message::Ping(_)) | Ok(Message::Pong(_)) => {
-                // Traffic for a connection we already released: drop quietly.
-                self.stats.unexpected += 1;
-            }
-            Ok(_) => self.stats.unexpected += 1,
-            Err(WireError::VersionMismatch { local, remote }) => {
+            (Err(WireError::VersionMismatch { local, remote }), None) => {
                 let frame = Peer::refusal_frame(&Refusal::Version { local, remote });
                 self.transmits.push_back((ConnectionId(0), Link::Accepted(rid), Transmit::Frame(frame)));
             }
-            Err(e) => {
+            (Err(e), None) => {
                 debug!(error = %e, "dropped inbound frame");
                 self.stats.count(&e);
             }
