@@ -302,6 +302,11 @@ impl Registry {
     /// Closes one connection (idempotent, also after `Dead`).
     pub fn disconnect(&mut self, now: Instant, id: ConnectionId) {
         if let Some(e) = self.peers.get_mut(&id) {
+            // A closing connection is no longer "the" connection to its
+            // address: a new connect dials afresh while this one lingers.
+            if self.by_addr.get(e.peer.addr()) == Some(&id) {
+                self.by_addr.remove(e.peer.addr());
+            }
             e.peer.close(now);
             self.collect(id);
         }
