@@ -49,6 +49,7 @@ enum Command {
     Connect { addr: String, reply: ConnectReply },
     Notify { id: ConnectionId, transfer_id: u64, payload: Vec<u8>, reply: oneshot::Sender<Result<(), ControlError>> },
     Disconnect { id: ConnectionId, reply: oneshot::Sender<()> },
+    Ping { id: ConnectionId, reply: oneshot::Sender<Result<Duration, ControlError>> },
     Snapshot { reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)> },
     Close { reply: oneshot::Sender<()> },
 }
@@ -193,6 +194,13 @@ impl ControlNode {
             .await?
     }
 
+    /// Measures one control-plane round trip (ping → pong) to a ready peer,
+    /// bounded by the liveness bound.
+    pub async fn ping(&self, peer: ConnectionId) -> Result<Duration, ControlError> {
+        self.call(|reply| Command::Ping { id: peer, reply }, self.config.death_bound() + DRIVER_GRACE)
+            .await?
+    }
+
     /// Closes one connection (`bye`, then release). Idempotent.
     pub async fn disconnect(&self, peer: ConnectionId) -> Result<(), ControlError> {
         self.call(|reply| Command::Disconnect { id: peer, reply }, DRIVER_GRACE).await
@@ -251,6 +259,7 @@ struct Driver<C> {
     chan: C,
     events: broadcast::Sender<PeerEvent>,
     waiters: HashMap<ConnectionId, Vec<Waiter>>,
+    pings: HashMap<(ConnectionId, u64), oneshot::Sender<Result<Duration, ControlError>>>,
 }
 
 async fn run<C: Channel>(
@@ -259,7 +268,7 @@ async fn run<C: Channel>(
     mut cmds: mpsc::Receiver<Command>,
     events: broadcast::Sender<PeerEvent>,
 ) {
-    let mut d = Driver { reg, chan, events, waiters: HashMap::new() };
+    let mut d = Driver { reg, chan, events, waiters: HashMap::new(), pings: HashMap::new() };
     let mut closing: Option<Vec<oneshot::Sender<()>>> = None;
     loop {
         let deadline = d.reg.poll_timeout();
@@ -348,6 +357,18 @@ impl<C: Channel> Driver<C> {
                 };
                 let _ = reply.send(r);
             }
+            Command::Ping { id, reply } => match self.reg.ping(t, id) {
+                Some(seq) => {
+                    self.pings.insert((id, seq), reply);
+                }
+                None => {
+                    let err = match self.reg.peer(id) {
+                        None => ControlError::UnknownPeer(id),
+                        Some(p) => ControlError::NotReady { peer: id, addr: p.addr().to_owned(), state: p.state() },
+                    };
+                    let _ = reply.send(Err(err));
+                }
+            },
             Command::Disconnect { id, reply } => {
                 self.reg.disconnect(t, id);
                 let _ = reply.send(());
@@ -405,11 +426,18 @@ impl<C: Channel> Driver<C> {
                 }
                 return;
             }
+            Event::Pong { seq, rtt } => {
+                if let Some(reply) = self.pings.remove(&(ev.id, *seq)) {
+                    let _ = reply.send(Ok(*rtt));
+                }
+                return;
+            }
             Event::Refused { refusal, .. } => (1, PeerError::Refused(refusal.clone())),
             Event::Dead { attempts, last_error, .. } => (*attempts, last_error.clone()),
             Event::Closed => (0, PeerError::Channel("closed before the handshake finished".into())),
             _ => return,
         };
+        self.pings.retain(|(id, _), _| *id != ev.id);
         let Some(ws) = self.waiters.remove(&ev.id) else { return };
         for w in ws {
             let _ = w.reply.send(Err(ControlError::Connect {

@@ -92,6 +92,13 @@ pub enum Event {
         /// Why.
         refusal: Refusal,
     },
+    /// Answer to an explicit [`Peer::ping`] probe.
+    Pong {
+        /// Probe sequence number.
+        seq: u64,
+        /// Round-trip time measured with the driver's clock.
+        rtt: std::time::Duration,
+    },
     /// All resources released.
     Closed,
 }
@@ -170,7 +177,15 @@ pub struct Peer {
     transmits: VecDeque<Transmit>,
     events: VecDeque<Event>,
     stats: Stats,
+    probes: VecDeque<(u64, Instant)>,
+    next_probe: u64,
 }
+
+/// Probe sequence numbers live in the upper half so they never collide with
+/// keep-alive pings.
+const PROBE_BIT: u64 = 1 << 63;
+/// Outstanding probes remembered per peer.
+const MAX_PROBES: usize = 64;
 
 impl Peer {
     fn new(role: Role, now: Instant, addr: String, config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
@@ -196,6 +211,8 @@ impl Peer {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: Stats::default(),
+            probes: VecDeque::new(),
+            next_probe: 0,
         }
     }
 
@@ -385,6 +402,23 @@ impl Peer {
         let msg = Message::Notify(Notify { version: PROTOCOL_VERSION, transfer_id, payload });
         self.transmits.push_back(Transmit::Frame(encode(&msg)));
         Ok(())
+    }
+
+    /// Sends an explicit ping probe; its pong is reported as [`Event::Pong`]
+    /// with the round-trip time. `None` if the peer is not up.
+    pub fn ping(&mut self, now: Instant) -> Option<u64> {
+        if !self.is_up() || self.closing || self.closed {
+            return None;
+        }
+        self.next_probe += 1;
+        let seq = PROBE_BIT | self.next_probe;
+        if self.probes.len() == MAX_PROBES {
+            self.probes.pop_front();
+        }
+        self.probes.push_back((seq, now));
+        let ping = Ping { version: PROTOCOL_VERSION, seq, incarnation: self.local.incarnation };
+        self.transmits.push_back(Transmit::Frame(encode(&Message::Ping(ping))));
+        Some(seq)
     }
 
     /// Orderly close: says `bye` and waits (bounded by `close_linger`) for the
@@ -707,6 +741,13 @@ impl Peer {
             Message::Ping(p) => {
                 let pong = Ping { version: PROTOCOL_VERSION, seq: p.seq, incarnation: self.local.incarnation };
                 self.transmits.push_back(Transmit::Frame(encode(&Message::Pong(pong))));
+            }
+            Message::Pong(p) if p.seq & PROBE_BIT != 0 => {
+                if let Some(i) = self.probes.iter().position(|(s, _)| *s == p.seq) {
+                    if let Some((seq, sent)) = self.probes.remove(i) {
+                        self.events.push_back(Event::Pong { seq, rtt: now.saturating_duration_since(sent) });
+                    }
+                }
             }
             Message::Pong(_) => {}
             Message::Notify(n) => self

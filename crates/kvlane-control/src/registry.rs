@@ -299,6 +299,13 @@ impl Registry {
         Ok(())
     }
 
+    /// Sends an explicit ping probe (see [`Peer::ping`]).
+    pub fn ping(&mut self, now: Instant, id: ConnectionId) -> Option<u64> {
+        let seq = self.peers.get_mut(&id)?.peer.ping(now)?;
+        self.collect(id);
+        Some(seq)
+    }
+
     /// Closes one connection (idempotent, also after `Dead`).
     pub fn disconnect(&mut self, now: Instant, id: ConnectionId) {
         if let Some(e) = self.peers.get_mut(&id) {

@@ -213,7 +213,6 @@ impl Cluster {
                         }
                     }
                     (Transmit::Disconnect, Link::Accepted(_)) => {}
-                    (Transmit::Frame(_), _) => {}
                 }
             }
             let now = self.now;
