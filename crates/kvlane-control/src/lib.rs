@@ -8,15 +8,17 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod group;
-pub mod probe;
 pub mod keepalive;
 pub mod peer;
+pub mod probe;
 pub mod registry;
 pub mod timer;
 pub mod wire;
 
 pub use config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo};
-pub use error::{ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError};
+pub use error::{
+    ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError,
+};
 pub use peer::{Event, Peer, Role, State, Stats, Transmit};
 pub use registry::{ConnectRefused, Link, PeerEvent, Registry};
 
