@@ -2,10 +2,14 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod devices;
+mod ping;
+mod serve;
 mod units;
 
 use bench::{BenchError, BenchPlan};
 use clap::{Parser, Subcommand, ValueEnum};
+use kvlane_data::tcp::{TcpBackend, TcpConfig};
 use kvlane_data::{Backend, BackendKind, LoopbackBackend, Op};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -25,6 +29,12 @@ struct Cli {
 enum Command {
     /// Measure batched one-sided READ/WRITE throughput and latency.
     Bench(BenchArgs),
+    /// Register a KV cache and serve peers until Ctrl-C.
+    Serve(serve::ServeArgs),
+    /// Preflight, handshake and round-trip samples against an agent.
+    Ping(ping::PingArgs),
+    /// List RDMA devices, or say why there are none.
+    Devices,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -45,7 +55,7 @@ enum OpArg {
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
     /// Backends to measure (comma list).
-    #[arg(long, value_delimiter = ',', default_value = "loopback")]
+    #[arg(long, value_delimiter = ',', default_value = "loopback,auto")]
     backend: Vec<BackendArg>,
     /// Operations (comma list).
     #[arg(long, value_delimiter = ',', default_value = "read,write")]
@@ -70,6 +80,12 @@ struct BenchArgs {
 fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
     match kind {
         BackendKind::Loopback => Ok(Box::new(LoopbackBackend::default())),
+        BackendKind::Tcp => TcpBackend::new(TcpConfig::default())
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+            .map_err(|source| BenchError::Data {
+                backend: "tcp".into(),
+                source,
+            }),
         other => Err(BenchError::Failed {
             backend: other.to_string(),
             what: "not available in this build".into(),
@@ -150,21 +166,48 @@ fn bench(args: BenchArgs) -> Result<(), BenchError> {
     result
 }
 
+fn report(e: &dyn std::error::Error) -> ExitCode {
+    eprintln!("kvlane: error: {e}");
+    let mut source = e.source();
+    while let Some(s) = source {
+        eprintln!("  caused by: {s}");
+        source = s.source();
+    }
+    ExitCode::FAILURE
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("cannot start the tokio runtime")
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.cmd {
-        Command::Bench(args) => bench(args),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvlane: error: {e}");
-            let mut source = std::error::Error::source(&e);
-            while let Some(s) = source {
-                eprintln!("  caused by: {s}");
-                source = s.source();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    match cli.cmd {
+        Command::Bench(args) => bench(args).map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
+        Command::Serve(args) => runtime()
+            .block_on(serve::run(args))
+            .map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
+        Command::Ping(args) => runtime()
+            .block_on(ping::run(args))
+            .map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
+        Command::Devices => {
+            if devices::run() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(2)
             }
-            ExitCode::FAILURE
         }
     }
 }
