@@ -220,7 +220,7 @@ impl Peer {
         let (tx, rx) = oneshot::channel();
         let inner = self.inner.clone();
         let conn = self.conn;
-        tokio::spawn(async move {
+        self.inner.runtime.spawn(async move {
             let r = match data.await {
                 Ok(()) => inner
                     .control

@@ -168,3 +168,21 @@ async fn restarted_peer_makes_prepared_transfers_stale() {
     prefill.close().await;
     decode2.close().await;
 }
+
+/// `connect` and the agent's event task both attach the data plane of a new
+/// connection; a transfer posted right after `connect` must never see its
+/// data-plane peer replaced underneath it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_then_write_immediately_never_races_the_event_task() {
+    for round in 0..20u8 {
+        let (a, _) = agent("a", "127.0.0.1:0", round).await;
+        let (b, _) = agent("b", "127.0.0.1:0", round).await;
+        let peer = a.connect(b.local_addr()).await.unwrap();
+        peer.write_blocks(0..4, &[1, 2], &[3, 4], None)
+            .unwrap()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        a.close().await;
+        b.close().await;
+    }
+}
