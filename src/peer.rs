@@ -112,6 +112,14 @@ impl Peer {
             .map(|e| e.incarnation)
     }
 
+    /// The layout of the peer's first KV cache, as it advertised it.
+    pub fn remote_layout(&self) -> Option<kvlane_data::KvLayout> {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .and_then(|e| e.kv.first())
+            .map(|k| k.layout)
+    }
+
     /// Plans a transfer of `layers` of the blocks `local_ids[i]` ↔
     /// `remote_ids[i]` against the peer's current incarnation.
     pub fn prepare(
