@@ -13,11 +13,24 @@ use tokio::runtime::Runtime;
 use zeromq::{DealerSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn rt() -> Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
 }
 
 fn local(e: &str) -> LocalInfo {
-    LocalInfo::new(e, Ranks { dp_rank: 0, tp_rank: 0, tp_size: 1 }, "fp").with_data_plane(vec![7; 256])
+    LocalInfo::new(
+        e,
+        Ranks {
+            dp_rank: 0,
+            tp_rank: 0,
+            tp_size: 1,
+        },
+        "fp",
+    )
+    .with_data_plane(vec![7; 256])
 }
 
 struct RawEcho {
@@ -42,7 +55,10 @@ impl RawEcho {
 
     async fn rtt(&mut self) -> Duration {
         let t = Instant::now();
-        self.dealer.send(ZmqMessage::from(vec![1u8; 32])).await.expect("send");
+        self.dealer
+            .send(ZmqMessage::from(vec![1u8; 32]))
+            .await
+            .expect("send");
         self.dealer.recv().await.expect("recv");
         t.elapsed()
     }
@@ -56,8 +72,12 @@ struct Pair {
 
 impl Pair {
     async fn new() -> Self {
-        let a = ControlNode::bind(Config::default(), local("a"), "127.0.0.1:0").await.expect("bind");
-        let b = ControlNode::bind(Config::default(), local("b"), "127.0.0.1:0").await.expect("bind");
+        let a = ControlNode::bind(Config::default(), local("a"), "127.0.0.1:0")
+            .await
+            .expect("bind");
+        let b = ControlNode::bind(Config::default(), local("b"), "127.0.0.1:0")
+            .await
+            .expect("bind");
         let (id, _) = a.connect(b.local_addr()).await.expect("connect");
         Self { a, b, id }
     }
@@ -98,13 +118,18 @@ fn report() {
         let (cp50, cp99) = pct(c);
         let mut h = Vec::new();
         let addr = pair.b.local_addr().to_owned();
-        let hs = ControlNode::bind(Config::default(), local("h"), "127.0.0.1:0").await.expect("bind");
+        let hs = ControlNode::bind(Config::default(), local("h"), "127.0.0.1:0")
+            .await
+            .expect("bind");
         for _ in 0..1000 {
             h.push(handshake(&hs, &addr).await);
         }
         let (hp50, hp99) = pct(h);
         eprintln!("raw zeromq echo RTT     p50 {rp50:?} p99 {rp99:?}");
-        eprintln!("control ping RTT        p50 {cp50:?} p99 {cp99:?}  (ratio p50 {:.2}x)", cp50.as_secs_f64() / rp50.as_secs_f64());
+        eprintln!(
+            "control ping RTT        p50 {cp50:?} p99 {cp99:?}  (ratio p50 {:.2}x)",
+            cp50.as_secs_f64() / rp50.as_secs_f64()
+        );
         eprintln!("handshake (connect)     p50 {hp50:?} p99 {hp99:?}");
         hs.close().await;
         pair.a.close().await;
@@ -116,14 +141,22 @@ fn benches(c: &mut Criterion) {
     let rt = rt();
     let mut raw = rt.block_on(RawEcho::new());
     let pair = rt.block_on(Pair::new());
-    let hs = rt.block_on(ControlNode::bind(Config::default(), local("h"), "127.0.0.1:0")).expect("bind");
+    let hs = rt
+        .block_on(ControlNode::bind(
+            Config::default(),
+            local("h"),
+            "127.0.0.1:0",
+        ))
+        .expect("bind");
     let addr = pair.b.local_addr().to_owned();
     let mut g = c.benchmark_group("control");
     g.bench_function("raw_zmq_echo_rtt", |b| b.iter(|| rt.block_on(raw.rtt())));
     g.bench_function("control_ping_rtt", |b| {
         b.iter(|| rt.block_on(pair.a.ping(pair.id)).expect("ping"))
     });
-    g.bench_function("handshake", |b| b.iter(|| rt.block_on(handshake(&hs, &addr))));
+    g.bench_function("handshake", |b| {
+        b.iter(|| rt.block_on(handshake(&hs, &addr)))
+    });
     g.finish();
     rt.block_on(async {
         hs.close().await;

@@ -145,14 +145,22 @@ impl PortPlan {
         if tp_size == 0 {
             return Err(PlanError::ZeroTpSize);
         }
-        let plan = Self { base, tp_size, dp_ranks: dp_ranks.to_vec() };
+        let plan = Self {
+            base,
+            tp_size,
+            dp_ranks: dp_ranks.to_vec(),
+        };
         if base != 0 {
             let mut seen: HashMap<u16, String> = HashMap::new();
             for ranks in plan.ranks() {
                 let port = plan.port(ranks)?;
                 let name = format!("{}/{}", ranks.dp_rank, ranks.tp_rank);
                 if let Some(first) = seen.insert(port, name.clone()) {
-                    return Err(PlanError::Collision { port, first, second: name });
+                    return Err(PlanError::Collision {
+                        port,
+                        first,
+                        second: name,
+                    });
                 }
             }
         }
@@ -162,21 +170,31 @@ impl PortPlan {
     /// All ranks of the plan, dp-major.
     pub fn ranks(&self) -> impl Iterator<Item = Ranks> + '_ {
         let tp_size = self.tp_size;
-        self.dp_ranks
-            .iter()
-            .flat_map(move |&dp| (0..tp_size).map(move |tp| Ranks { dp_rank: dp, tp_rank: tp, tp_size }))
+        self.dp_ranks.iter().flat_map(move |&dp| {
+            (0..tp_size).map(move |tp| Ranks {
+                dp_rank: dp,
+                tp_rank: tp,
+                tp_size,
+            })
+        })
     }
 
     /// Port of one rank (0 when the plan binds any port).
     pub fn port(&self, ranks: Ranks) -> Result<u16, PlanError> {
         if ranks.tp_rank >= self.tp_size {
-            return Err(PlanError::RankOutOfRange { tp_rank: ranks.tp_rank, tp_size: self.tp_size });
+            return Err(PlanError::RankOutOfRange {
+                tp_rank: ranks.tp_rank,
+                tp_size: self.tp_size,
+            });
         }
         if self.base == 0 {
             return Ok(0);
         }
-        let overflow =
-            PlanError::Overflow { dp_rank: ranks.dp_rank, tp_rank: ranks.tp_rank, base: self.base };
+        let overflow = PlanError::Overflow {
+            dp_rank: ranks.dp_rank,
+            tp_rank: ranks.tp_rank,
+            base: self.base,
+        };
         let offset = u64::from(ranks.dp_rank) * u64::from(self.tp_size) + u64::from(ranks.tp_rank);
         let port = u64::from(self.base) + offset;
         u16::try_from(port).map_err(|_| overflow)

@@ -46,12 +46,30 @@ pub struct PeerSnapshot {
 type ConnectReply = oneshot::Sender<Result<(ConnectionId, RemoteInfo), ControlError>>;
 
 enum Command {
-    Connect { addr: String, reply: ConnectReply },
-    Notify { id: ConnectionId, transfer_id: u64, payload: Vec<u8>, reply: oneshot::Sender<Result<(), ControlError>> },
-    Disconnect { id: ConnectionId, reply: oneshot::Sender<()> },
-    Ping { id: ConnectionId, reply: oneshot::Sender<Result<Duration, ControlError>> },
-    Snapshot { reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)> },
-    Close { reply: oneshot::Sender<()> },
+    Connect {
+        addr: String,
+        reply: ConnectReply,
+    },
+    Notify {
+        id: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
+    Disconnect {
+        id: ConnectionId,
+        reply: oneshot::Sender<()>,
+    },
+    Ping {
+        id: ConnectionId,
+        reply: oneshot::Sender<Result<Duration, ControlError>>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)>,
+    },
+    Close {
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// A control-plane node driven by tokio.
@@ -72,7 +90,11 @@ pub struct ControlNode {
 impl ControlNode {
     /// Binds a ZeroMQ ROUTER on `listen_addr` (`host:port`; port 0 binds any
     /// port and [`local_addr`](Self::local_addr) tells the real one).
-    pub async fn bind(config: Config, local: LocalInfo, listen_addr: &str) -> Result<Self, ControlError> {
+    pub async fn bind(
+        config: Config,
+        local: LocalInfo,
+        listen_addr: &str,
+    ) -> Result<Self, ControlError> {
         let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
         Ok(Self::with_channel(config, local, chan))
     }
@@ -92,7 +114,11 @@ impl ControlNode {
         let task = tokio::spawn(async move {
             if let Err(e) = driver.await {
                 error!(addr = %watch_addr, error = %e, "control driver task died");
-                let _ = watch_events.send(PeerEvent { id: ConnectionId(0), addr: watch_addr, event: Event::Closed });
+                let _ = watch_events.send(PeerEvent {
+                    id: ConnectionId(0),
+                    addr: watch_addr,
+                    event: Event::Closed,
+                });
             }
         });
         Self {
@@ -114,13 +140,24 @@ impl ControlNode {
     /// created (so inbound `Ready` events are never missed); later calls see
     /// events from the call on.
     pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
-        let first = self.first_events.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let first = self
+            .first_events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         first.unwrap_or_else(|| self.events.subscribe())
     }
 
-    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command, bound: Duration) -> Result<T, ControlError> {
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+        bound: Duration,
+    ) -> Result<T, ControlError> {
         let (tx, rx) = oneshot::channel();
-        self.cmds.send(make(tx)).await.map_err(|_| ControlError::Closed)?;
+        self.cmds
+            .send(make(tx))
+            .await
+            .map_err(|_| ControlError::Closed)?;
         match tokio::time::timeout(bound, rx).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(_)) | Err(_) => Err(ControlError::Closed),
@@ -133,13 +170,19 @@ impl ControlNode {
         let bound = self.config.handshake_timeout + DRIVER_GRACE;
         let (tx, rx) = oneshot::channel();
         self.cmds
-            .send(Command::Connect { addr: addr.to_owned(), reply: tx })
+            .send(Command::Connect {
+                addr: addr.to_owned(),
+                reply: tx,
+            })
             .await
             .map_err(|_| ControlError::Closed)?;
         match tokio::time::timeout(bound, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(ControlError::Closed),
-            Err(_) => Err(ControlError::ConnectTimeout { addr: addr.to_owned(), after: bound }),
+            Err(_) => Err(ControlError::ConnectTimeout {
+                addr: addr.to_owned(),
+                after: bound,
+            }),
         }
     }
 
@@ -160,7 +203,14 @@ impl ControlNode {
         for ranks in plan.ranks() {
             let addr = format!("{host}:{}", plan.port(ranks)?);
             let (tx, rx) = oneshot::channel();
-            let sent = self.cmds.send(Command::Connect { addr: addr.clone(), reply: tx }).await.is_ok();
+            let sent = self
+                .cmds
+                .send(Command::Connect {
+                    addr: addr.clone(),
+                    reply: tx,
+                })
+                .await
+                .is_ok();
             pending.push((ranks, addr, sent.then_some(rx)));
         }
         let mut group = GroupHandshake::new(host, deadline);
@@ -179,7 +229,9 @@ impl ControlNode {
             record(&mut group, ranks, addr, result);
         }
         group.handle_timeout(now().max(deadline));
-        let outcome = group.poll_outcome().unwrap_or_else(|| unreachable_outcome(host));
+        let outcome = group
+            .poll_outcome()
+            .unwrap_or_else(|| unreachable_outcome(host));
         if outcome.is_err() {
             for id in group.ids() {
                 let _ = self.disconnect(id).await;
@@ -189,37 +241,67 @@ impl ControlNode {
     }
 
     /// Sends a notification to a ready peer.
-    pub async fn notify(&self, peer: ConnectionId, transfer_id: u64, payload: Vec<u8>) -> Result<(), ControlError> {
-        self.call(|reply| Command::Notify { id: peer, transfer_id, payload, reply }, DRIVER_GRACE)
-            .await?
+    pub async fn notify(
+        &self,
+        peer: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+    ) -> Result<(), ControlError> {
+        self.call(
+            |reply| Command::Notify {
+                id: peer,
+                transfer_id,
+                payload,
+                reply,
+            },
+            DRIVER_GRACE,
+        )
+        .await?
     }
 
     /// Measures one control-plane round trip (ping → pong) to a ready peer,
     /// bounded by the liveness bound.
     pub async fn ping(&self, peer: ConnectionId) -> Result<Duration, ControlError> {
-        self.call(|reply| Command::Ping { id: peer, reply }, self.config.death_bound() + DRIVER_GRACE)
-            .await?
+        self.call(
+            |reply| Command::Ping { id: peer, reply },
+            self.config.death_bound() + DRIVER_GRACE,
+        )
+        .await?
     }
 
     /// Closes one connection (`bye`, then release). Idempotent.
     pub async fn disconnect(&self, peer: ConnectionId) -> Result<(), ControlError> {
-        self.call(|reply| Command::Disconnect { id: peer, reply }, DRIVER_GRACE).await
+        self.call(
+            |reply| Command::Disconnect { id: peer, reply },
+            DRIVER_GRACE,
+        )
+        .await
     }
 
     /// Current peers.
     pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
-        Ok(self.call(|reply| Command::Snapshot { reply }, DRIVER_GRACE).await?.0)
+        Ok(self
+            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .await?
+            .0)
     }
 
     /// Counters of dropped frames (malformed, oversized, unknown type).
     pub async fn stats(&self) -> Result<Stats, ControlError> {
-        Ok(self.call(|reply| Command::Snapshot { reply }, DRIVER_GRACE).await?.1)
+        Ok(self
+            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .await?
+            .1)
     }
 
     /// Closes every connection, flushing pending frames (bounded by
     /// `close_linger`), then releases every socket and task. Idempotent.
     pub async fn close(&self) {
-        let task = self.task.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         let Some(mut task) = task else { return };
         let bound = self.config.close_linger + Duration::from_secs(5);
         let _ = self.call(|reply| Command::Close { reply }, bound).await;
@@ -246,7 +328,11 @@ fn record(
 }
 
 fn unreachable_outcome(host: &str) -> Result<Vec<GroupMember>, GroupError> {
-    Err(GroupError::RanksFailed { host: host.to_owned(), total: 0, failures: Vec::new() })
+    Err(GroupError::RanksFailed {
+        host: host.to_owned(),
+        total: 0,
+        failures: Vec::new(),
+    })
 }
 
 struct Waiter {
@@ -268,7 +354,13 @@ async fn run<C: Channel>(
     mut cmds: mpsc::Receiver<Command>,
     events: broadcast::Sender<PeerEvent>,
 ) {
-    let mut d = Driver { reg, chan, events, waiters: HashMap::new(), pings: HashMap::new() };
+    let mut d = Driver {
+        reg,
+        chan,
+        events,
+        waiters: HashMap::new(),
+        pings: HashMap::new(),
+    };
     let mut closing: Option<Vec<oneshot::Sender<()>>> = None;
     loop {
         let deadline = d.reg.poll_timeout();
@@ -329,7 +421,11 @@ impl<C: Channel> Driver<C> {
         let t = now();
         match cmd {
             Command::Connect { addr, reply } => match self.reg.connect(t, &addr) {
-                Ok(id) => self.waiters.entry(id).or_default().push(Waiter { addr, reply }),
+                Ok(id) => self
+                    .waiters
+                    .entry(id)
+                    .or_default()
+                    .push(Waiter { addr, reply }),
                 Err(ConnectRefused::Duplicate { existing, .. }) => {
                     let ready = self
                         .reg
@@ -340,19 +436,32 @@ impl<C: Channel> Driver<C> {
                         Some(info) => {
                             let _ = reply.send(Ok((existing, info)));
                         }
-                        None => self.waiters.entry(existing).or_default().push(Waiter { addr, reply }),
+                        None => self
+                            .waiters
+                            .entry(existing)
+                            .or_default()
+                            .push(Waiter { addr, reply }),
                     }
                 }
                 Err(ConnectRefused::PeerCap { cap, addr }) => {
                     let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
                 }
             },
-            Command::Notify { id, transfer_id, payload, reply } => {
+            Command::Notify {
+                id,
+                transfer_id,
+                payload,
+                reply,
+            } => {
                 let r = match self.reg.notify(id, transfer_id, payload) {
                     Ok(()) => Ok(()),
                     Err(_) => Err(match self.reg.peer(id) {
                         None => ControlError::UnknownPeer(id),
-                        Some(p) => ControlError::NotReady { peer: id, addr: p.addr().to_owned(), state: p.state() },
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
                     }),
                 };
                 let _ = reply.send(r);
@@ -364,7 +473,11 @@ impl<C: Channel> Driver<C> {
                 None => {
                     let err = match self.reg.peer(id) {
                         None => ControlError::UnknownPeer(id),
-                        Some(p) => ControlError::NotReady { peer: id, addr: p.addr().to_owned(), state: p.state() },
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
                     };
                     let _ = reply.send(Err(err));
                 }
@@ -433,12 +546,21 @@ impl<C: Channel> Driver<C> {
                 return;
             }
             Event::Refused { refusal, .. } => (1, PeerError::Refused(refusal.clone())),
-            Event::Dead { attempts, last_error, .. } => (*attempts, last_error.clone()),
-            Event::Closed => (0, PeerError::Channel("closed before the handshake finished".into())),
+            Event::Dead {
+                attempts,
+                last_error,
+                ..
+            } => (*attempts, last_error.clone()),
+            Event::Closed => (
+                0,
+                PeerError::Channel("closed before the handshake finished".into()),
+            ),
             _ => return,
         };
         self.pings.retain(|(id, _), _| *id != ev.id);
-        let Some(ws) = self.waiters.remove(&ev.id) else { return };
+        let Some(ws) = self.waiters.remove(&ev.id) else {
+            return;
+        };
         for w in ws {
             let _ = w.reply.send(Err(ControlError::Connect {
                 addr: w.addr,

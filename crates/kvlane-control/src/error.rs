@@ -170,7 +170,11 @@ pub enum GroupError {
 }
 
 fn join(failures: &[RankFailure]) -> String {
-    failures.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    failures
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// An invalid rank/port plan.

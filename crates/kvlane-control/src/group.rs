@@ -49,7 +49,11 @@ pub struct GroupMember {
 impl GroupHandshake {
     /// A collector for `host`, ending at `deadline`.
     pub fn new(host: impl Into<String>, deadline: Instant) -> Self {
-        Self { host: host.into(), deadline, members: Vec::new() }
+        Self {
+            host: host.into(),
+            deadline,
+            members: Vec::new(),
+        }
     }
 
     /// Adds a rank dialed as `id` (or that failed to dial: `Err(cause)`).
@@ -58,17 +62,27 @@ impl GroupHandshake {
             Ok(id) => (Some(id), Slot::Pending),
             Err(cause) => (None, Slot::Failed(cause)),
         };
-        self.members.push(Member { ranks, addr, id, slot });
+        self.members.push(Member {
+            ranks,
+            addr,
+            id,
+            slot,
+        });
     }
 
     /// Feeds one peer event.
     pub fn handle_event(&mut self, id: ConnectionId, event: &Event) {
-        let Some(m) = self.members.iter_mut().find(|m| m.id == Some(id)) else { return };
+        let Some(m) = self.members.iter_mut().find(|m| m.id == Some(id)) else {
+            return;
+        };
         if !matches!(m.slot, Slot::Pending) {
             return;
         }
         m.slot = match event {
-            Event::Ready(info) if info.ranks.dp_rank != m.ranks.dp_rank || info.ranks.tp_rank != m.ranks.tp_rank => {
+            Event::Ready(info)
+                if info.ranks.dp_rank != m.ranks.dp_rank
+                    || info.ranks.tp_rank != m.ranks.tp_rank =>
+            {
                 Slot::Failed(format!(
                     "peer reports dp_rank {} tp_rank {}, expected dp_rank {} tp_rank {}",
                     info.ranks.dp_rank, info.ranks.tp_rank, m.ranks.dp_rank, m.ranks.tp_rank
@@ -76,9 +90,11 @@ impl GroupHandshake {
             }
             Event::Ready(info) => Slot::Ready(info.clone()),
             Event::Refused { refusal, .. } => Slot::Failed(format!("refused: {refusal}")),
-            Event::Dead { attempts, last_error, .. } => {
-                Slot::Failed(format!("dead after {attempts} attempts: {last_error}"))
-            }
+            Event::Dead {
+                attempts,
+                last_error,
+                ..
+            } => Slot::Failed(format!("dead after {attempts} attempts: {last_error}")),
             Event::Closed => Slot::Failed("closed".into()),
             _ => return,
         };
@@ -116,9 +132,11 @@ impl GroupHandshake {
             .members
             .iter()
             .filter_map(|m| match &m.slot {
-                Slot::Failed(cause) => {
-                    Some(RankFailure { ranks: m.ranks, addr: m.addr.clone(), cause: cause.clone() })
-                }
+                Slot::Failed(cause) => Some(RankFailure {
+                    ranks: m.ranks,
+                    addr: m.addr.clone(),
+                    cause: cause.clone(),
+                }),
                 _ => None,
             })
             .collect();
@@ -132,12 +150,15 @@ impl GroupHandshake {
         let mut ok = BTreeMap::new();
         for m in &self.members {
             if let (Slot::Ready(info), Some(id)) = (&m.slot, m.id) {
-                ok.insert((m.ranks.dp_rank, m.ranks.tp_rank), GroupMember {
-                    ranks: m.ranks,
-                    addr: m.addr.clone(),
-                    id,
-                    remote: info.clone(),
-                });
+                ok.insert(
+                    (m.ranks.dp_rank, m.ranks.tp_rank),
+                    GroupMember {
+                        ranks: m.ranks,
+                        addr: m.addr.clone(),
+                        id,
+                        remote: info.clone(),
+                    },
+                );
             }
         }
         Some(Ok(ok.into_values().collect()))

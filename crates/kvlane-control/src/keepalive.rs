@@ -15,7 +15,11 @@ pub(crate) struct KeepAlive {
 
 impl KeepAlive {
     pub(crate) fn new(now: Instant) -> Self {
-        Self { last_heard: now, unanswered: 0, next_seq: 0 }
+        Self {
+            last_heard: now,
+            unanswered: 0,
+            next_seq: 0,
+        }
     }
 
     /// A frame arrived; returns whether the peer had been unanswered.
@@ -47,7 +51,12 @@ pub struct Backoff {
 impl Backoff {
     /// A backoff from `min` to `max` with jitter seeded by `seed`.
     pub fn new(min: Duration, max: Duration, seed: u64) -> Self {
-        Self { min, max: max.max(min), attempt: 0, rng: seed }
+        Self {
+            min,
+            max: max.max(min),
+            attempt: 0,
+            rng: seed,
+        }
     }
 
     /// Resets to the first step.
@@ -62,7 +71,11 @@ impl Backoff {
         self.attempt = self.attempt.saturating_add(1);
         let half = capped / 2;
         let span = u64::try_from((capped - half).as_nanos()).unwrap_or(u64::MAX);
-        let jitter = if span == 0 { 0 } else { self.next_u64() % (span + 1) };
+        let jitter = if span == 0 {
+            0
+        } else {
+            self.next_u64() % (span + 1)
+        };
         half + Duration::from_nanos(jitter)
     }
 

@@ -134,11 +134,15 @@ impl Stats {
 #[derive(Debug)]
 enum Hs {
     /// Initiator sent hello.
-    AwaitHelloAck { nonce_i: Vec<u8> },
+    Hello { nonce_i: Vec<u8> },
     /// Initiator sent auth (key proven by the acceptor).
-    AwaitAuthAck { remote: RemoteInfo },
+    Auth { remote: RemoteInfo },
     /// Acceptor sent hello_ack with its proof.
-    AwaitAuth { nonce_i: Vec<u8>, nonce_a: Vec<u8>, remote: RemoteInfo },
+    HelloAck {
+        nonce_i: Vec<u8>,
+        nonce_a: Vec<u8>,
+        remote: RemoteInfo,
+    },
 }
 
 /// One peer connection as a pure state machine: no sockets, no clock.
@@ -188,8 +192,17 @@ const PROBE_BIT: u64 = 1 << 63;
 const MAX_PROBES: usize = 64;
 
 impl Peer {
-    fn new(role: Role, now: Instant, addr: String, config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
-        let seed = config.rng_seed ^ addr.bytes().fold(0u64, |h, b| h.rotate_left(5) ^ u64::from(b));
+    fn new(
+        role: Role,
+        now: Instant,
+        addr: String,
+        config: Arc<Config>,
+        local: Arc<LocalInfo>,
+    ) -> Self {
+        let seed = config.rng_seed
+            ^ addr
+                .bytes()
+                .fold(0u64, |h, b| h.rotate_left(5) ^ u64::from(b));
         Self {
             role,
             addr,
@@ -217,7 +230,12 @@ impl Peer {
     }
 
     /// A peer we dial at `addr`; immediately asks for `Connect` + `hello`.
-    pub fn initiator(now: Instant, addr: String, config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
+    pub fn initiator(
+        now: Instant,
+        addr: String,
+        config: Arc<Config>,
+        local: Arc<LocalInfo>,
+    ) -> Self {
         let mut p = Self::new(Role::Initiator, now, addr, config, local);
         p.start_attempt(now);
         p
@@ -332,7 +350,9 @@ impl Peer {
             return;
         }
         match msg {
-            Message::Hello(h) if self.role == Role::Acceptor && self.state == State::Handshaking => {
+            Message::Hello(h)
+                if self.role == Role::Acceptor && self.state == State::Handshaking =>
+            {
                 // A retransmitted hello on the same link: ignore.
                 let _ = h;
                 self.stats.unexpected += 1;
@@ -341,13 +361,21 @@ impl Peer {
             Message::Auth(a) => self.on_auth(now, a),
             Message::AuthAck(a) => self.on_auth_ack(now, a),
             Message::Error(e) if self.hs.is_some() => {
-                self.refuse(now, Refusal::Remote { code: e.code, reason: e.reason }, false);
+                self.refuse(
+                    now,
+                    Refusal::Remote {
+                        code: e.code,
+                        reason: e.reason,
+                    },
+                    false,
+                );
             }
             Message::Bye(_) => {
                 if self.is_up() {
-                    self.transmits.push_back(Transmit::Frame(encode(&Message::Bye(Bye {
-                        version: PROTOCOL_VERSION,
-                    }))));
+                    self.transmits
+                        .push_back(Transmit::Frame(encode(&Message::Bye(Bye {
+                            version: PROTOCOL_VERSION,
+                        }))));
                 }
                 self.last_error = Some(PeerError::RemoteClosed);
                 self.die(now);
@@ -399,7 +427,11 @@ impl Peer {
         if !self.is_up() || self.closing || self.closed {
             return Err(payload);
         }
-        let msg = Message::Notify(Notify { version: PROTOCOL_VERSION, transfer_id, payload });
+        let msg = Message::Notify(Notify {
+            version: PROTOCOL_VERSION,
+            transfer_id,
+            payload,
+        });
         self.transmits.push_back(Transmit::Frame(encode(&msg)));
         Ok(())
     }
@@ -416,8 +448,13 @@ impl Peer {
             self.probes.pop_front();
         }
         self.probes.push_back((seq, now));
-        let ping = Ping { version: PROTOCOL_VERSION, seq, incarnation: self.local.incarnation };
-        self.transmits.push_back(Transmit::Frame(encode(&Message::Ping(ping))));
+        let ping = Ping {
+            version: PROTOCOL_VERSION,
+            seq,
+            incarnation: self.local.incarnation,
+        };
+        self.transmits
+            .push_back(Transmit::Frame(encode(&Message::Ping(ping))));
         Some(seq)
     }
 
@@ -433,8 +470,11 @@ impl Peer {
         if self.is_up() {
             self.closing = true;
             self.transmits
-                .push_back(Transmit::Frame(encode(&Message::Bye(Bye { version: PROTOCOL_VERSION }))));
-            self.timers.set(Timer::Linger, now + self.config.close_linger);
+                .push_back(Transmit::Frame(encode(&Message::Bye(Bye {
+                    version: PROTOCOL_VERSION,
+                }))));
+            self.timers
+                .set(Timer::Linger, now + self.config.close_linger);
         } else {
             self.finish_close();
         }
@@ -479,13 +519,15 @@ impl Peer {
             data_plane: (!keyed).then(|| serde_bytes::ByteBuf::from(l.data_plane.clone())),
         };
         self.transmits.push_back(Transmit::Connect);
-        self.transmits.push_back(Transmit::Frame(encode(&Message::Hello(hello))));
-        self.hs = Some(Hs::AwaitHelloAck { nonce_i });
+        self.transmits
+            .push_back(Transmit::Frame(encode(&Message::Hello(hello))));
+        self.hs = Some(Hs::Hello { nonce_i });
         if self.state != State::Dead {
             self.state = State::Handshaking;
         }
         if self.timers.get(Timer::Handshake).is_none() {
-            self.timers.set(Timer::Handshake, now + self.config.handshake_timeout);
+            self.timers
+                .set(Timer::Handshake, now + self.config.handshake_timeout);
         }
     }
 
@@ -494,7 +536,8 @@ impl Peer {
             Timer::Handshake => {
                 if self.hs.is_some() || matches!(self.state, State::Connecting) {
                     if self.last_error.is_none() {
-                        self.last_error = Some(PeerError::HandshakeTimeout(self.config.handshake_timeout));
+                        self.last_error =
+                            Some(PeerError::HandshakeTimeout(self.config.handshake_timeout));
                     }
                     self.hs = None;
                     self.timers.stop(Timer::Backoff);
@@ -516,14 +559,21 @@ impl Peer {
                     self.events.push_back(Event::Suspect);
                 }
                 let seq = self.keepalive.ping();
-                let ping = Ping { version: PROTOCOL_VERSION, seq, incarnation: self.local.incarnation };
-                self.transmits.push_back(Transmit::Frame(encode(&Message::Ping(ping))));
-                self.timers.set(Timer::KeepAlive, now + self.config.keepalive_interval);
+                let ping = Ping {
+                    version: PROTOCOL_VERSION,
+                    seq,
+                    incarnation: self.local.incarnation,
+                };
+                self.transmits
+                    .push_back(Transmit::Frame(encode(&Message::Ping(ping))));
+                self.timers
+                    .set(Timer::KeepAlive, now + self.config.keepalive_interval);
             }
             Timer::Liveness => {
                 if self.is_up() {
-                    self.last_error =
-                        Some(PeerError::KeepAliveTimeout { missed: self.keepalive.unanswered });
+                    self.last_error = Some(PeerError::KeepAliveTimeout {
+                        missed: self.keepalive.unanswered,
+                    });
                     self.attempts = self.keepalive.unanswered;
                     self.die(now);
                 }
@@ -562,10 +612,14 @@ impl Peer {
     fn refuse(&mut self, now: Instant, refusal: Refusal, tell_peer: bool) {
         warn!(peer = %self.addr, %refusal, "handshake refused");
         if tell_peer {
-            self.transmits.push_back(Transmit::Frame(error_frame(&refusal)));
+            self.transmits
+                .push_back(Transmit::Frame(error_frame(&refusal)));
         }
         self.refused = true;
-        self.events.push_back(Event::Refused { peer: self.addr.clone(), refusal: refusal.clone() });
+        self.events.push_back(Event::Refused {
+            peer: self.addr.clone(),
+            refusal: refusal.clone(),
+        });
         self.last_error = Some(PeerError::Refused(refusal));
         self.timers.stop(Timer::Backoff);
         self.die(now);
@@ -573,7 +627,10 @@ impl Peer {
 
     fn check_compat(&self, version: u16, fingerprint: &str) -> Option<Refusal> {
         if version != PROTOCOL_VERSION {
-            return Some(Refusal::Version { local: PROTOCOL_VERSION, remote: version });
+            return Some(Refusal::Version {
+                local: PROTOCOL_VERSION,
+                remote: version,
+            });
         }
         if fingerprint != self.local.fingerprint {
             return Some(Refusal::Fingerprint {
@@ -585,14 +642,19 @@ impl Peer {
     }
 
     fn on_hello(&mut self, now: Instant, h: Hello) {
-        self.timers.set(Timer::Handshake, now + self.config.handshake_timeout);
+        self.timers
+            .set(Timer::Handshake, now + self.config.handshake_timeout);
         if let Some(r) = self.check_compat(h.version, &h.fingerprint) {
             return self.refuse(now, r, true);
         }
         let mut remote = RemoteInfo {
             engine_id: h.engine_id,
             incarnation: h.incarnation,
-            ranks: Ranks { dp_rank: h.dp_rank, tp_rank: h.tp_rank, tp_size: h.tp_size },
+            ranks: Ranks {
+                dp_rank: h.dp_rank,
+                tp_rank: h.tp_rank,
+                tp_size: h.tp_size,
+            },
             fingerprint: h.fingerprint,
             data_plane: Vec::new(),
             capabilities: h.capabilities,
@@ -615,31 +677,41 @@ impl Peer {
             (None, false) => {
                 remote.data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
                 ack.data_plane = Some(serde_bytes::ByteBuf::from(l.data_plane.clone()));
-                self.transmits.push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
+                self.transmits
+                    .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
                 self.become_ready(now, remote);
             }
             (Some(key), true) => {
                 let nonce_a = auth::nonce();
                 ack.mac = auth::mac(&key, Side::Acceptor, &h.nonce, &nonce_a);
                 ack.nonce = nonce_a.clone();
-                self.transmits.push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
-                self.hs = Some(Hs::AwaitAuth { nonce_i: h.nonce, nonce_a, remote });
+                self.transmits
+                    .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
+                self.hs = Some(Hs::HelloAck {
+                    nonce_i: h.nonce,
+                    nonce_a,
+                    remote,
+                });
             }
             (Some(_), false) => self.refuse(
                 now,
-                Refusal::Auth { reason: format!("{} sent no key proof but a key is required", self.addr) },
+                Refusal::Auth {
+                    reason: format!("{} sent no key proof but a key is required", self.addr),
+                },
                 true,
             ),
             (None, true) => self.refuse(
                 now,
-                Refusal::Auth { reason: format!("{} requires a key but none is configured here", self.addr) },
+                Refusal::Auth {
+                    reason: format!("{} requires a key but none is configured here", self.addr),
+                },
                 true,
             ),
         }
     }
 
     fn on_hello_ack(&mut self, now: Instant, ack: HelloAck) {
-        let Some(Hs::AwaitHelloAck { nonce_i }) = self.hs.take() else {
+        let Some(Hs::Hello { nonce_i }) = self.hs.take() else {
             self.stats.unexpected += 1;
             return;
         };
@@ -649,7 +721,11 @@ impl Peer {
         let mut remote = RemoteInfo {
             engine_id: ack.engine_id,
             incarnation: ack.incarnation,
-            ranks: Ranks { dp_rank: ack.dp_rank, tp_rank: ack.tp_rank, tp_size: ack.tp_size },
+            ranks: Ranks {
+                dp_rank: ack.dp_rank,
+                tp_rank: ack.tp_rank,
+                tp_size: ack.tp_size,
+            },
             fingerprint: ack.fingerprint,
             data_plane: Vec::new(),
             capabilities: ack.capabilities,
@@ -657,7 +733,8 @@ impl Peer {
         match self.config.psk.clone() {
             None => {
                 let Some(blob) = ack.data_plane else {
-                    let reason = format!("{} requires a key but none is configured here", self.addr);
+                    let reason =
+                        format!("{} requires a key but none is configured here", self.addr);
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 };
                 remote.data_plane = blob.into_vec();
@@ -674,13 +751,18 @@ impl Peer {
                     data_plane: self.local.data_plane.clone(),
                 });
                 self.transmits.push_back(Transmit::Frame(encode(&msg)));
-                self.hs = Some(Hs::AwaitAuthAck { remote });
+                self.hs = Some(Hs::Auth { remote });
             }
         }
     }
 
     fn on_auth(&mut self, now: Instant, a: Auth) {
-        let Some(Hs::AwaitAuth { nonce_i, nonce_a, mut remote }) = self.hs.take() else {
+        let Some(Hs::HelloAck {
+            nonce_i,
+            nonce_a,
+            mut remote,
+        }) = self.hs.take()
+        else {
             self.stats.unexpected += 1;
             return;
         };
@@ -693,13 +775,17 @@ impl Peer {
             return self.refuse(now, Refusal::Auth { reason }, true);
         }
         remote.data_plane = a.data_plane;
-        let ack = AuthAck { version: PROTOCOL_VERSION, data_plane: self.local.data_plane.clone() };
-        self.transmits.push_back(Transmit::Frame(encode(&Message::AuthAck(ack))));
+        let ack = AuthAck {
+            version: PROTOCOL_VERSION,
+            data_plane: self.local.data_plane.clone(),
+        };
+        self.transmits
+            .push_back(Transmit::Frame(encode(&Message::AuthAck(ack))));
         self.become_ready(now, remote);
     }
 
     fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
-        let Some(Hs::AwaitAuthAck { mut remote }) = self.hs.take() else {
+        let Some(Hs::Auth { mut remote }) = self.hs.take() else {
             self.stats.unexpected += 1;
             return;
         };
@@ -711,7 +797,10 @@ impl Peer {
         if let Some(old) = self.known_incarnation {
             if old != remote.incarnation {
                 info!(peer = %self.addr, old, new = remote.incarnation, "peer restarted");
-                self.events.push_back(Event::Restarted { old, new: remote.incarnation });
+                self.events.push_back(Event::Restarted {
+                    old,
+                    new: remote.incarnation,
+                });
             }
         }
         self.known_incarnation = Some(remote.incarnation);
@@ -724,8 +813,10 @@ impl Peer {
         self.timers.stop(Timer::Handshake);
         self.timers.stop(Timer::Backoff);
         self.keepalive = KeepAlive::new(now);
-        self.timers.set(Timer::KeepAlive, now + self.config.keepalive_interval);
-        self.timers.set(Timer::Liveness, now + self.config.death_bound());
+        self.timers
+            .set(Timer::KeepAlive, now + self.config.keepalive_interval);
+        self.timers
+            .set(Timer::Liveness, now + self.config.death_bound());
         info!(peer = %self.addr, engine = %remote.engine_id, "peer ready");
         self.remote = Some(remote.clone());
         self.events.push_back(Event::Ready(remote));
@@ -736,23 +827,33 @@ impl Peer {
             self.state = State::Ready;
             self.events.push_back(Event::Recovered);
         }
-        self.timers.set(Timer::Liveness, now + self.config.death_bound());
+        self.timers
+            .set(Timer::Liveness, now + self.config.death_bound());
         match msg {
             Message::Ping(p) => {
-                let pong = Ping { version: PROTOCOL_VERSION, seq: p.seq, incarnation: self.local.incarnation };
-                self.transmits.push_back(Transmit::Frame(encode(&Message::Pong(pong))));
+                let pong = Ping {
+                    version: PROTOCOL_VERSION,
+                    seq: p.seq,
+                    incarnation: self.local.incarnation,
+                };
+                self.transmits
+                    .push_back(Transmit::Frame(encode(&Message::Pong(pong))));
             }
             Message::Pong(p) if p.seq & PROBE_BIT != 0 => {
                 if let Some(i) = self.probes.iter().position(|(s, _)| *s == p.seq) {
                     if let Some((seq, sent)) = self.probes.remove(i) {
-                        self.events.push_back(Event::Pong { seq, rtt: now.saturating_duration_since(sent) });
+                        self.events.push_back(Event::Pong {
+                            seq,
+                            rtt: now.saturating_duration_since(sent),
+                        });
                     }
                 }
             }
             Message::Pong(_) => {}
-            Message::Notify(n) => self
-                .events
-                .push_back(Event::Notification { transfer_id: n.transfer_id, payload: n.payload }),
+            Message::Notify(n) => self.events.push_back(Event::Notification {
+                transfer_id: n.transfer_id,
+                payload: n.payload,
+            }),
             _ => self.stats.unexpected += 1,
         }
     }

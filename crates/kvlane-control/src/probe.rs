@@ -14,7 +14,13 @@ pub async fn probe(addr: &str, timeout: Duration) -> Result<(), ProbeError> {
             drop(stream);
             Ok(())
         }
-        Ok(Err(source)) => Err(ProbeError::Unreachable { addr: addr.to_owned(), source }),
-        Err(_) => Err(ProbeError::Timeout { addr: addr.to_owned(), timeout }),
+        Ok(Err(source)) => Err(ProbeError::Unreachable {
+            addr: addr.to_owned(),
+            source,
+        }),
+        Err(_) => Err(ProbeError::Timeout {
+            addr: addr.to_owned(),
+            timeout,
+        }),
     }
 }

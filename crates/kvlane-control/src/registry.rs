@@ -150,23 +150,44 @@ impl Registry {
     /// a live one is handed back as [`ConnectRefused::Duplicate`].
     pub fn connect(&mut self, now: Instant, addr: &str) -> Result<ConnectionId, ConnectRefused> {
         if let Some(&existing) = self.by_addr.get(addr) {
-            let dead = self.peers.get(&existing).is_none_or(|e| e.peer.state() == State::Dead);
+            let dead = self
+                .peers
+                .get(&existing)
+                .is_none_or(|e| e.peer.state() == State::Dead);
             if !dead {
-                return Err(ConnectRefused::Duplicate { existing, addr: addr.to_owned() });
+                return Err(ConnectRefused::Duplicate {
+                    existing,
+                    addr: addr.to_owned(),
+                });
             }
             self.release(existing);
         }
         if self.closed || self.peers.len() >= self.config.peer_cap {
             self.refused_at_cap += 1;
-            return Err(ConnectRefused::PeerCap { cap: self.config.peer_cap, addr: addr.to_owned() });
+            return Err(ConnectRefused::PeerCap {
+                cap: self.config.peer_cap,
+                addr: addr.to_owned(),
+            });
         }
         let id = self.alloc();
         let span = info_span!("peer", %id, %addr);
         let peer = span.in_scope(|| {
-            Peer::initiator(now, addr.to_owned(), Arc::clone(&self.config), Arc::clone(&self.local))
+            Peer::initiator(
+                now,
+                addr.to_owned(),
+                Arc::clone(&self.config),
+                Arc::clone(&self.local),
+            )
         });
         self.by_addr.insert(addr.to_owned(), id);
-        self.peers.insert(id, Entry { peer, link: Link::Dial(id), span });
+        self.peers.insert(
+            id,
+            Entry {
+                peer,
+                link: Link::Dial(id),
+                span,
+            },
+        );
         self.collect(id);
         Ok(id)
     }
@@ -218,7 +239,11 @@ impl Registry {
             }
             (Err(WireError::VersionMismatch { local, remote }), None) => {
                 let frame = Peer::refusal_frame(&Refusal::Version { local, remote });
-                self.transmits.push_back((ConnectionId(0), Link::Accepted(rid), Transmit::Frame(frame)));
+                self.transmits.push_back((
+                    ConnectionId(0),
+                    Link::Accepted(rid),
+                    Transmit::Frame(frame),
+                ));
             }
             (Err(e), None) => {
                 debug!(error = %e, "dropped inbound frame");
@@ -233,7 +258,11 @@ impl Registry {
         }
         let key = (
             hello.engine_id.clone(),
-            Ranks { dp_rank: hello.dp_rank, tp_rank: hello.tp_rank, tp_size: hello.tp_size },
+            Ranks {
+                dp_rank: hello.dp_rank,
+                tp_rank: hello.tp_rank,
+                tp_size: hello.tp_size,
+            },
         );
         // At most one live connection per peer: a newer connection from the
         // same engine rank replaces the older one.
@@ -245,9 +274,18 @@ impl Registry {
         }
         if self.peers.len() >= self.config.peer_cap {
             self.refused_at_cap += 1;
-            warn!(cap = self.config.peer_cap, "peer cap reached; refusing inbound peer");
-            let frame = Peer::refusal_frame(&Refusal::PeerCap { cap: self.config.peer_cap });
-            self.transmits.push_back((ConnectionId(0), Link::Accepted(rid), Transmit::Frame(frame)));
+            warn!(
+                cap = self.config.peer_cap,
+                "peer cap reached; refusing inbound peer"
+            );
+            let frame = Peer::refusal_frame(&Refusal::PeerCap {
+                cap: self.config.peer_cap,
+            });
+            self.transmits.push_back((
+                ConnectionId(0),
+                Link::Accepted(rid),
+                Transmit::Frame(frame),
+            ));
             return;
         }
         let id = self.alloc();
@@ -255,11 +293,25 @@ impl Registry {
         let span = info_span!("peer", %id, %addr);
         let known = self.incarnations.get(&key).copied();
         let peer = span.in_scope(|| {
-            Peer::acceptor(now, addr, Arc::clone(&self.config), Arc::clone(&self.local), hello, known)
+            Peer::acceptor(
+                now,
+                addr,
+                Arc::clone(&self.config),
+                Arc::clone(&self.local),
+                hello,
+                known,
+            )
         });
         self.by_link.insert(rid.clone(), id);
         self.by_engine.insert(key, id);
-        self.peers.insert(id, Entry { peer, link: Link::Accepted(rid), span });
+        self.peers.insert(
+            id,
+            Entry {
+                peer,
+                link: Link::Accepted(rid),
+                span,
+            },
+        );
         self.collect(id);
     }
 
@@ -292,8 +344,15 @@ impl Registry {
     }
 
     /// Sends a notification; the payload is handed back if the peer is unknown or not up.
-    pub fn notify(&mut self, id: ConnectionId, transfer_id: u64, payload: Vec<u8>) -> Result<(), Vec<u8>> {
-        let Some(e) = self.peers.get_mut(&id) else { return Err(payload) };
+    pub fn notify(
+        &mut self,
+        id: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+    ) -> Result<(), Vec<u8>> {
+        let Some(e) = self.peers.get_mut(&id) else {
+            return Err(payload);
+        };
         e.peer.notify(transfer_id, payload)?;
         self.collect(id);
         Ok(())
@@ -330,7 +389,10 @@ impl Registry {
     /// Earliest timer of any peer.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.peers.values().filter_map(|e| e.peer.poll_timeout()).min()
+        self.peers
+            .values()
+            .filter_map(|e| e.peer.poll_timeout())
+            .min()
     }
 
     /// Next channel action.
@@ -353,18 +415,26 @@ impl Registry {
 
     /// Moves a peer's outputs into the node queues; forgets it once closed.
     fn collect(&mut self, id: ConnectionId) {
-        let Some(e) = self.peers.get_mut(&id) else { return };
+        let Some(e) = self.peers.get_mut(&id) else {
+            return;
+        };
         while let Some(t) = e.peer.poll_transmit() {
             self.transmits.push_back((id, e.link.clone(), t));
         }
         while let Some(ev) = e.peer.poll_event() {
             if let Event::Ready(info) = &ev {
-                self.incarnations.insert((info.engine_id.clone(), info.ranks), info.incarnation);
+                self.incarnations
+                    .insert((info.engine_id.clone(), info.ranks), info.incarnation);
                 if e.peer.role() == Role::Acceptor {
-                    self.by_engine.insert((info.engine_id.clone(), info.ranks), id);
+                    self.by_engine
+                        .insert((info.engine_id.clone(), info.ranks), id);
                 }
             }
-            self.events.push_back(PeerEvent { id, addr: e.peer.addr().to_owned(), event: ev });
+            self.events.push_back(PeerEvent {
+                id,
+                addr: e.peer.addr().to_owned(),
+                event: ev,
+            });
         }
         if e.peer.is_closed() {
             self.forget(id);
@@ -381,7 +451,9 @@ impl Registry {
     }
 
     fn forget(&mut self, id: ConnectionId) {
-        let Some(e) = self.peers.remove(&id) else { return };
+        let Some(e) = self.peers.remove(&id) else {
+            return;
+        };
         match &e.link {
             Link::Dial(_) => {
                 if self.by_addr.get(e.peer.addr()) == Some(&id) {

@@ -19,8 +19,13 @@ pub enum Timer {
 
 impl Timer {
     /// All timers, in table order.
-    pub const ALL: [Self; 5] =
-        [Self::Handshake, Self::KeepAlive, Self::Liveness, Self::Backoff, Self::Linger];
+    pub const ALL: [Self; 5] = [
+        Self::Handshake,
+        Self::KeepAlive,
+        Self::Liveness,
+        Self::Backoff,
+        Self::Linger,
+    ];
 
     fn index(self) -> usize {
         self as usize

@@ -190,17 +190,25 @@ impl Message {
 
     /// Encodes as a msgpack map with named fields.
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
-        rmp_serde::to_vec_named(self).map_err(|e| WireError::Encode { reason: e.to_string() })
+        rmp_serde::to_vec_named(self).map_err(|e| WireError::Encode {
+            reason: e.to_string(),
+        })
     }
 
     /// Decodes one frame, refusing frames over `cap` bytes. Never panics.
     pub fn decode(bytes: &[u8], cap: usize) -> Result<Self, WireError> {
         if bytes.len() > cap {
-            return Err(WireError::Oversized { len: bytes.len(), cap });
+            return Err(WireError::Oversized {
+                len: bytes.len(),
+                cap,
+            });
         }
         let env: Envelope = from_slice(bytes)?;
         if env.version != PROTOCOL_VERSION && env.kind != "error" && env.kind != "hello" {
-            return Err(WireError::VersionMismatch { local: PROTOCOL_VERSION, remote: env.version });
+            return Err(WireError::VersionMismatch {
+                local: PROTOCOL_VERSION,
+                remote: env.version,
+            });
         }
         Ok(match env.kind.as_str() {
             "hello" => Self::Hello(from_slice(bytes)?),
@@ -225,7 +233,9 @@ struct Envelope {
 }
 
 fn from_slice<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
-    rmp_serde::from_slice(bytes).map_err(|e| WireError::Malformed { reason: e.to_string() })
+    rmp_serde::from_slice(bytes).map_err(|e| WireError::Malformed {
+        reason: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -234,7 +244,11 @@ mod tests {
 
     #[test]
     fn roundtrip_and_named_fields() {
-        let m = Message::Ping(Ping { version: PROTOCOL_VERSION, seq: 7, incarnation: 9 });
+        let m = Message::Ping(Ping {
+            version: PROTOCOL_VERSION,
+            seq: 7,
+            incarnation: 9,
+        });
         let bytes = m.encode().expect("encode");
         // Named map: the keys are in the bytes.
         assert!(bytes.windows(4).any(|w| w == b"type"));
@@ -253,15 +267,32 @@ mod tests {
             incarnation: u64,
             extra: &'static str,
         }
-        let odd = Odd { kind: "ping", version: 1, seq: 1, incarnation: 2, extra: "x" };
+        let odd = Odd {
+            kind: "ping",
+            version: 1,
+            seq: 1,
+            incarnation: 2,
+            extra: "x",
+        };
         let bytes = rmp_serde::to_vec_named(&odd).expect("encode");
-        assert!(matches!(Message::decode(&bytes, 1024), Ok(Message::Ping(_))));
-        let odd = Odd { kind: "teleport", ..odd };
+        assert!(matches!(
+            Message::decode(&bytes, 1024),
+            Ok(Message::Ping(_))
+        ));
+        let odd = Odd {
+            kind: "teleport",
+            ..odd
+        };
         let bytes = rmp_serde::to_vec_named(&odd).expect("encode");
         assert_eq!(
             Message::decode(&bytes, 1024),
-            Err(WireError::UnknownType { kind: "teleport".into() })
+            Err(WireError::UnknownType {
+                kind: "teleport".into()
+            })
         );
-        assert!(matches!(Message::decode(&bytes, 3), Err(WireError::Oversized { .. })));
+        assert!(matches!(
+            Message::decode(&bytes, 3),
+            Err(WireError::Oversized { .. })
+        ));
     }
 }

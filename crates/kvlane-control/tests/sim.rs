@@ -32,11 +32,19 @@ fn connected_pair() -> (Cluster, kvlane_control::ConnectionId) {
 #[test]
 fn handshake_exchanges_identity_and_blobs() {
     let (c, id) = connected_pair();
-    let remote = c.nodes[0].reg.peer(id).and_then(|p| p.remote().cloned()).expect("remote");
+    let remote = c.nodes[0]
+        .reg
+        .peer(id)
+        .and_then(|p| p.remote().cloned())
+        .expect("remote");
     assert_eq!(remote.engine_id, "b");
     assert_eq!(remote.data_plane, b"SECRET-BLOB-b-0-0");
     assert_eq!(remote.incarnation, c.nodes[1].local.incarnation);
-    let Some(Event::Ready(inbound)) = c.events(1).into_iter().find(|e| matches!(e, Event::Ready(_))) else {
+    let Some(Event::Ready(inbound)) = c
+        .events(1)
+        .into_iter()
+        .find(|e| matches!(e, Event::Ready(_)))
+    else {
         panic!("acceptor saw no Ready");
     };
     assert_eq!(inbound.engine_id, "a");
@@ -49,9 +57,20 @@ fn keepalive_holds_20x_liveness_budget() {
     let bound = c.nodes[0].config.death_bound();
     c.clear_events();
     c.drive_for(bound * 20);
-    assert!(c.events(0).is_empty(), "unexpected events: {:?}", c.events(0));
-    assert!(c.events(1).is_empty(), "unexpected events: {:?}", c.events(1));
-    assert_eq!(c.nodes[0].reg.peer(id).map(|p| p.state()), Some(State::Ready));
+    assert!(
+        c.events(0).is_empty(),
+        "unexpected events: {:?}",
+        c.events(0)
+    );
+    assert!(
+        c.events(1).is_empty(),
+        "unexpected events: {:?}",
+        c.events(1)
+    );
+    assert_eq!(
+        c.nodes[0].reg.peer(id).map(|p| p.state()),
+        Some(State::Ready)
+    );
 }
 
 #[test]
@@ -63,8 +82,19 @@ fn invariant_1_keepalive_never_kills_owner() {
     let (t_suspect, _) = c.drive_until_event(0, bound * 2, |e| e.event == Event::Suspect);
     let (t_dead, dead) = c.drive_until_event(0, bound * 2, is_dead);
     assert!(t_suspect <= t_dead);
-    assert!(t_dead - start <= bound, "dead after {:?}, bound {bound:?}", t_dead - start);
-    let Event::Dead { peer, attempts, last_error } = dead.event else { unreachable!() };
+    assert!(
+        t_dead - start <= bound,
+        "dead after {:?}, bound {bound:?}",
+        t_dead - start
+    );
+    let Event::Dead {
+        peer,
+        attempts,
+        last_error,
+    } = dead.event
+    else {
+        unreachable!()
+    };
     assert_eq!(peer, "b:1");
     assert_eq!(dead.addr, "b:1");
     assert!(attempts >= 3, "attempts {attempts}");
@@ -72,10 +102,21 @@ fn invariant_1_keepalive_never_kills_owner() {
     // The owner keeps running: reconnects back off and, once the network
     // heals, the peer is ready again on the same registry.
     c.drive_for(bound * 5);
-    assert_eq!(c.events(0).iter().filter(|e| matches!(e, Event::Dead { .. })).count(), 1);
+    assert_eq!(
+        c.events(0)
+            .iter()
+            .filter(|e| matches!(e, Event::Dead { .. }))
+            .count(),
+        1
+    );
     c.loss = 0.0;
-    c.drive_until_event(0, Duration::from_secs(10), |e| matches!(e.event, Event::Ready(_)) && e.id == id);
-    assert_eq!(c.nodes[0].reg.peer(id).map(|p| p.state()), Some(State::Ready));
+    c.drive_until_event(0, Duration::from_secs(10), |e| {
+        matches!(e.event, Event::Ready(_)) && e.id == id
+    });
+    assert_eq!(
+        c.nodes[0].reg.peer(id).map(|p| p.state()),
+        Some(State::Ready)
+    );
 }
 
 #[test]
@@ -93,7 +134,11 @@ fn total_loss_dead_within_bound() {
         let (t0, _) = c.drive_until_event(0, cfg.death_bound() * 2, is_dead);
         let (t1, _) = c.drive_until_event(1, cfg.death_bound() * 2, is_dead);
         for t in [t0, t1] {
-            assert!(t - start <= cfg.death_bound(), "budget {budget}: dead after {:?}", t - start);
+            assert!(
+                t - start <= cfg.death_bound(),
+                "budget {budget}: dead after {:?}",
+                t - start
+            );
         }
     }
 }
@@ -116,18 +161,27 @@ fn invariant_2_restart_rehandshakes() {
     c.drive_until_event(0, Duration::from_secs(10), is_dead);
     c.restart(1);
     let new = c.nodes[1].local.incarnation;
-    let (t_restart, ev) =
-        c.drive_until_event(0, Duration::from_secs(30), |e| matches!(e.event, Event::Restarted { .. }));
+    let (t_restart, ev) = c.drive_until_event(0, Duration::from_secs(30), |e| {
+        matches!(e.event, Event::Restarted { .. })
+    });
     assert_eq!(ev.event, Event::Restarted { old, new });
     assert_eq!(ev.id, id);
     let (t_ready, ev) = c.drive_until_event(0, Duration::from_secs(1), is_ready);
     assert!(t_restart <= t_ready);
-    let Event::Ready(info) = ev.event else { unreachable!() };
+    let Event::Ready(info) = ev.event else {
+        unreachable!()
+    };
     assert_eq!(info.incarnation, new);
     // Order: Restarted is emitted before the new Ready.
     let evs = c.events(0);
-    let ri = evs.iter().rposition(|e| matches!(e, Event::Restarted { .. })).expect("restarted");
-    let ready = evs.iter().rposition(|e| matches!(e, Event::Ready(_))).expect("ready");
+    let ri = evs
+        .iter()
+        .rposition(|e| matches!(e, Event::Restarted { .. }))
+        .expect("restarted");
+    let ready = evs
+        .iter()
+        .rposition(|e| matches!(e, Event::Ready(_)))
+        .expect("ready");
     assert!(ri < ready);
 }
 
@@ -143,7 +197,10 @@ fn invariant_3_one_live_connection_per_peer() {
     c.drive_until_event(0, Duration::from_secs(10), is_dead);
     // Connecting to a peer whose connection is dead retires the dead one.
     let now = c.now;
-    let new = c.nodes[0].reg.connect(now, "b:1").expect("dead connection is retired, not asserted");
+    let new = c.nodes[0]
+        .reg
+        .connect(now, "b:1")
+        .expect("dead connection is retired, not asserted");
     assert_ne!(new, id);
     assert_eq!(c.nodes[0].reg.len(), 1);
     assert!(c.nodes[0].reg.peer(id).is_none());
@@ -157,14 +214,24 @@ fn invariant_4_close_releases_after_dead_and_is_idempotent() {
     let (mut c, id) = connected_pair();
     c.kill(1);
     c.drive_until_event(0, Duration::from_secs(10), is_dead);
-    assert_eq!(c.nodes[0].reg.peer(id).map(|p| p.state()), Some(State::Dead));
+    assert_eq!(
+        c.nodes[0].reg.peer(id).map(|p| p.state()),
+        Some(State::Dead)
+    );
     let now = c.now;
     c.nodes[0].reg.close(now);
     c.nodes[0].reg.close(now);
     c.drive_until_event(0, Duration::from_secs(1), |e| e.event == Event::Closed);
     assert!(c.nodes[0].reg.is_empty());
-    assert_eq!(c.nodes[0].reg.poll_timeout(), None, "no timer survives close");
-    assert_eq!(c.events(0).iter().filter(|e| **e == Event::Closed).count(), 1);
+    assert_eq!(
+        c.nodes[0].reg.poll_timeout(),
+        None,
+        "no timer survives close"
+    );
+    assert_eq!(
+        c.events(0).iter().filter(|e| **e == Event::Closed).count(),
+        1
+    );
 }
 
 #[test]
@@ -173,9 +240,18 @@ fn close_of_ready_peer_says_bye_and_waits_for_ack() {
     let now = c.now;
     c.nodes[0].reg.disconnect(now, id);
     let (t, _) = c.drive_until_event(0, Duration::from_secs(1), |e| e.event == Event::Closed);
-    assert!(t - now < c.nodes[0].config.close_linger, "closed by the bye ack, not the linger");
+    assert!(
+        t - now < c.nodes[0].config.close_linger,
+        "closed by the bye ack, not the linger"
+    );
     let (_, ev) = c.drive_until_event(1, Duration::from_secs(1), is_dead);
-    assert!(matches!(ev.event, Event::Dead { last_error: PeerError::RemoteClosed, .. }));
+    assert!(matches!(
+        ev.event,
+        Event::Dead {
+            last_error: PeerError::RemoteClosed,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -235,10 +311,16 @@ fn invariant_6_reconnecting_peer_replaces_stale_live_entry() {
     c.clear_events();
     c.connect(0, "b:1");
     c.drive_until_event(0, Duration::from_secs(1), is_ready);
-    let (_, ev) = c.drive_until_event(1, Duration::from_secs(1), |e| matches!(e.event, Event::Restarted { .. }));
+    let (_, ev) = c.drive_until_event(1, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Restarted { .. })
+    });
     assert!(matches!(ev.event, Event::Restarted { .. }));
     c.drive_until_event(1, Duration::from_secs(1), is_ready);
-    assert_eq!(c.nodes[1].reg.len(), 1, "one live connection per peer on the acceptor");
+    assert_eq!(
+        c.nodes[1].reg.len(),
+        1,
+        "one live connection per peer on the acceptor"
+    );
 }
 
 fn group_cluster(bad: Option<u32>, silent: Option<u32>) -> (Cluster, usize) {
@@ -259,14 +341,23 @@ fn group_cluster(bad: Option<u32>, silent: Option<u32>) -> (Cluster, usize) {
     (c, me)
 }
 
-fn run_group(c: &mut Cluster, me: usize) -> (Duration, Result<Vec<kvlane_control::GroupMember>, GroupError>) {
+fn run_group(
+    c: &mut Cluster,
+    me: usize,
+) -> (
+    Duration,
+    Result<Vec<kvlane_control::GroupMember>, GroupError>,
+) {
     let plan = PortPlan::new(9000, &[1], 4).expect("plan");
     let start = c.now;
     let mut g = GroupHandshake::new("h", start + c.nodes[me].config.handshake_timeout);
     for ranks in plan.ranks() {
         let addr = format!("h:{}", plan.port(ranks).expect("port"));
         let now = c.now;
-        let id = c.nodes[me].reg.connect(now, &addr).map_err(|e| e.to_string());
+        let id = c.nodes[me]
+            .reg
+            .connect(now, &addr)
+            .map_err(|e| e.to_string());
         g.expect(ranks, addr, id);
     }
     let mut seen = 0;
@@ -290,7 +381,14 @@ fn invariant_7_group_handshake_all_ready() {
     let members = outcome.expect("all ranks ready");
     assert_eq!(members.len(), 4);
     for (tp, m) in members.iter().enumerate() {
-        assert_eq!(m.remote.ranks, Ranks { dp_rank: 1, tp_rank: tp as u32, tp_size: 4 });
+        assert_eq!(
+            m.remote.ranks,
+            Ranks {
+                dp_rank: 1,
+                tp_rank: tp as u32,
+                tp_size: 4
+            }
+        );
     }
 }
 
@@ -299,19 +397,47 @@ fn invariant_7_group_handshake_fails_uniformly_naming_every_bad_rank() {
     let (mut c, me) = group_cluster(Some(2), Some(0));
     let (took, outcome) = run_group(&mut c, me);
     let deadline = c.nodes[me].config.handshake_timeout;
-    assert!(took <= deadline, "verdict after {took:?}, deadline {deadline:?}");
-    let Err(GroupError::RanksFailed { host, total, failures }) = outcome else {
+    assert!(
+        took <= deadline,
+        "verdict after {took:?}, deadline {deadline:?}"
+    );
+    let Err(GroupError::RanksFailed {
+        host,
+        total,
+        failures,
+    }) = outcome
+    else {
         panic!("expected a uniform failure, got {outcome:?}");
     };
     assert_eq!((host.as_str(), total), ("h", 4));
     let failed: Vec<_> = failures.iter().map(|f| f.ranks.tp_rank).collect();
     assert_eq!(failed, vec![0, 2], "{failures:?}");
-    assert!(failures[0].cause.contains("handshake timed out"), "{}", failures[0].cause);
+    assert!(
+        failures[0].cause.contains("handshake timed out"),
+        "{}",
+        failures[0].cause
+    );
     assert_eq!(failures[0].addr, "h:9004");
-    assert!(failures[1].cause.contains("fingerprint"), "{}", failures[1].cause);
-    assert!(failures[1].cause.contains("other-fp"), "{}", failures[1].cause);
-    let msg = GroupError::RanksFailed { host, total, failures }.to_string();
-    assert!(msg.contains("tp_rank 0") && msg.contains("tp_rank 2"), "{msg}");
+    assert!(
+        failures[1].cause.contains("fingerprint"),
+        "{}",
+        failures[1].cause
+    );
+    assert!(
+        failures[1].cause.contains("other-fp"),
+        "{}",
+        failures[1].cause
+    );
+    let msg = GroupError::RanksFailed {
+        host,
+        total,
+        failures,
+    }
+    .to_string();
+    assert!(
+        msg.contains("tp_rank 0") && msg.contains("tp_rank 2"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -322,7 +448,17 @@ fn handshake_with_silent_peer_ends_at_its_deadline() {
     c.connect(0, "b:1");
     let (t, ev) = c.drive_until_event(0, Duration::from_secs(20), is_dead);
     assert_eq!(t - start, c.nodes[0].config.handshake_timeout);
-    assert!(matches!(ev.event, Event::Dead { last_error: PeerError::HandshakeTimeout(_), attempts: 1, .. }), "{ev:?}");
+    assert!(
+        matches!(
+            ev.event,
+            Event::Dead {
+                last_error: PeerError::HandshakeTimeout(_),
+                attempts: 1,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
 }
 
 #[test]
@@ -333,9 +469,22 @@ fn peer_down_retries_with_backoff_then_dead_at_deadline() {
     c.connect(0, "b:1");
     let (t, ev) = c.drive_until_event(0, Duration::from_secs(20), is_dead);
     assert_eq!(t - start, c.nodes[0].config.handshake_timeout);
-    let Event::Dead { attempts, last_error, .. } = ev.event else { unreachable!() };
-    assert!(attempts > 3, "backoff retries within the deadline: {attempts}");
-    assert!(matches!(last_error, PeerError::Channel(ref r) if r.contains("refused")), "{last_error:?}");
+    let Event::Dead {
+        attempts,
+        last_error,
+        ..
+    } = ev.event
+    else {
+        unreachable!()
+    };
+    assert!(
+        attempts > 3,
+        "backoff retries within the deadline: {attempts}"
+    );
+    assert!(
+        matches!(last_error, PeerError::Channel(ref r) if r.contains("refused")),
+        "{last_error:?}"
+    );
 }
 
 #[test]
@@ -355,8 +504,14 @@ fn invariant_8_peer_death_is_isolated() {
     assert_eq!(ev.id, idb);
     assert!(t - start <= c.nodes[0].config.death_bound());
     c.drive_for(Duration::from_secs(10));
-    assert!(c.nodes[0].events.iter().all(|(_, e)| e.id != idc), "other peer untouched");
-    assert_eq!(c.nodes[0].reg.peer(idc).map(|p| p.state()), Some(State::Ready));
+    assert!(
+        c.nodes[0].events.iter().all(|(_, e)| e.id != idc),
+        "other peer untouched"
+    );
+    assert_eq!(
+        c.nodes[0].reg.peer(idc).map(|p| p.state()),
+        Some(State::Ready)
+    );
 }
 
 #[test]
@@ -385,7 +540,10 @@ fn invariant_9_malformed_oversized_unknown_dropped_and_counted() {
     assert_eq!((sb.malformed, sb.unknown_type), (1, 1));
     // Nothing ended: the peer stays ready and keep-alive keeps working.
     c.drive_for(Duration::from_secs(10));
-    assert_eq!(c.nodes[0].reg.peer(id).map(|p| p.state()), Some(State::Ready));
+    assert_eq!(
+        c.nodes[0].reg.peer(id).map(|p| p.state()),
+        Some(State::Ready)
+    );
     assert!(!c.events(0).iter().any(|e| matches!(e, Event::Dead { .. })));
 }
 
@@ -412,21 +570,35 @@ fn invariant_10_peer_cap_refuses_clearly() {
     let mut c = Cluster::new();
     c.add("t:1", cfg.clone(), local("t", 0, 0, 1));
     for i in 0..3 {
-        c.add(&format!("i{i}:1"), config(), local(&format!("i{i}"), 0, 0, 1));
+        c.add(
+            &format!("i{i}:1"),
+            config(),
+            local(&format!("i{i}"), 0, 0, 1),
+        );
     }
     c.connect(1, "t:1");
     c.connect(2, "t:1");
     c.drive_until_event(2, Duration::from_secs(1), is_ready);
     c.connect(3, "t:1");
-    let (_, ev) = c.drive_until_event(3, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
-    let Event::Refused { refusal, peer } = ev.event else { unreachable!() };
+    let (_, ev) = c.drive_until_event(3, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Refused { .. })
+    });
+    let Event::Refused { refusal, peer } = ev.event else {
+        unreachable!()
+    };
     assert_eq!(peer, "t:1");
-    assert!(matches!(&refusal, Refusal::Remote { code, reason } if code == "peer_cap" && reason.contains('2')), "{refusal:?}");
+    assert!(
+        matches!(&refusal, Refusal::Remote { code, reason } if code == "peer_cap" && reason.contains('2')),
+        "{refusal:?}"
+    );
     assert_eq!(c.nodes[0].reg.refused_at_cap(), 1);
     assert_eq!(c.nodes[0].reg.len(), 2);
     // Outbound side of the cap.
     let now = c.now;
-    assert!(matches!(c.nodes[0].reg.connect(now, "i1:1"), Err(ConnectRefused::PeerCap { cap: 2, .. })));
+    assert!(matches!(
+        c.nodes[0].reg.connect(now, "i1:1"),
+        Err(ConnectRefused::PeerCap { cap: 2, .. })
+    ));
 }
 
 #[test]
@@ -439,7 +611,9 @@ fn version_mismatch_refused_naming_both_values() {
     };
     hello.version = 99;
     let bytes = Message::Hello(hello).encode().expect("encode");
-    c.nodes[1].reg.handle_frame(now, Link::Accepted(Bytes::from_static(b"v")), &bytes);
+    c.nodes[1]
+        .reg
+        .handle_frame(now, Link::Accepted(Bytes::from_static(b"v")), &bytes);
     let frames: Vec<_> = std::iter::from_fn(|| c.nodes[1].reg.poll_transmit()).collect();
     let err = frames.iter().find_map(|(_, _, t)| match t {
         kvlane_control::Transmit::Frame(f) => match Message::decode(f, 1 << 20) {
@@ -450,7 +624,11 @@ fn version_mismatch_refused_naming_both_values() {
     });
     let err = err.expect("error frame");
     assert_eq!(err.code, "version_mismatch");
-    assert!(err.reason.contains("local 1") && err.reason.contains("remote 99"), "{}", err.reason);
+    assert!(
+        err.reason.contains("local 1") && err.reason.contains("remote 99"),
+        "{}",
+        err.reason
+    );
 }
 
 fn first_hello(c: &mut Cluster) -> Vec<u8> {
@@ -472,10 +650,16 @@ fn fingerprint_mismatch_refused_on_both_sides_naming_both_values() {
     l.fingerprint = "fp-b".into();
     c.add("b:1", config(), l);
     c.connect(0, "b:1");
-    let (_, ea) = c.drive_until_event(0, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
-    let (_, eb) = c.drive_until_event(1, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
+    let (_, ea) = c.drive_until_event(0, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Refused { .. })
+    });
+    let (_, eb) = c.drive_until_event(1, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Refused { .. })
+    });
     for ev in [ea, eb] {
-        let Event::Refused { refusal, .. } = ev.event else { unreachable!() };
+        let Event::Refused { refusal, .. } = ev.event else {
+            unreachable!()
+        };
         let s = refusal.to_string();
         assert!(s.contains("\"fp\"") && s.contains("\"fp-b\""), "{s}");
     }
@@ -498,31 +682,49 @@ fn psk_pair(ka: Option<&[u8]>, kb: Option<&[u8]>) -> Cluster {
 }
 
 fn leaked(c: &Cluster, needle: &[u8]) -> bool {
-    c.sent.iter().any(|s| s.bytes.windows(needle.len()).any(|w| w == needle))
+    c.sent
+        .iter()
+        .any(|s| s.bytes.windows(needle.len()).any(|w| w == needle))
 }
 
 #[test]
 fn psk_mutual_handshake_succeeds() {
     let mut c = psk_pair(Some(b"k1"), Some(b"k1"));
     let (_, ev) = c.drive_until_event(0, Duration::from_secs(1), is_ready);
-    let Event::Ready(info) = ev.event else { unreachable!() };
+    let Event::Ready(info) = ev.event else {
+        unreachable!()
+    };
     assert_eq!(info.data_plane, b"SECRET-BLOB-b-0-0");
     let (_, ev) = c.drive_until_event(1, Duration::from_secs(1), is_ready);
-    let Event::Ready(info) = ev.event else { unreachable!() };
+    let Event::Ready(info) = ev.event else {
+        unreachable!()
+    };
     assert_eq!(info.data_plane, b"SECRET-BLOB-a-0-0");
 }
 
 #[test]
 fn psk_wrong_key_refused_on_both_sides_and_no_blob_leaks() {
     let mut c = psk_pair(Some(b"key-a"), Some(b"key-b"));
-    let (_, ea) = c.drive_until_event(0, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
-    let (_, eb) = c.drive_until_event(1, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
-    let Event::Refused { peer, refusal } = ea.event else { unreachable!() };
+    let (_, ea) = c.drive_until_event(0, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Refused { .. })
+    });
+    let (_, eb) = c.drive_until_event(1, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Refused { .. })
+    });
+    let Event::Refused { peer, refusal } = ea.event else {
+        unreachable!()
+    };
     assert_eq!(peer, "b:1", "the error names the peer address");
-    assert!(matches!(refusal, Refusal::Auth { ref reason } if reason.contains("b:1")), "{refusal:?}");
+    assert!(
+        matches!(refusal, Refusal::Auth { ref reason } if reason.contains("b:1")),
+        "{refusal:?}"
+    );
     assert!(matches!(eb.event, Event::Refused { .. }));
     c.drive_for(Duration::from_secs(10));
-    assert!(!leaked(&c, b"SECRET-BLOB"), "a data-plane blob was transmitted");
+    assert!(
+        !leaked(&c, b"SECRET-BLOB"),
+        "a data-plane blob was transmitted"
+    );
     assert!(!c.events(0).iter().any(|e| matches!(e, Event::Ready(_))));
     assert!(!c.events(1).iter().any(|e| matches!(e, Event::Ready(_))));
 }
@@ -531,11 +733,18 @@ fn psk_wrong_key_refused_on_both_sides_and_no_blob_leaks() {
 fn psk_on_one_side_only_is_refused_without_leaking() {
     for (ka, kb) in [(Some(&b"k"[..]), None), (None, Some(&b"k"[..]))] {
         let mut c = psk_pair(ka, kb);
-        c.drive_until_event(0, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
-        c.drive_until_event(1, Duration::from_secs(1), |e| matches!(e.event, Event::Refused { .. }));
+        c.drive_until_event(0, Duration::from_secs(1), |e| {
+            matches!(e.event, Event::Refused { .. })
+        });
+        c.drive_until_event(1, Duration::from_secs(1), |e| {
+            matches!(e.event, Event::Refused { .. })
+        });
         // Only the key-less side may have sent its own blob (it has nothing to protect).
         let keyed = if ka.is_some() { "a" } else { "b" };
-        assert!(!leaked(&c, format!("SECRET-BLOB-{keyed}").as_bytes()), "keyed side leaked its blob");
+        assert!(
+            !leaked(&c, format!("SECRET-BLOB-{keyed}").as_bytes()),
+            "keyed side leaked its blob"
+        );
     }
 }
 
@@ -556,7 +765,11 @@ fn backoff_reconnects_are_deterministic_for_a_seed() {
         let start = c.now;
         c.connect(0, "b:1");
         c.drive_for(Duration::from_secs(20));
-        c.nodes[0].events.iter().map(|(t, _)| *t - start).collect::<Vec<_>>()
+        c.nodes[0]
+            .events
+            .iter()
+            .map(|(t, _)| *t - start)
+            .collect::<Vec<_>>()
     };
     assert_eq!(run(), run());
     assert_eq!(timeline(), timeline());
@@ -568,7 +781,10 @@ fn port_plan_rejects_collisions_and_zero_tp() {
     let p = PortPlan::new(5000, &[0, 1], 2).expect("plan");
     let ports: Vec<_> = p.ranks().map(|r| p.port(r).expect("port")).collect();
     assert_eq!(ports, vec![5000, 5001, 5002, 5003]);
-    assert!(matches!(PortPlan::new(5000, &[1, 1], 2), Err(kvlane_control::PlanError::Collision { port: 5002, .. })));
+    assert!(matches!(
+        PortPlan::new(5000, &[1, 1], 2),
+        Err(kvlane_control::PlanError::Collision { port: 5002, .. })
+    ));
     assert!(PortPlan::new(65535, &[0], 2).is_err());
     let any = PortPlan::new(0, &[0, 1], 2).expect("port 0 binds any");
     assert!(any.ranks().all(|r| any.port(r) == Ok(0)));

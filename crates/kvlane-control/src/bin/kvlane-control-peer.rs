@@ -17,8 +17,16 @@ async fn main() {
     if let Ok(ms) = std::env::var("KVLANE_KEEPALIVE_MS").map(|v| v.parse::<u64>()) {
         config.keepalive_interval = std::time::Duration::from_millis(ms.unwrap_or(1000));
     }
-    let local = LocalInfo::new(engine, Ranks { dp_rank: 0, tp_rank: 0, tp_size: 1 }, fingerprint)
-        .with_data_plane(b"peer-data-plane".to_vec());
+    let local = LocalInfo::new(
+        engine,
+        Ranks {
+            dp_rank: 0,
+            tp_rank: 0,
+            tp_size: 1,
+        },
+        fingerprint,
+    )
+    .with_data_plane(b"peer-data-plane".to_vec());
     let node = match ControlNode::bind(config, local, &listen).await {
         Ok(n) => n,
         Err(e) => {

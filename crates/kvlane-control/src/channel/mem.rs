@@ -68,9 +68,16 @@ impl Channel for MemChannel {
     fn open(&mut self, id: ConnectionId, addr: &str) {
         // Routing id unique per connection: channel tag + connection id.
         let rid = Bytes::from(format!("mem-{}-{}", self.tag, id.0));
-        let mut b = self.net.board.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut b = self
+            .net
+            .board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if !b.endpoints.contains_key(addr) {
-            let _ = self.me.send(ChannelEvent::Failed { id, reason: format!("{addr}: connection refused") });
+            let _ = self.me.send(ChannelEvent::Failed {
+                id,
+                reason: format!("{addr}: connection refused"),
+            });
             return;
         }
         b.routes.insert(rid.clone(), (self.me.clone(), id));
@@ -78,20 +85,36 @@ impl Channel for MemChannel {
     }
 
     fn send(&mut self, link: &Link, frame: Bytes) {
-        let b = self.net.board.lock().unwrap_or_else(PoisonError::into_inner);
+        let b = self
+            .net
+            .board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         match link {
             Link::Dial(id) => {
-                let Some((addr, rid)) = self.dials.get(id) else { return };
+                let Some((addr, rid)) = self.dials.get(id) else {
+                    return;
+                };
                 let ok = b.endpoints.get(addr).is_some_and(|tx| {
-                    tx.send(ChannelEvent::Frame { link: Link::Accepted(rid.clone()), bytes: frame }).is_ok()
+                    tx.send(ChannelEvent::Frame {
+                        link: Link::Accepted(rid.clone()),
+                        bytes: frame,
+                    })
+                    .is_ok()
                 });
                 if !ok {
-                    let _ = self.me.send(ChannelEvent::Failed { id: *id, reason: format!("{addr}: unreachable") });
+                    let _ = self.me.send(ChannelEvent::Failed {
+                        id: *id,
+                        reason: format!("{addr}: unreachable"),
+                    });
                 }
             }
             Link::Accepted(rid) => {
                 if let Some((tx, id)) = b.routes.get(rid) {
-                    let _ = tx.send(ChannelEvent::Frame { link: Link::Dial(*id), bytes: frame });
+                    let _ = tx.send(ChannelEvent::Frame {
+                        link: Link::Dial(*id),
+                        bytes: frame,
+                    });
                 }
             }
         }
@@ -99,7 +122,12 @@ impl Channel for MemChannel {
 
     fn disconnect(&mut self, id: ConnectionId) {
         if let Some((_, rid)) = self.dials.remove(&id) {
-            self.net.board.lock().unwrap_or_else(PoisonError::into_inner).routes.remove(&rid);
+            self.net
+                .board
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .routes
+                .remove(&rid);
         }
     }
 
@@ -112,8 +140,15 @@ impl Channel for MemChannel {
         for id in ids {
             self.disconnect(id);
         }
-        let mut b = self.net.board.lock().unwrap_or_else(PoisonError::into_inner);
-        if b.endpoints.get(&self.addr).is_some_and(|tx| tx.same_channel(&self.me)) {
+        let mut b = self
+            .net
+            .board
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if b.endpoints
+            .get(&self.addr)
+            .is_some_and(|tx| tx.same_channel(&self.me))
+        {
             b.endpoints.remove(&self.addr);
         }
     }

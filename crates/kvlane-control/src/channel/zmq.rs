@@ -17,7 +17,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use zeromq::util::PeerIdentity;
-use zeromq::{DealerSocket, Endpoint, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{
+    DealerSocket, Endpoint, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage,
+};
 
 use super::{Channel, ChannelEvent};
 use crate::error::ControlError;
@@ -57,10 +59,14 @@ impl ZmqChannel {
     /// after `connect_timeout`.
     pub async fn bind(addr: &str, connect_timeout: Duration) -> Result<Self, ControlError> {
         let mut router = RouterSocket::new();
-        let endpoint = router
-            .bind(&format!("tcp://{addr}"))
-            .await
-            .map_err(|e| ControlError::Bind { addr: addr.to_owned(), reason: e.to_string() })?;
+        let endpoint =
+            router
+                .bind(&format!("tcp://{addr}"))
+                .await
+                .map_err(|e| ControlError::Bind {
+                    addr: addr.to_owned(),
+                    reason: e.to_string(),
+                })?;
         let local_addr = match endpoint {
             Endpoint::Tcp(host, port) => format!("{host}:{port}"),
             other => other.to_string(),
@@ -155,7 +161,10 @@ impl Channel for ZmqChannel {
         let mut tasks: Vec<_> = self.retired.drain(..).collect();
         tasks.extend(self.router_task.take());
         for mut t in tasks {
-            if tokio::time::timeout(CLOSE_TIMEOUT * 2, &mut t).await.is_err() {
+            if tokio::time::timeout(CLOSE_TIMEOUT * 2, &mut t)
+                .await
+                .is_err()
+            {
                 warn!("socket task did not finish in time; aborting it");
                 t.abort();
             }
@@ -203,7 +212,10 @@ async fn run_router(
             },
         }
     }
-    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close()).await.is_err() {
+    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close())
+        .await
+        .is_err()
+    {
         warn!("router close timed out");
     }
 }
@@ -232,7 +244,9 @@ async fn run_dealer(
     match connect {
         Some(Ok(Ok(()))) => {}
         Some(Ok(Err(e))) => {
-            let _ = events.send(fail(format!("connect to {addr} failed: {e}"))).await;
+            let _ = events
+                .send(fail(format!("connect to {addr} failed: {e}")))
+                .await;
             return;
         }
         Some(Err(_)) => {
@@ -246,7 +260,9 @@ async fn run_dealer(
                 _ => "no ZMTP answer".into(),
             };
             let _ = events
-                .send(fail(format!("connect to {addr} timed out after {connect_timeout:?} ({os})")))
+                .send(fail(format!(
+                    "connect to {addr} timed out after {connect_timeout:?} ({os})"
+                )))
                 .await;
             return;
         }
@@ -280,7 +296,10 @@ async fn run_dealer(
             },
         }
     }
-    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close()).await.is_err() {
+    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close())
+        .await
+        .is_err()
+    {
         warn!(%addr, "dealer close timed out");
     }
 }

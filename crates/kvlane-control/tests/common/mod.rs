@@ -7,8 +7,16 @@ use kvlane_control::{Config, ConnectionId, Event, LocalInfo, PeerEvent, Ranks};
 use tokio::sync::broadcast;
 
 pub(crate) fn local(engine: &str) -> LocalInfo {
-    LocalInfo::new(engine, Ranks { dp_rank: 0, tp_rank: 0, tp_size: 1 }, "fp")
-        .with_data_plane(format!("{engine}-blob").into_bytes())
+    LocalInfo::new(
+        engine,
+        Ranks {
+            dp_rank: 0,
+            tp_rank: 0,
+            tp_size: 1,
+        },
+        "fp",
+    )
+    .with_data_plane(format!("{engine}-blob").into_bytes())
 }
 
 pub(crate) fn fast_config() -> Config {
@@ -38,7 +46,9 @@ pub(crate) async fn wait_for(
             }
         }
     };
-    tokio::time::timeout(within, fut).await.expect("expected event did not arrive in time")
+    tokio::time::timeout(within, fut)
+        .await
+        .expect("expected event did not arrive in time")
 }
 
 pub(crate) fn is_ready(id: Option<ConnectionId>) -> impl FnMut(&PeerEvent) -> bool {

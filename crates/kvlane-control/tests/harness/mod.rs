@@ -66,12 +66,23 @@ pub(crate) struct Cluster {
 }
 
 pub(crate) fn local(engine: &str, dp: u32, tp: u32, tp_size: u32) -> LocalInfo {
-    LocalInfo::new(engine, Ranks { dp_rank: dp, tp_rank: tp, tp_size }, "fp")
-        .with_data_plane(format!("SECRET-BLOB-{engine}-{dp}-{tp}").into_bytes())
+    LocalInfo::new(
+        engine,
+        Ranks {
+            dp_rank: dp,
+            tp_rank: tp,
+            tp_size,
+        },
+        "fp",
+    )
+    .with_data_plane(format!("SECRET-BLOB-{engine}-{dp}-{tp}").into_bytes())
 }
 
 pub(crate) fn config() -> Config {
-    Config { rng_seed: 7, ..Config::default() }
+    Config {
+        rng_seed: 7,
+        ..Config::default()
+    }
 }
 
 impl Cluster {
@@ -94,7 +105,15 @@ impl Cluster {
     /// Adds a node at `addr`; returns its index.
     pub(crate) fn add(&mut self, addr: &str, config: Config, local: LocalInfo) -> usize {
         let reg = Registry::new(Arc::new(config.clone()), Arc::new(local.clone()));
-        self.nodes.push(SimNode { reg, addr: addr.into(), local, config, up: true, events: Vec::new(), cursor: 0 });
+        self.nodes.push(SimNode {
+            reg,
+            addr: addr.into(),
+            local,
+            config,
+            up: true,
+            events: Vec::new(),
+            cursor: 0,
+        });
         self.nodes.len() - 1
     }
 
@@ -108,8 +127,7 @@ impl Cluster {
 
     pub(crate) fn connect(&mut self, from: usize, addr: &str) -> ConnectionId {
         let now = self.now;
-        let id = self.nodes[from].reg.connect(now, addr).expect("connect");
-        id
+        self.nodes[from].reg.connect(now, addr).expect("connect")
     }
 
     pub(crate) fn partition(&mut self, a: usize, b: usize) {
@@ -138,7 +156,10 @@ impl Cluster {
     }
 
     fn rand(&mut self) -> f64 {
-        self.rng = self.rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.rng = self
+            .rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.rng >> 11) as f64 / (1u64 << 53) as f64
     }
 
@@ -147,7 +168,11 @@ impl Cluster {
     }
 
     fn put(&mut self, from: usize, to: usize, link: LinkKey, bytes: Vec<u8>) {
-        self.sent.push(Sent { from, to, bytes: bytes.clone() });
+        self.sent.push(Sent {
+            from,
+            to,
+            bytes: bytes.clone(),
+        });
         if self.partitions.contains(&(from, to)) || !self.nodes[to].up {
             return;
         }
@@ -226,7 +251,12 @@ impl Cluster {
 
     fn next_time(&self) -> Option<Instant> {
         let wire = self.wire.peek().map(|f| f.at.0);
-        let timers = self.nodes.iter().filter(|n| n.up).filter_map(|n| n.reg.poll_timeout()).min();
+        let timers = self
+            .nodes
+            .iter()
+            .filter(|n| n.up)
+            .filter_map(|n| n.reg.poll_timeout())
+            .min();
         [wire, timers].into_iter().flatten().min()
     }
 
@@ -234,7 +264,9 @@ impl Cluster {
     /// Returns false when nothing is left to do.
     pub(crate) fn step(&mut self) -> bool {
         self.pump();
-        let Some(t) = self.next_time() else { return false };
+        let Some(t) = self.next_time() else {
+            return false;
+        };
         if t > self.now {
             self.now = t;
         }
@@ -247,8 +279,12 @@ impl Cluster {
             let reg = &mut self.nodes[f.to].reg;
             match f.link {
                 LinkKey::Dial(id) => reg.handle_frame(now, Link::Dial(ConnectionId(id)), &f.bytes),
-                LinkKey::Accepted(rid) => reg.handle_frame(now, Link::Accepted(Bytes::from(rid)), &f.bytes),
-                LinkKey::Failed(id, reason) => reg.handle_channel_error(now, ConnectionId(id), reason),
+                LinkKey::Accepted(rid) => {
+                    reg.handle_frame(now, Link::Accepted(Bytes::from(rid)), &f.bytes)
+                }
+                LinkKey::Failed(id, reason) => {
+                    reg.handle_channel_error(now, ConnectionId(id), reason)
+                }
             }
         }
         for n in self.nodes.iter_mut().filter(|n| n.up) {
@@ -261,7 +297,9 @@ impl Cluster {
     /// Drives until `until` (virtual time).
     pub(crate) fn drive_for(&mut self, d: Duration) {
         let end = self.now + d;
-        self.drive_bounded(1_000_000, |c| c.now >= end || c.next_time().is_none_or(|t| t > end));
+        self.drive_bounded(1_000_000, |c| {
+            c.now >= end || c.next_time().is_none_or(|t| t > end)
+        });
         if self.now < end {
             self.now = end;
         }
@@ -296,16 +334,27 @@ impl Cluster {
             c.nodes[i].events[start_len..].iter().any(|(_, e)| f(e))
                 || c.next_time().is_none_or(|t| t > deadline)
         });
-        let pos = self.nodes[i].events[start_len..].iter().position(|(_, e)| f(e));
+        let pos = self.nodes[i].events[start_len..]
+            .iter()
+            .position(|(_, e)| f(e));
         if let Some(p) = pos {
             self.nodes[i].cursor = start_len + p + 1;
         }
         pos.map(|p| self.nodes[i].events[start_len + p].clone())
-            .unwrap_or_else(|| panic!("node {i}: expected event not seen within {within:?}: {:#?}", self.nodes[i].events))
+            .unwrap_or_else(|| {
+                panic!(
+                    "node {i}: expected event not seen within {within:?}: {:#?}",
+                    self.nodes[i].events
+                )
+            })
     }
 
     pub(crate) fn events(&self, i: usize) -> Vec<Event> {
-        self.nodes[i].events.iter().map(|(_, e)| e.event.clone()).collect()
+        self.nodes[i]
+            .events
+            .iter()
+            .map(|(_, e)| e.event.clone())
+            .collect()
     }
 
     pub(crate) fn clear_events(&mut self) {
