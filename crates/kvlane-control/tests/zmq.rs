@@ -100,3 +100,25 @@ async fn connect_to_closed_port_fails_with_address_and_attempts() {
     assert!(msg.contains(&addr) && msg.contains("attempts"), "{msg}");
     n.close().await;
 }
+
+#[tokio::test]
+async fn psk_over_zmq_right_key_connects_wrong_key_refused_on_both_sides() {
+    let keyed = |k: &[u8]| kvlane_control::Config { psk: Some(k.to_vec()), ..fast_config() };
+    let t = ControlNode::bind(keyed(b"secret"), local("t"), "127.0.0.1:0").await.expect("bind");
+    let mut t_events = t.events();
+    let good = ControlNode::bind(keyed(b"secret"), local("good"), "127.0.0.1:0").await.expect("bind");
+    let (_, info) = good.connect(t.local_addr()).await.expect("same key connects");
+    assert_eq!(info.data_plane, b"t-blob");
+    let bad = ControlNode::bind(keyed(b"wrong"), local("bad"), "127.0.0.1:0").await.expect("bind");
+    let err = bad.connect(t.local_addr()).await.expect_err("wrong key refused");
+    let msg = err.to_string();
+    assert!(msg.contains(t.local_addr()) && msg.contains("authentication failed"), "{msg}");
+    let ev = wait_for(&mut t_events, Duration::from_secs(2), |e| {
+        matches!(&e.event, Event::Refused { refusal: kvlane_control::Refusal::Auth { .. } | kvlane_control::Refusal::Remote { .. }, .. })
+    })
+    .await;
+    assert!(matches!(ev.event, Event::Refused { .. }));
+    for n in [good, bad, t] {
+        n.close().await;
+    }
+}
