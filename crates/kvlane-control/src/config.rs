@@ -33,7 +33,7 @@ pub struct Config {
     /// Optional pre-shared key; when set the handshake is authenticated
     /// (HMAC-SHA256 over both nonces) and no data-plane blob is sent before
     /// the other side has proven the key. Default none.
-    pub psk: Option<Vec<u8>>,
+    pub psk: Option<Psk>,
     /// Seed of the jitter RNG (deterministic simulations). Default: random.
     pub rng_seed: u64,
 }
@@ -61,6 +61,28 @@ impl Config {
     /// event: `keepalive_interval * (liveness_budget + 1)`.
     pub fn death_bound(&self) -> Duration {
         self.keepalive_interval * (self.liveness_budget.max(1) + 1)
+    }
+}
+
+/// A pre-shared key. Its `Debug` output is redacted so keys never reach logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Psk(Vec<u8>);
+
+impl Psk {
+    /// Wraps key bytes.
+    pub fn new(key: impl Into<Vec<u8>>) -> Self {
+        Self(key.into())
+    }
+
+    /// The key bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Psk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Psk(<redacted>)")
     }
 }
 

@@ -672,9 +672,9 @@ fn fingerprint_mismatch_refused_on_both_sides_naming_both_values() {
 fn psk_pair(ka: Option<&[u8]>, kb: Option<&[u8]>) -> Cluster {
     let mut c = Cluster::new();
     let mut ca = config();
-    ca.psk = ka.map(<[u8]>::to_vec);
+    ca.psk = ka.map(kvlane_control::Psk::new);
     let mut cb = config();
-    cb.psk = kb.map(<[u8]>::to_vec);
+    cb.psk = kb.map(kvlane_control::Psk::new);
     c.add("a:1", ca, local("a", 0, 0, 1));
     c.add("b:1", cb, local("b", 0, 0, 1));
     c.connect(0, "b:1");

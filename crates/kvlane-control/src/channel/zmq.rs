@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
     DealerSocket, Endpoint, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage,
@@ -38,6 +38,7 @@ const QUEUE: usize = 4096;
 struct Dial {
     out: mpsc::Sender<Bytes>,
     task: JoinHandle<()>,
+    rid: Bytes,
 }
 
 /// ZeroMQ ROUTER/DEALER channel.
@@ -52,6 +53,9 @@ pub struct ZmqChannel {
     router_task: Option<JoinHandle<()>>,
     dials: HashMap<ConnectionId, Dial>,
     retired: Vec<JoinHandle<()>>,
+    /// Counts every DEALER opened, so even a reconnect of the same
+    /// connection id gets a fresh routing id.
+    opened: u64,
 }
 
 impl ZmqChannel {
@@ -84,13 +88,15 @@ impl ZmqChannel {
             router_task: Some(router_task),
             dials: HashMap::new(),
             retired: Vec::new(),
+            opened: 0,
         })
     }
 
-    /// The DEALER routing id of connection `id`: unique per connection
-    /// (node nonce + connection id), never derived from the peer address.
-    pub fn routing_id(&self, id: ConnectionId) -> Bytes {
-        Bytes::from(format!("kvl-{:016x}-{}", self.nonce, id.0))
+    /// The routing id of the current DEALER of connection `id`. Unique per
+    /// DEALER (node nonce + connection id + open counter), never derived
+    /// from the peer address.
+    pub fn routing_id(&self, id: ConnectionId) -> Option<Bytes> {
+        self.dials.get(&id).map(|d| d.rid.clone())
     }
 
     fn reap_retired(&mut self) {
@@ -107,16 +113,17 @@ impl Channel for ZmqChannel {
         self.disconnect(id);
         self.reap_retired();
         let (out, out_rx) = mpsc::channel(QUEUE);
-        let rid = self.routing_id(id);
+        self.opened += 1;
+        let rid = Bytes::from(format!("kvl-{:016x}-{}-{}", self.nonce, id.0, self.opened));
         let task = tokio::spawn(run_dealer(
             id,
             addr.to_owned(),
-            rid,
+            rid.clone(),
             self.connect_timeout,
             out_rx,
             self.events_tx.clone(),
         ));
-        self.dials.insert(id, Dial { out, task });
+        self.dials.insert(id, Dial { out, task, rid });
     }
 
     fn send(&mut self, link: &Link, frame: Bytes) {
@@ -149,7 +156,17 @@ impl Channel for ZmqChannel {
     }
 
     async fn recv(&mut self) -> Option<ChannelEvent> {
-        self.events_rx.recv().await
+        let Some(router) = self.router_task.as_mut() else {
+            return self.events_rx.recv().await;
+        };
+        let ended = tokio::select! {
+            ev = self.events_rx.recv() => return ev,
+            r = router => r,
+        };
+        // The listener task never ends on its own: report it, never silently.
+        error!(addr = %self.local_addr, result = ?ended, "router task ended unexpectedly");
+        self.router_task = None;
+        None
     }
 
     async fn close(&mut self) {

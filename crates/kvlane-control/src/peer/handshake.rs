@@ -61,7 +61,10 @@ impl Peer {
             mac: Vec::new(),
             data_plane: None,
         };
-        match (self.config.psk.clone(), h.auth) {
+        match (
+            self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()),
+            h.auth,
+        ) {
             (None, false) => {
                 remote.data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
                 ack.data_plane = Some(serde_bytes::ByteBuf::from(l.data_plane.clone()));
@@ -118,7 +121,7 @@ impl Peer {
             data_plane: Vec::new(),
             capabilities: ack.capabilities,
         };
-        match self.config.psk.clone() {
+        match self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()) {
             None => {
                 let Some(blob) = ack.data_plane else {
                     let reason =
@@ -154,7 +157,7 @@ impl Peer {
             self.stats.unexpected += 1;
             return;
         };
-        let Some(key) = self.config.psk.clone() else {
+        let Some(key) = self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()) else {
             self.stats.unexpected += 1;
             return;
         };
