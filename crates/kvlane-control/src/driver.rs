@@ -1,5 +1,5 @@
 //! Thin tokio driver: owns a [`Registry`] and a [`Channel`], reads the clock
-//! in one place ([`now`]) and never blocks on I/O.
+//! in one place (`now()`) and never blocks on I/O.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -63,6 +63,11 @@ enum Command {
     Ping {
         id: ConnectionId,
         reply: oneshot::Sender<Result<Duration, ControlError>>,
+    },
+    Check {
+        id: ConnectionId,
+        incarnation: u64,
+        reply: oneshot::Sender<Result<(), ControlError>>,
     },
     Snapshot {
         reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)>,
@@ -265,6 +270,25 @@ impl ControlNode {
         self.call(
             |reply| Command::Ping { id: peer, reply },
             self.config.death_bound() + DRIVER_GRACE,
+        )
+        .await?
+    }
+
+    /// Checks that `peer` is ready and still the incarnation a transfer was
+    /// prepared against; a restarted peer gives
+    /// [`ControlError::StaleIncarnation`], so nothing writes through stale rkeys.
+    pub async fn ensure_incarnation(
+        &self,
+        peer: ConnectionId,
+        incarnation: u64,
+    ) -> Result<(), ControlError> {
+        self.call(
+            |reply| Command::Check {
+                id: peer,
+                incarnation,
+                reply,
+            },
+            DRIVER_GRACE,
         )
         .await?
     }
@@ -482,6 +506,36 @@ impl<C: Channel> Driver<C> {
                     let _ = reply.send(Err(err));
                 }
             },
+            Command::Check {
+                id,
+                incarnation,
+                reply,
+            } => {
+                let r = match self.reg.peer(id) {
+                    None => Err(ControlError::UnknownPeer(id)),
+                    Some(p) => match (p.state(), p.remote()) {
+                        (State::Ready | State::Suspect, Some(info))
+                            if info.incarnation == incarnation =>
+                        {
+                            Ok(())
+                        }
+                        (State::Ready | State::Suspect, Some(info)) => {
+                            Err(ControlError::StaleIncarnation {
+                                peer: id,
+                                addr: p.addr().to_owned(),
+                                expected: incarnation,
+                                current: info.incarnation,
+                            })
+                        }
+                        (state, _) => Err(ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state,
+                        }),
+                    },
+                };
+                let _ = reply.send(r);
+            }
             Command::Disconnect { id, reply } => {
                 self.reg.disconnect(t, id);
                 let _ = reply.send(());

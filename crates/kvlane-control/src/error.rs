@@ -265,6 +265,22 @@ pub enum ControlError {
         /// Its state.
         state: crate::State,
     },
+    /// The peer restarted (or reconnected with a new incarnation) since
+    /// the caller learned about it: state derived from the old incarnation
+    /// (rkeys, regions) must not be used.
+    #[error(
+        "peer {peer} ({addr}) restarted: expected incarnation {expected:#x}, now {current:#x}"
+    )]
+    StaleIncarnation {
+        /// Peer id.
+        peer: crate::ConnectionId,
+        /// Peer address.
+        addr: String,
+        /// Incarnation the caller prepared against.
+        expected: u64,
+        /// Current incarnation.
+        current: u64,
+    },
     /// The node is closed.
     #[error("control node is closed")]
     Closed,
