@@ -57,11 +57,53 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Checks the values a node cannot work with (zero intervals would spin,
+    /// a zero cap refuses everything). The error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let checks: [(&'static str, bool); 7] = [
+            ("keepalive_interval", self.keepalive_interval.is_zero()),
+            ("liveness_budget", self.liveness_budget == 0),
+            ("handshake_timeout", self.handshake_timeout.is_zero()),
+            ("backoff_min", self.backoff_min.is_zero()),
+            ("backoff_max", self.backoff_max < self.backoff_min),
+            ("frame_cap", self.frame_cap < 64),
+            ("peer_cap", self.peer_cap == 0),
+        ];
+        match checks.iter().find(|(_, bad)| *bad) {
+            Some((field, _)) => Err(ConfigError { field }),
+            None => Ok(()),
+        }
+    }
+
+    /// A copy with every value raised to the smallest workable one, so a
+    /// machine never spins on a zero interval.
+    pub fn normalized(&self) -> Self {
+        let min = Duration::from_millis(1);
+        Self {
+            keepalive_interval: self.keepalive_interval.max(min),
+            liveness_budget: self.liveness_budget.max(1),
+            handshake_timeout: self.handshake_timeout.max(min),
+            backoff_min: self.backoff_min.max(min),
+            backoff_max: self.backoff_max.max(self.backoff_min.max(min)),
+            frame_cap: self.frame_cap.max(64),
+            peer_cap: self.peer_cap.max(1),
+            ..self.clone()
+        }
+    }
+
     /// Upper bound between the last frame heard from a peer and its `Dead`
     /// event: `keepalive_interval * (liveness_budget + 1)`.
     pub fn death_bound(&self) -> Duration {
         self.keepalive_interval * (self.liveness_budget.max(1) + 1)
     }
+}
+
+/// A configuration value a node cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid config: `{field}` is zero or out of range")]
+pub struct ConfigError {
+    /// The offending field.
+    pub field: &'static str,
 }
 
 /// A pre-shared key. Its `Debug` output is redacted so keys never reach logs.

@@ -100,13 +100,15 @@ impl ControlNode {
         local: LocalInfo,
         listen_addr: &str,
     ) -> Result<Self, ControlError> {
+        config.validate()?;
         let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
         Ok(Self::with_channel(config, local, chan))
     }
 
-    /// A node over any channel (e.g. [`crate::channel::MemChannel`]).
+    /// A node over any channel (e.g. [`crate::channel::MemChannel`]). The
+    /// config is [normalized](Config::normalized) rather than refused.
     pub fn with_channel<C: Channel>(config: Config, local: LocalInfo, channel: C) -> Self {
-        let config = Arc::new(config);
+        let config = Arc::new(config.normalized());
         let local_addr = channel.local_addr();
         let registry = Registry::new(Arc::clone(&config), Arc::new(local));
         let (cmds, cmd_rx) = mpsc::channel(1024);

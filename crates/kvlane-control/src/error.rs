@@ -226,6 +226,9 @@ pub enum ControlError {
         /// OS or channel reason.
         reason: String,
     },
+    /// The configuration is unusable.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// Connecting to a peer failed.
     #[error("connect to {addr} failed after {attempts} attempts: {last_error}")]
     Connect {

@@ -417,7 +417,12 @@ impl Peer {
 
     /// Fires every expired timer.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(timer) = self.timers.expire(now) {
+        // Each timer fires at most once per call: a timer re-armed at `now`
+        // waits for the next call instead of spinning here.
+        for _ in 0..Timer::ALL.len() {
+            let Some(timer) = self.timers.expire(now) else {
+                break;
+            };
             self.on_timer(now, timer);
         }
     }

@@ -84,10 +84,10 @@ pub struct Registry {
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry. The config is [normalized](Config::normalized).
     pub fn new(config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
         Self {
-            config,
+            config: Arc::new(config.normalized()),
             local,
             next_id: 1,
             peers: HashMap::new(),

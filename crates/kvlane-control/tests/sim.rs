@@ -507,3 +507,22 @@ fn backoff_reconnects_are_deterministic_for_a_seed() {
     assert_eq!(run(), run());
     assert_eq!(timeline(), timeline());
 }
+
+#[test]
+fn zero_intervals_are_refused_by_validate_and_never_spin() {
+    let zero = kvlane_control::Config {
+        keepalive_interval: Duration::ZERO,
+        handshake_timeout: Duration::ZERO,
+        backoff_min: Duration::ZERO,
+        liveness_budget: 0,
+        ..config()
+    };
+    let err = zero.validate().expect_err("zero keep-alive");
+    assert_eq!(err.field, "keepalive_interval");
+    // Registries normalize instead: a pair with zero intervals still makes
+    // progress in bounded steps (no livelock at one instant).
+    let mut c = Cluster::pair(zero);
+    c.connect(0, "b:1");
+    c.drive_for(Duration::from_millis(50));
+    assert!(c.events(0).iter().any(|e| matches!(e, Event::Ready(_))));
+}
