@@ -81,6 +81,8 @@ pub struct Registry {
     stats: Stats,
     refused_at_cap: u64,
     closed: bool,
+    /// Accepted connections that died; released before the next routing.
+    dead_accepted: Vec<ConnectionId>,
 }
 
 impl Registry {
@@ -100,6 +102,7 @@ impl Registry {
             stats: Stats::default(),
             refused_at_cap: 0,
             closed: false,
+            dead_accepted: Vec::new(),
         }
     }
 
@@ -149,6 +152,7 @@ impl Registry {
     /// Dials `addr`. A dead connection to the same address is retired first;
     /// a live one is handed back as [`ConnectRefused::Duplicate`].
     pub fn connect(&mut self, now: Instant, addr: &str) -> Result<ConnectionId, ConnectRefused> {
+        self.reap_dead();
         if let Some(&existing) = self.by_addr.get(addr) {
             let dead = self
                 .peers
@@ -422,6 +426,9 @@ impl Registry {
             self.transmits.push_back((id, e.link.clone(), t));
         }
         while let Some(ev) = e.peer.poll_event() {
+            if matches!(ev, Event::Dead { .. }) && e.peer.role() == Role::Acceptor {
+                self.dead_accepted.push(id);
+            }
             if let Event::Ready(info) = &ev {
                 self.incarnations
                     .insert((info.engine_id.clone(), info.ranks), info.incarnation);
@@ -472,14 +479,14 @@ impl Registry {
     /// Releases accepted connections that are dead (they never reconnect by
     /// themselves: the remote initiator dials a new one).
     fn reap_dead(&mut self) {
-        let dead: Vec<_> = self
-            .peers
-            .iter()
-            .filter(|(_, e)| e.peer.role() == Role::Acceptor && e.peer.state() == State::Dead)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in dead {
-            self.release(id);
+        for id in std::mem::take(&mut self.dead_accepted) {
+            if self
+                .peers
+                .get(&id)
+                .is_some_and(|e| e.peer.state() == State::Dead)
+            {
+                self.release(id);
+            }
         }
     }
 }
