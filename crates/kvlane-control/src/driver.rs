@@ -472,6 +472,9 @@ impl<C: Channel> Driver<C> {
                 Err(ConnectRefused::PeerCap { cap, addr }) => {
                     let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
                 }
+                Err(ConnectRefused::Closed { .. }) => {
+                    let _ = reply.send(Err(ControlError::Closed));
+                }
             },
             Command::Notify {
                 id,

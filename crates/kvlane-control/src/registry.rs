@@ -54,6 +54,12 @@ pub enum ConnectRefused {
         /// The refused address.
         addr: String,
     },
+    /// The registry was closed.
+    #[error("node is closed; refusing {addr}")]
+    Closed {
+        /// The refused address.
+        addr: String,
+    },
 }
 
 #[derive(Debug)]
@@ -166,7 +172,12 @@ impl Registry {
             }
             self.release(existing);
         }
-        if self.closed || self.peers.len() >= self.config.peer_cap {
+        if self.closed {
+            return Err(ConnectRefused::Closed {
+                addr: addr.to_owned(),
+            });
+        }
+        if self.peers.len() >= self.config.peer_cap {
             self.refused_at_cap += 1;
             return Err(ConnectRefused::PeerCap {
                 cap: self.config.peer_cap,

@@ -158,3 +158,29 @@ async fn psk_over_zmq_right_key_connects_wrong_key_refused_on_both_sides() {
         n.close().await;
     }
 }
+
+#[tokio::test]
+async fn connect_to_silent_tcp_listener_ends_at_handshake_deadline() {
+    // Accepts TCP but never speaks ZMTP: every await must still be bounded.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let mut cfg = fast_config();
+    cfg.handshake_timeout = Duration::from_millis(400);
+    let n = ControlNode::bind(cfg, local("n"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let start = std::time::Instant::now();
+    let err = n.connect(&addr).await.expect_err("silent listener");
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(400) + Duration::from_millis(300),
+        "{took:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&addr) && msg.contains("handshake timed out"),
+        "{msg}"
+    );
+    n.close().await;
+    drop(silent);
+}
