@@ -67,11 +67,13 @@ async fn killed_peer_process_is_dead_within_budget_then_restarted_and_ready() {
     .await;
     let took = killed.elapsed();
     eprintln!("dead {took:?} after kill (bound {bound:?} from the last frame heard)");
-    // Bound: death_bound after the last frame heard, which is at most one
-    // keep-alive interval before the kill, plus scheduling slack.
+    // Bound: death_bound after the last frame heard, and the last frame is
+    // heard no later than the kill; the slack (one keep-alive interval)
+    // covers timer and scheduling delay on a loaded 2-core machine.
+    let slack = fast_config().keepalive_interval;
     assert!(
-        took <= bound + Duration::from_millis(250),
-        "dead after {took:?}"
+        took <= bound + slack,
+        "dead after {took:?}, bound {bound:?}"
     );
     assert_eq!(ev.id, id);
     assert!(
