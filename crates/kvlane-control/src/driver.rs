@@ -89,7 +89,8 @@ pub struct ControlNode {
     cmds: mpsc::Sender<Command>,
     events: broadcast::Sender<PeerEvent>,
     first_events: Mutex<Option<broadcast::Receiver<PeerEvent>>>,
-    task: Mutex<Option<JoinHandle<()>>>,
+    /// Async lock: a concurrent `close` waits for the first one to finish.
+    task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl ControlNode {
@@ -134,7 +135,7 @@ impl ControlNode {
             cmds,
             events,
             first_events: Mutex::new(Some(first)),
-            task: Mutex::new(Some(task)),
+            task: tokio::sync::Mutex::new(Some(task)),
         }
     }
 
@@ -323,18 +324,15 @@ impl ControlNode {
     /// Closes every connection, flushing pending frames (bounded by
     /// `close_linger`), then releases every socket and task. Idempotent.
     pub async fn close(&self) {
-        let task = self
-            .task
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let Some(mut task) = task else { return };
+        let mut guard = self.task.lock().await;
+        let Some(task) = guard.as_mut() else { return };
         let bound = self.config.close_linger + Duration::from_secs(5);
         let _ = self.call(|reply| Command::Close { reply }, bound).await;
-        if tokio::time::timeout(bound, &mut task).await.is_err() {
+        if tokio::time::timeout(bound, &mut *task).await.is_err() {
             error!(addr = %self.local_addr, "control driver did not stop in time; aborting it");
             task.abort();
         }
+        *guard = None;
     }
 }
 

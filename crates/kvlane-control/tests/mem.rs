@@ -103,3 +103,17 @@ async fn invariant_2_restarted_peer_makes_old_incarnation_stale() {
     a.close().await;
     b2.close().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn invariant_4_concurrent_close_calls_all_wait_and_release() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    a.connect("b:1").await.expect("connect");
+    tokio::join!(a.close(), a.close(), a.close());
+    assert!(matches!(
+        a.peers().await,
+        Err(kvlane_control::ControlError::Closed)
+    ));
+    b.close().await;
+}
