@@ -27,6 +27,14 @@ pub struct Config {
     pub frame_cap: usize,
     /// Largest number of peers (inbound + outbound). Default 1024.
     pub peer_cap: usize,
+    /// Largest notification payload in bytes; larger ones are refused when
+    /// sending and dropped (counted as oversized) when received. Default 64 KiB.
+    pub notify_cap: usize,
+    /// Events buffered for [`ControlNode::events`](crate::ControlNode::events)
+    /// subscribers; a slow subscriber lags (loses the oldest) instead of
+    /// blocking the driver. With `notify_cap` this bounds the memory held
+    /// for unread events. Default 1024.
+    pub event_capacity: usize,
     /// How long `close` waits for the remote `bye` that proves our last
     /// frames were delivered. Default 200 ms.
     pub close_linger: Duration,
@@ -49,6 +57,8 @@ impl Default for Config {
             reconnect: true,
             frame_cap: 16 << 20,
             peer_cap: 1024,
+            notify_cap: 64 << 10,
+            event_capacity: 1024,
             close_linger: Duration::from_millis(200),
             psk: None,
             rng_seed: rand::random(),
@@ -60,7 +70,7 @@ impl Config {
     /// Checks the values a node cannot work with (zero intervals would spin,
     /// a zero cap refuses everything). The error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(&'static str, bool); 7] = [
+        let checks: [(&'static str, bool); 8] = [
             ("keepalive_interval", self.keepalive_interval.is_zero()),
             ("liveness_budget", self.liveness_budget == 0),
             ("handshake_timeout", self.handshake_timeout.is_zero()),
@@ -68,6 +78,7 @@ impl Config {
             ("backoff_max", self.backoff_max < self.backoff_min),
             ("frame_cap", self.frame_cap < 64),
             ("peer_cap", self.peer_cap == 0),
+            ("event_capacity", self.event_capacity == 0),
         ];
         match checks.iter().find(|(_, bad)| *bad) {
             Some((field, _)) => Err(ConfigError { field }),
@@ -87,6 +98,7 @@ impl Config {
             backoff_max: self.backoff_max.max(self.backoff_min.max(min)),
             frame_cap: self.frame_cap.max(64),
             peer_cap: self.peer_cap.max(1),
+            event_capacity: self.event_capacity.max(1),
             ..self.clone()
         }
     }

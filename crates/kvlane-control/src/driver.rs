@@ -21,8 +21,6 @@ use crate::ConnectionId;
 /// Extra time granted on top of the handshake deadline before a caller gives
 /// up on the driver itself (the machine already bounds the handshake).
 const DRIVER_GRACE: Duration = Duration::from_secs(1);
-/// Capacity of the event broadcast; slow subscribers lag instead of blocking the driver.
-const EVENT_CAPACITY: usize = 4096;
 
 /// The one place the driver reads the clock (tokio's clock, so paused-time
 /// tests control it).
@@ -113,7 +111,7 @@ impl ControlNode {
         let local_addr = channel.local_addr();
         let registry = Registry::new(Arc::clone(&config), Arc::new(local));
         let (cmds, cmd_rx) = mpsc::channel(1024);
-        let (events, first) = broadcast::channel(EVENT_CAPACITY);
+        let (events, first) = broadcast::channel(config.event_capacity);
         let span = info_span!("control_node", addr = %local_addr);
         let driver = tokio::spawn(run(registry, channel, cmd_rx, events.clone()).instrument(span));
         let watch_events = events.clone();
@@ -255,6 +253,12 @@ impl ControlNode {
         transfer_id: u64,
         payload: Vec<u8>,
     ) -> Result<(), ControlError> {
+        if payload.len() > self.config.notify_cap {
+            return Err(ControlError::PayloadTooLarge {
+                len: payload.len(),
+                cap: self.config.notify_cap,
+            });
+        }
         self.call(
             |reply| Command::Notify {
                 id: peer,

@@ -284,6 +284,14 @@ pub enum ControlError {
         /// Current incarnation.
         current: u64,
     },
+    /// A notification payload is over [`Config::notify_cap`](crate::Config::notify_cap).
+    #[error("notification payload of {len} bytes exceeds the cap of {cap} bytes")]
+    PayloadTooLarge {
+        /// Payload size.
+        len: usize,
+        /// The cap.
+        cap: usize,
+    },
     /// The node is closed.
     #[error("control node is closed")]
     Closed,

@@ -427,9 +427,10 @@ impl Peer {
         }
     }
 
-    /// Sends a notification; `Err` hands the payload back if the peer is not up.
+    /// Sends a notification; `Err` hands the payload back if the peer is not
+    /// up or the payload is over `notify_cap`.
     pub fn notify(&mut self, transfer_id: u64, payload: Vec<u8>) -> Result<(), Vec<u8>> {
-        if !self.is_up() || self.closing || self.closed {
+        if !self.is_up() || self.closing || self.closed || payload.len() > self.config.notify_cap {
             return Err(payload);
         }
         let msg = Message::Notify(Notify {
@@ -687,6 +688,10 @@ impl Peer {
                 }
             }
             Message::Pong(_) => {}
+            Message::Notify(n) if n.payload.len() > self.config.notify_cap => {
+                debug!(peer = %self.addr, len = n.payload.len(), "notification over the cap dropped");
+                self.stats.oversized += 1;
+            }
             Message::Notify(n) => self.events.push_back(Event::Notification {
                 transfer_id: n.transfer_id,
                 payload: n.payload,

@@ -117,3 +117,21 @@ async fn invariant_4_concurrent_close_calls_all_wait_and_release() {
     ));
     b.close().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn notify_over_cap_is_a_typed_error() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    let (id, _) = a.connect("b:1").await.expect("connect");
+    let err = a
+        .notify(id, 1, vec![0; (64 << 10) + 1])
+        .await
+        .expect_err("over cap");
+    assert!(matches!(
+        err,
+        kvlane_control::ControlError::PayloadTooLarge { cap: 65536, .. }
+    ));
+    a.close().await;
+    b.close().await;
+}

@@ -526,3 +526,33 @@ fn zero_intervals_are_refused_by_validate_and_never_spin() {
     c.drive_for(Duration::from_millis(50));
     assert!(c.events(0).iter().any(|e| matches!(e, Event::Ready(_))));
 }
+
+#[test]
+fn notification_over_cap_is_dropped_and_counted_by_the_receiver() {
+    let mut c = Cluster::new();
+    c.add("a:1", config(), local("a", 0, 0, 1));
+    let small = kvlane_control::Config {
+        notify_cap: 8,
+        ..config()
+    };
+    c.add("b:1", small, local("b", 0, 0, 1));
+    let id = c.connect(0, "b:1");
+    c.drive_until_event(0, Duration::from_secs(1), is_ready);
+    c.drive_until_event(1, Duration::from_secs(1), is_ready);
+    c.nodes[0]
+        .reg
+        .notify(id, 1, vec![0; 100])
+        .expect("sender cap is 64 KiB");
+    c.nodes[0].reg.notify(id, 2, vec![0; 8]).expect("small");
+    let (_, ev) = c.drive_until_event(1, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Notification { .. })
+    });
+    assert!(matches!(
+        ev.event,
+        Event::Notification { transfer_id: 2, .. }
+    ));
+    assert_eq!(c.nodes[1].reg.stats().oversized, 1);
+    // The sender refuses over its own cap and hands the payload back.
+    let big = vec![0; 65 << 10];
+    assert_eq!(c.nodes[0].reg.notify(id, 3, big.clone()), Err(big));
+}
