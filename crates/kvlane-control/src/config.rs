@@ -66,16 +66,32 @@ impl Default for Config {
     }
 }
 
+/// Longest interval or timeout accepted (one day): keeps `now + d` far from
+/// `Instant` overflow.
+const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+
+/// Largest liveness budget accepted.
+const MAX_BUDGET: u32 = 1_000;
+
 impl Config {
     /// Checks the values a node cannot work with (zero intervals would spin,
-    /// a zero cap refuses everything). The error names the field.
+    /// a zero cap refuses everything, intervals over a day or a budget over
+    /// 1000 are refused). The error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let checks: [(&'static str, bool); 8] = [
-            ("keepalive_interval", self.keepalive_interval.is_zero()),
-            ("liveness_budget", self.liveness_budget == 0),
-            ("handshake_timeout", self.handshake_timeout.is_zero()),
-            ("backoff_min", self.backoff_min.is_zero()),
-            ("backoff_max", self.backoff_max < self.backoff_min),
+        let bad = |d: Duration| d.is_zero() || d > MAX_INTERVAL;
+        let checks: [(&'static str, bool); 9] = [
+            ("keepalive_interval", bad(self.keepalive_interval)),
+            (
+                "liveness_budget",
+                self.liveness_budget == 0 || self.liveness_budget > MAX_BUDGET,
+            ),
+            ("handshake_timeout", bad(self.handshake_timeout)),
+            ("backoff_min", bad(self.backoff_min)),
+            (
+                "backoff_max",
+                self.backoff_max < self.backoff_min || bad(self.backoff_max),
+            ),
+            ("close_linger", self.close_linger > MAX_INTERVAL),
             ("frame_cap", self.frame_cap < 64),
             ("peer_cap", self.peer_cap == 0),
             ("event_capacity", self.event_capacity == 0),
@@ -86,16 +102,19 @@ impl Config {
         }
     }
 
-    /// A copy with every value raised to the smallest workable one, so a
-    /// machine never spins on a zero interval.
+    /// A copy with every value clamped into the workable range, so a
+    /// machine never spins on a zero interval nor overflows on a huge one.
     pub fn normalized(&self) -> Self {
         let min = Duration::from_millis(1);
+        let clamp = |d: Duration| d.clamp(min, MAX_INTERVAL);
+        let backoff_min = clamp(self.backoff_min);
         Self {
-            keepalive_interval: self.keepalive_interval.max(min),
-            liveness_budget: self.liveness_budget.max(1),
-            handshake_timeout: self.handshake_timeout.max(min),
-            backoff_min: self.backoff_min.max(min),
-            backoff_max: self.backoff_max.max(self.backoff_min.max(min)),
+            keepalive_interval: clamp(self.keepalive_interval),
+            liveness_budget: self.liveness_budget.clamp(1, MAX_BUDGET),
+            handshake_timeout: clamp(self.handshake_timeout),
+            backoff_min,
+            backoff_max: clamp(self.backoff_max).max(backoff_min),
+            close_linger: self.close_linger.min(MAX_INTERVAL),
             frame_cap: self.frame_cap.max(64),
             peer_cap: self.peer_cap.max(1),
             event_capacity: self.event_capacity.max(1),
@@ -106,7 +125,8 @@ impl Config {
     /// Upper bound between the last frame heard from a peer and its `Dead`
     /// event: `keepalive_interval * (liveness_budget + 1)`.
     pub fn death_bound(&self) -> Duration {
-        self.keepalive_interval * (self.liveness_budget.max(1) + 1)
+        self.keepalive_interval
+            .saturating_mul(self.liveness_budget.clamp(1, MAX_BUDGET) + 1)
     }
 }
 

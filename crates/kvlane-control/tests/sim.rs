@@ -519,6 +519,16 @@ fn zero_intervals_are_refused_by_validate_and_never_spin() {
     };
     let err = zero.validate().expect_err("zero keep-alive");
     assert_eq!(err.field, "keepalive_interval");
+    let huge = kvlane_control::Config {
+        handshake_timeout: Duration::MAX,
+        ..config()
+    };
+    assert_eq!(
+        huge.validate().expect_err("huge").field,
+        "handshake_timeout"
+    );
+    assert!(huge.normalized().validate().is_ok());
+    assert!(config().validate().is_ok());
     // Registries normalize instead: a pair with zero intervals still makes
     // progress in bounded steps (no livelock at one instant).
     let mut c = Cluster::pair(zero);
