@@ -154,19 +154,24 @@ impl ControlNode {
         first.unwrap_or_else(|| self.events.subscribe())
     }
 
+    /// Sends a command and awaits its answer; both bounded by `bound`.
     async fn call<T>(
         &self,
+        op: &'static str,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
         bound: Duration,
     ) -> Result<T, ControlError> {
+        let deadline = tokio::time::Instant::now() + bound;
         let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(make(tx))
-            .await
-            .map_err(|_| ControlError::Closed)?;
-        match tokio::time::timeout(bound, rx).await {
+        match tokio::time::timeout_at(deadline, self.cmds.send(make(tx))).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(ControlError::Closed),
+            Err(_) => return Err(ControlError::Timeout { op, after: bound }),
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(_)) | Err(_) => Err(ControlError::Closed),
+            Ok(Err(_)) => Err(ControlError::Closed),
+            Err(_) => Err(ControlError::Timeout { op, after: bound }),
         }
     }
 
@@ -174,21 +179,17 @@ impl ControlNode {
     /// deadline). A live connection to `addr` is returned as is.
     pub async fn connect(&self, addr: &str) -> Result<(ConnectionId, RemoteInfo), ControlError> {
         let bound = self.config.handshake_timeout + DRIVER_GRACE;
-        let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(Command::Connect {
+        let make = |reply| Command::Connect {
+            addr: addr.to_owned(),
+            reply,
+        };
+        match self.call("connect", make, bound).await {
+            Ok(r) => r,
+            Err(ControlError::Timeout { after, .. }) => Err(ControlError::ConnectTimeout {
                 addr: addr.to_owned(),
-                reply: tx,
-            })
-            .await
-            .map_err(|_| ControlError::Closed)?;
-        match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(ControlError::Closed),
-            Err(_) => Err(ControlError::ConnectTimeout {
-                addr: addr.to_owned(),
-                after: bound,
+                after,
             }),
+            Err(e) => Err(e),
         }
     }
 
@@ -209,14 +210,14 @@ impl ControlNode {
         for ranks in plan.ranks() {
             let addr = format!("{host}:{}", plan.port(ranks)?);
             let (tx, rx) = oneshot::channel();
-            let sent = self
-                .cmds
-                .send(Command::Connect {
-                    addr: addr.clone(),
-                    reply: tx,
-                })
-                .await
-                .is_ok();
+            let cmd = Command::Connect {
+                addr: addr.clone(),
+                reply: tx,
+            };
+            let sent = matches!(
+                tokio::time::timeout_at(deadline.into(), self.cmds.send(cmd)).await,
+                Ok(Ok(()))
+            );
             pending.push((ranks, addr, sent.then_some(rx)));
         }
         let mut group = GroupHandshake::new(host, deadline);
@@ -260,6 +261,7 @@ impl ControlNode {
             });
         }
         self.call(
+            "notify",
             |reply| Command::Notify {
                 id: peer,
                 transfer_id,
@@ -275,6 +277,7 @@ impl ControlNode {
     /// bounded by the liveness bound.
     pub async fn ping(&self, peer: ConnectionId) -> Result<Duration, ControlError> {
         self.call(
+            "ping",
             |reply| Command::Ping { id: peer, reply },
             self.config.death_bound() + DRIVER_GRACE,
         )
@@ -290,6 +293,7 @@ impl ControlNode {
         incarnation: u64,
     ) -> Result<(), ControlError> {
         self.call(
+            "ensure_incarnation",
             |reply| Command::Check {
                 id: peer,
                 incarnation,
@@ -303,6 +307,7 @@ impl ControlNode {
     /// Closes one connection (`bye`, then release). Idempotent.
     pub async fn disconnect(&self, peer: ConnectionId) -> Result<(), ControlError> {
         self.call(
+            "disconnect",
             |reply| Command::Disconnect { id: peer, reply },
             DRIVER_GRACE,
         )
@@ -312,7 +317,11 @@ impl ControlNode {
     /// Current peers.
     pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
         Ok(self
-            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .call(
+                "snapshot",
+                |reply| Command::Snapshot { reply },
+                DRIVER_GRACE,
+            )
             .await?
             .0)
     }
@@ -320,7 +329,11 @@ impl ControlNode {
     /// Counters of dropped frames (malformed, oversized, unknown type).
     pub async fn stats(&self) -> Result<Stats, ControlError> {
         Ok(self
-            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .call(
+                "snapshot",
+                |reply| Command::Snapshot { reply },
+                DRIVER_GRACE,
+            )
             .await?
             .1)
     }
@@ -331,7 +344,9 @@ impl ControlNode {
         let mut guard = self.task.lock().await;
         let Some(task) = guard.as_mut() else { return };
         let bound = self.config.close_linger + Duration::from_secs(5);
-        let _ = self.call(|reply| Command::Close { reply }, bound).await;
+        let _ = self
+            .call("close", |reply| Command::Close { reply }, bound)
+            .await;
         if tokio::time::timeout(bound, &mut *task).await.is_err() {
             error!(addr = %self.local_addr, "control driver did not stop in time; aborting it");
             task.abort();

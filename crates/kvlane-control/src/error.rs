@@ -292,6 +292,14 @@ pub enum ControlError {
         /// The cap.
         cap: usize,
     },
+    /// The driver did not answer in time (it is overloaded or stuck).
+    #[error("{op} timed out after {after:?} waiting for the control driver")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// The bound.
+        after: Duration,
+    },
     /// The node is closed.
     #[error("control node is closed")]
     Closed,
