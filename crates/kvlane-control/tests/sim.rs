@@ -28,7 +28,16 @@ fn connected_pair() -> (Cluster, kvlane_control::ConnectionId) {
 
 #[test]
 fn handshake_exchanges_identity_and_blobs() {
-    let (c, id) = connected_pair();
+    let mut c = Cluster::pair(config());
+    let start = c.now;
+    let id = c.connect(0, "b:1");
+    c.drive();
+    // One round trip (hello, hello_ack) at 1 ms latency.
+    assert_eq!(c.now - start, Duration::from_millis(2));
+    assert_eq!(
+        c.nodes[0].reg.peer(id).map(|p| p.state()),
+        Some(State::Ready)
+    );
     let remote = c.nodes[0]
         .reg
         .peer(id)

@@ -294,6 +294,12 @@ impl Cluster {
         true
     }
 
+    /// Drives until nothing is in flight (every frame delivered and its
+    /// answers too); fails on livelock.
+    pub(crate) fn drive(&mut self) {
+        self.drive_bounded(100_000, |c| c.wire.is_empty());
+    }
+
     /// Drives until `until` (virtual time).
     pub(crate) fn drive_for(&mut self, d: Duration) {
         let end = self.now + d;
