@@ -200,7 +200,7 @@ impl AgentBuilder {
     /// A pre-shared key: the handshake is authenticated and no peer learns
     /// a key or address of this agent's memory without it.
     pub fn psk(mut self, key: impl Into<Vec<u8>>) -> Self {
-        self.control.psk = Some(key.into());
+        self.control.psk = Some(kvlane_control::Psk::new(key));
         self
     }
 
