@@ -459,7 +459,7 @@ impl Inner {
         .await
         .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane connect task: {e}")))??;
         let mut peers = lock(&self.peers);
-        let entry = peers.entry(id).or_insert_with(|| PeerEntry::new());
+        let entry = peers.entry(id).or_insert_with(PeerEntry::new);
         if let Some(old) = entry.data_peer.replace(data_peer) {
             self.transport.with_backend(|b| b.remove_peer(old));
         }

@@ -105,11 +105,13 @@ async fn initiator(psk: Option<&str>) -> (Agent, Region) {
         Access::ALL,
     )
     .unwrap();
-    let mut config = Config::default();
-    config.keepalive_interval = Duration::from_millis(100);
-    config.liveness_budget = 3;
-    config.handshake_timeout = Duration::from_secs(3);
-    config.backoff_max = Duration::from_millis(200);
+    let config = Config {
+        keepalive_interval: Duration::from_millis(100),
+        liveness_budget: 3,
+        handshake_timeout: Duration::from_secs(3),
+        backoff_max: Duration::from_millis(200),
+        ..Config::default()
+    };
     let mut b = Agent::builder()
         .engine_id("prefill")
         .backend(BackendChoice::Tcp)
