@@ -47,6 +47,36 @@
 //! # }
 //! ```
 //!
+//! # Invariants
+//!
+//! Each one is held by named tests (`tests/`):
+//!
+//! 1. Keep-alive never kills its owner; missed pings make a peer `Suspect`,
+//!    then `Dead` after the liveness budget, with an event naming the peer,
+//!    the attempts and the last error (`invariant_1_*`,
+//!    `keepalive_holds_20x_liveness_budget`, `total_loss_dead_within_bound`).
+//! 2. A restarted peer (new incarnation) is re-handshaken and reported as
+//!    `Restarted` (`invariant_2_*`); the `kvlane` facade then fails
+//!    transfers prepared against the old incarnation as stale
+//!    (`restarted_peer_makes_prepared_transfers_stale`).
+//! 3. At most one live connection per peer; a dead one is retired first
+//!    (`invariant_3_*`, the 10,000-cycle churn test).
+//! 4. `close()` releases everything, also after `Dead`, and is idempotent
+//!    (`invariant_4_*`).
+//! 5. Per-connection resources are unique per connection, never derived
+//!    from the peer id (`invariant_5_*`).
+//! 6. Dead connections are reaped before inbound traffic is routed
+//!    (`invariant_6_*`).
+//! 7. A group handshake is uniform and names every failing rank
+//!    (`invariant_7_*`).
+//! 8. One peer's death leaves the others untouched (`invariant_8_*`); the
+//!    facade fails the dead peer's in-flight transfers with `PeerLost`
+//!    (`killed_target_fails_transfers_then_restart_recovers`).
+//! 9. Malformed, oversized and unknown frames are dropped and counted, and
+//!    never end a listener (`invariant_9_*`, fuzz target `control_decode`).
+//! 10. Peers are capped, with a clear refusal past the cap
+//!     (`invariant_10_*`).
+//!
 //! # Cargo features
 //!
 //! None. The ZeroMQ channel (`zeromq` crate, tokio runtime) is always built.
