@@ -601,7 +601,12 @@ impl Peer {
         if !was_dead || !self.dead_reported {
             self.dead_reported = true;
             let last_error = self.last_error.clone().unwrap_or(PeerError::RemoteClosed);
-            warn!(peer = %self.addr, attempts = self.attempts, error = %last_error, "peer dead");
+            if last_error == PeerError::RemoteClosed {
+                // A `bye`: the remote shut down on purpose.
+                info!(peer = %self.addr, "peer closed the connection");
+            } else {
+                warn!(peer = %self.addr, attempts = self.attempts, error = %last_error, "peer dead");
+            }
             self.events.push_back(Event::Dead {
                 peer: self.addr.clone(),
                 attempts: self.attempts,
