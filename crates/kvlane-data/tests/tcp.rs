@@ -22,3 +22,708 @@ impl Fixture for Tcp {
 }
 
 kvlane_data::conformance_tests!(Tcp);
+
+/// Tests that speak the wire protocol by hand, bypassing the initiator.
+mod raw {
+    use kvlane_data::tcp::wire::{
+        Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, RESPONSE_LEN,
+    };
+    use kvlane_data::{
+        Access, Backend, Region, RemoteKey, RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint,
+    };
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    const LEN: u64 = 64 << 10;
+
+    struct Target {
+        backend: TcpBackend,
+        ep: TcpEndpoint,
+        all: (Region, RemoteRegion),
+        read_only: (Region, RemoteRegion),
+        write_only: (Region, RemoteRegion),
+    }
+
+    fn region(b: &mut TcpBackend, access: Access, seed: u8) -> (Region, RemoteRegion) {
+        let data: Vec<u8> = (0..LEN)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect();
+        let r = Region::from_vec(data, access).unwrap();
+        let ad = b.register(&r).unwrap();
+        (r, ad)
+    }
+
+    fn target() -> Target {
+        let mut backend = TcpBackend::new(TcpConfig::default()).unwrap();
+        let all = region(&mut backend, Access::ALL, 1);
+        let read_only = region(&mut backend, Access::REMOTE_READ, 2);
+        let write_only = region(&mut backend, Access::REMOTE_WRITE, 3);
+        let (_, endpoint) = backend.prepare_peer().unwrap();
+        let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+        Target {
+            backend,
+            ep,
+            all,
+            read_only,
+            write_only,
+        }
+    }
+
+    fn connect(ep: &TcpEndpoint) -> TcpStream {
+        let s = TcpStream::connect(ep.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    }
+
+    fn authed(ep: &TcpEndpoint) -> TcpStream {
+        let mut s = connect(ep);
+        s.write_all(&Hello { token: ep.token }.encode()).unwrap();
+        let mut ack = [0u8; 8];
+        s.read_exact(&mut ack).unwrap();
+        assert_eq!(ack, HELLO_ACK);
+        s
+    }
+
+    fn request(
+        s: &mut TcpStream,
+        kind: RequestKind,
+        key: RemoteKey,
+        offset: u64,
+        len: u64,
+    ) -> Response {
+        let req = Request {
+            kind,
+            key,
+            tag: offset ^ len,
+            offset,
+            len,
+        };
+        s.write_all(&req.encode()).unwrap();
+        if kind == RequestKind::Write {
+            s.write_all(&vec![0xee; len as usize]).unwrap();
+        }
+        let mut h = [0u8; RESPONSE_LEN];
+        s.read_exact(&mut h).unwrap();
+        let resp = Response::decode(&h).unwrap();
+        assert_eq!(resp.tag, req.tag);
+        resp
+    }
+
+    fn snapshot(t: &Target) -> Vec<Vec<u8>> {
+        [&t.all.0, &t.read_only.0, &t.write_only.0]
+            .iter()
+            .map(|r| r.to_vec().unwrap())
+            .collect()
+    }
+
+    /// Reads until the server closes; returns what it sent.
+    fn drain(mut s: TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    }
+
+    #[test]
+    fn raw_client_bad_requests_refused_and_memory_unchanged() {
+        let t = target();
+        let before = snapshot(&t);
+        let mut s = authed(&t.ep);
+        let (all, ro, wo) = (t.all.1.key, t.read_only.1.key, t.write_only.1.key);
+        let unknown = RemoteKey(all.0 + 1000);
+        use RequestKind::{Read, Write};
+        let cases = [
+            (Write, unknown, 0, 64, Status::UnknownKey),
+            (Read, unknown, 0, 64, Status::UnknownKey),
+            (Write, all, LEN - 10, 64, Status::OutOfBounds(LEN)),
+            (Read, all, LEN - 10, 64, Status::OutOfBounds(LEN)),
+            (Write, all, u64::MAX - 10, 64, Status::OutOfBounds(LEN)),
+            (Read, all, u64::MAX, 1, Status::OutOfBounds(LEN)),
+            (Write, all, LEN + 1, 0, Status::OutOfBounds(LEN)),
+            (
+                Write,
+                ro,
+                0,
+                64,
+                Status::AccessDenied(Access::REMOTE_READ.bits()),
+            ),
+            (
+                Read,
+                wo,
+                0,
+                64,
+                Status::AccessDenied(Access::REMOTE_WRITE.bits()),
+            ),
+        ];
+        for (kind, key, offset, len, want) in cases {
+            let resp = request(&mut s, kind, key, offset, len);
+            assert_eq!(resp.status, want, "{kind:?} {key} {offset}+{len}");
+        }
+        assert!(
+            snapshot(&t) == before,
+            "a refused request changed target memory"
+        );
+        // The connection survives refusals: a valid WRITE then READ work.
+        assert_eq!(request(&mut s, Write, all, 100, 8).status, Status::Ok);
+        assert_eq!(t.all.0.to_vec().unwrap()[100..108], [0xee; 8]);
+        assert_eq!(request(&mut s, Read, ro, 8, 16).status, Status::Ok);
+        let mut data = [0u8; 16];
+        s.read_exact(&mut data).unwrap();
+        assert_eq!(data[..], before[1][8..24]);
+        let c = t.backend.counters();
+        assert_eq!(c.refused_unknown_key, 2, "{c:?}");
+        assert_eq!(c.refused_out_of_bounds, 5, "{c:?}");
+        assert_eq!(c.refused_access, 2, "{c:?}");
+        assert_eq!((c.writes_served, c.reads_served), (1, 1), "{c:?}");
+    }
+
+    #[test]
+    fn unauthenticated_connections_get_nothing() {
+        let t = target();
+        let before = snapshot(&t);
+        let key = t.all.1.key;
+        let read = Request {
+            kind: RequestKind::Read,
+            key,
+            tag: 1,
+            offset: 0,
+            len: 4096,
+        };
+        let write = Request {
+            kind: RequestKind::Write,
+            key,
+            tag: 2,
+            offset: 0,
+            len: 64,
+        };
+        let mut wrong = t.ep.token;
+        wrong[15] ^= 1;
+        let attempts: Vec<Vec<u8>> = vec![
+            // Wrong token, then requests.
+            [
+                &Hello { token: wrong }.encode()[..],
+                &read.encode(),
+                &write.encode(),
+                &[0xee; 64],
+            ]
+            .concat(),
+            // No hello at all: requests straight away.
+            [&read.encode()[..], &write.encode(), &[0xee; 64]].concat(),
+            // Garbage.
+            (0..200u32).map(|i| (i * 7) as u8).collect(),
+            // A truncated hello.
+            Hello { token: t.ep.token }.encode()[..HELLO_LEN - 1].to_vec(),
+        ];
+        for (i, bytes) in attempts.iter().enumerate() {
+            let mut s = connect(&t.ep);
+            let _ = s.write_all(bytes);
+            if i == 3 {
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            }
+            let got = drain(s);
+            assert!(got.is_empty(), "attempt {i} got {} bytes back", got.len());
+        }
+        assert!(
+            snapshot(&t) == before,
+            "an unauthenticated connection changed memory"
+        );
+        let c = t.backend.counters();
+        assert_eq!(c.auth_failures, 4, "{c:?}");
+        assert_eq!((c.reads_served, c.writes_served), (0, 0), "{c:?}");
+    }
+
+    #[test]
+    fn framing_error_closes_only_that_connection() {
+        let t = target();
+        let mut good = authed(&t.ep);
+        let mut bad = authed(&t.ep);
+        let mut header = Request {
+            kind: RequestKind::Read,
+            key: t.all.1.key,
+            tag: 1,
+            offset: 0,
+            len: 8,
+        }
+        .encode();
+        header[0] = 9; // unknown opcode
+        bad.write_all(&header).unwrap();
+        assert!(drain(bad).is_empty(), "a bad header was answered");
+        // Oversized request: also a framing error, nothing read.
+        let mut big = authed(&t.ep);
+        let huge = Request {
+            kind: RequestKind::Write,
+            key: t.all.1.key,
+            tag: 1,
+            offset: 0,
+            len: 1 << 40,
+        };
+        big.write_all(&huge.encode()).unwrap();
+        assert!(drain(big).is_empty());
+        assert_eq!(
+            request(&mut good, RequestKind::Read, t.all.1.key, 0, 8).status,
+            Status::Ok
+        );
+        assert_eq!(t.backend.counters().framing_errors, 2);
+    }
+}
+
+/// Shared helpers for tests that drive a [`TcpBackend`] initiator.
+mod util {
+    use kvlane_data::{Backend, Completion, TransferId};
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+
+    /// Polls until every id completed or `limit` passed; returns results
+    /// and when each arrived.
+    pub(crate) fn collect(
+        b: &mut impl Backend,
+        ids: &[TransferId],
+        limit: Duration,
+    ) -> HashMap<TransferId, (Result<(), kvlane_data::DataError>, Instant)> {
+        let end = Instant::now() + limit;
+        let mut out = HashMap::new();
+        let mut done: Vec<Completion> = Vec::new();
+        while out.len() < ids.len() {
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                assert!(out.insert(c.id, (c.result, Instant::now())).is_none());
+            }
+            assert!(
+                Instant::now() < end,
+                "{} transfers hang",
+                ids.len() - out.len()
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        out
+    }
+}
+
+/// Stalled and broken targets, faked with plain sockets.
+mod faults {
+    use super::util::collect;
+    use kvlane_data::tcp::wire::{HELLO_ACK, HELLO_LEN};
+    use kvlane_data::{
+        connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
+        RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
+    };
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    const LEN: u64 = 4 << 20;
+
+    /// A fake target that authenticates every stream, then hands each
+    /// accepted socket to `behave`.
+    fn fake_target(behave: fn(TcpStream)) -> (TcpEndpoint, RemoteRegion) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ep = TcpEndpoint {
+            addr: listener.local_addr().unwrap(),
+            token: [5; 16],
+        };
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut hello = [0u8; HELLO_LEN];
+                if s.read_exact(&mut hello).is_ok() && s.write_all(&HELLO_ACK).is_ok() {
+                    std::thread::spawn(move || behave(s));
+                }
+            }
+        });
+        let ad = RemoteRegion {
+            key: RemoteKey(1),
+            addr: 0,
+            len: LEN,
+            access: Access::ALL,
+        };
+        (ep, ad)
+    }
+
+    fn initiator(ep: &TcpEndpoint, ad: RemoteRegion) -> (TcpBackend, kvlane_data::PeerId, Region) {
+        let mut b = TcpBackend::new(TcpConfig::default()).unwrap();
+        let local = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        (b, peer, local)
+    }
+
+    fn write(
+        peer: kvlane_data::PeerId,
+        local: &Region,
+        key: RemoteKey,
+        off: u64,
+        len: u64,
+    ) -> Transfer {
+        Transfer::new(
+            peer,
+            Op::Write,
+            vec![Descriptor {
+                region: local.id(),
+                offset: off,
+                len,
+            }],
+            vec![RemoteDescriptor {
+                key,
+                offset: off,
+                len,
+            }],
+        )
+    }
+
+    #[test]
+    fn stalled_target_times_out_at_the_deadline() {
+        // Reads everything, answers nothing.
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(300);
+        let ids: Vec<_> = (0..8)
+            .map(|i| {
+                let t = write(peer, &local, ad.key, i * 4096, 4096).with_deadline(deadline);
+                let id = t.id;
+                b.submit(t).unwrap();
+                id
+            })
+            .collect();
+        let results = collect(&mut b, &ids, Duration::from_secs(10));
+        for (id, (r, at)) in &results {
+            let e = r
+                .as_ref()
+                .expect_err("a stalled target completed a transfer");
+            assert!(e.is_timeout(), "{id}: {e}");
+            assert!(*at >= deadline, "{id} timed out early");
+            assert!(
+                *at < deadline + Duration::from_secs(1),
+                "{id} timed out late"
+            );
+        }
+        assert_eq!(b.in_flight(), 0);
+    }
+
+    #[test]
+    fn broken_connection_fails_only_that_peer_promptly() {
+        // Closes each stream after reading a little.
+        let (ep, ad) = fake_target(|mut s| {
+            let mut buf = [0u8; 100];
+            let _ = s.read_exact(&mut buf);
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        // A healthy second peer on the same initiator.
+        let mut good = TcpBackend::new(TcpConfig::default()).unwrap();
+        let remote = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        let remote_ad = good.register(&remote).unwrap();
+        let (good_peer, _) = connect_pair(&mut b, &[], &mut good, &[remote_ad]).unwrap();
+
+        let start = Instant::now();
+        let mut ids = Vec::new();
+        for i in 0..32 {
+            let t = write(peer, &local, ad.key, i * 65_536, 65_536);
+            ids.push(t.id);
+            b.submit(t).unwrap();
+        }
+        let mut good_ids = Vec::new();
+        for i in 0..32 {
+            let t = write(good_peer, &local, remote_ad.key, i * 65_536, 65_536);
+            good_ids.push(t.id);
+            b.submit(t).unwrap();
+        }
+        let all: Vec<_> = ids.iter().chain(&good_ids).copied().collect();
+        let results = collect(&mut b, &all, Duration::from_secs(20));
+        for id in &ids {
+            let (r, at) = &results[id];
+            let e = r.as_ref().expect_err("a broken peer completed a transfer");
+            assert!(e.is_peer_lost(), "{id}: {e}");
+            assert!(
+                *at - start < Duration::from_secs(5),
+                "PeerLost took {:?} (deadline is 30 s)",
+                *at - start
+            );
+            assert!(e.to_string().contains("peer#"), "{e}");
+        }
+        for id in &good_ids {
+            assert!(results[id].0.is_ok(), "{id}: {:?}", results[id].0);
+        }
+        assert!(
+            remote.to_vec().unwrap()[..(32 * 65_536)] == local.to_vec().unwrap()[..(32 * 65_536)]
+        );
+        // New transfers to the lost peer fail at once; the good peer still works.
+        let t = write(peer, &local, ad.key, 0, 8);
+        let id = t.id;
+        b.submit(t).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(5));
+        assert!(r[&id].0.as_ref().is_err_and(|e| e.is_peer_lost()));
+    }
+
+    #[test]
+    fn peer_lost_error_names_the_address() {
+        let (ep, ad) = fake_target(drop);
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let t = write(peer, &local, ad.key, 0, 4096);
+        let id = t.id;
+        b.submit(t).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(10));
+        let e = r[&id]
+            .0
+            .as_ref()
+            .expect_err("closed target completed a transfer");
+        assert!(e.is_peer_lost(), "{e}");
+        let chain = format!(
+            "{e}: {}",
+            std::error::Error::source(e)
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        );
+        assert!(chain.contains(&ep.addr.to_string()), "{chain}");
+    }
+}
+
+/// The target in another process (`examples/tcp_target.rs`).
+mod process {
+    use super::util::collect;
+    use kvlane_data::{
+        Access, Backend, Completion, DataError, Descriptor, Endpoint, Op, Region, RemoteDescriptor,
+        RemoteRegion, SubmitError, TcpBackend, TcpConfig, Transfer,
+    };
+    use std::io::{BufRead, BufReader, Write};
+    use std::path::PathBuf;
+    use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    fn target_binary() -> PathBuf {
+        // tests run from target/<profile>/deps; examples live next door.
+        let exe = std::env::current_exe().expect("test binary path");
+        let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+        let bin = dir
+            .join("examples")
+            .join(format!("tcp_target{}", std::env::consts::EXE_SUFFIX));
+        if !bin.exists() {
+            // `cargo test` builds examples; a filtered run may not have.
+            let status = Command::new(option_env!("CARGO").unwrap_or("cargo"))
+                .args(["build", "-p", "kvlane-data", "--example", "tcp_target"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .expect("run cargo build");
+            assert!(status.success(), "building examples/tcp_target failed");
+        }
+        bin
+    }
+
+    struct Target {
+        child: Child,
+        stdin: ChildStdin,
+        stdout: BufReader<ChildStdout>,
+        endpoint: Endpoint,
+        region: RemoteRegion,
+    }
+
+    impl Drop for Target {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len() / 2)
+            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+            .collect()
+    }
+
+    fn spawn_target(len: u64) -> Target {
+        let mut child = Command::new(target_binary())
+            .args(["--len", &len.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn tcp_target");
+        let stdin = child.stdin.take().expect("stdin");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("endpoint line");
+        let (endpoint, regions): (Endpoint, Vec<RemoteRegion>) =
+            rmp_serde::from_slice(&unhex(line.trim())).expect("decode endpoint");
+        Target {
+            child,
+            stdin,
+            stdout,
+            endpoint,
+            region: regions[0],
+        }
+    }
+
+    impl Target {
+        fn command(&mut self, cmd: &str) -> String {
+            writeln!(self.stdin, "{cmd}").expect("write command");
+            let mut line = String::new();
+            self.stdout.read_line(&mut line).expect("read answer");
+            line.trim().to_owned()
+        }
+    }
+
+    fn fnv1a(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
+
+    fn initiator(t: &Target, local_len: u64) -> (TcpBackend, kvlane_data::PeerId, Region) {
+        let mut b = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut data = vec![0u8; local_len as usize];
+        kvlane_data::conformance::Rng::new(99).fill(&mut data);
+        let local = Region::from_vec(data, Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &t.endpoint, &[t.region]).unwrap();
+        (b, peer, local)
+    }
+
+    fn xfer(
+        peer: kvlane_data::PeerId,
+        op: Op,
+        local: &Region,
+        lo: u64,
+        t: &Target,
+        ro: u64,
+        len: u64,
+    ) -> Transfer {
+        Transfer::new(
+            peer,
+            op,
+            vec![Descriptor {
+                region: local.id(),
+                offset: lo,
+                len,
+            }],
+            vec![RemoteDescriptor {
+                key: t.region.key,
+                offset: ro,
+                len,
+            }],
+        )
+    }
+
+    #[test]
+    fn two_process_write_then_read_back() {
+        const LEN: u64 = 8 << 20;
+        let mut t = spawn_target(LEN);
+        let (mut b, peer, local) = initiator(&t, LEN);
+        // WRITE the whole region in pieces of assorted sizes.
+        let mut ids = Vec::new();
+        let mut off = 0;
+        let mut size = 1u64;
+        while off < LEN {
+            let len = size.min(LEN - off);
+            let x = xfer(peer, Op::Write, &local, off, &t, off, len);
+            ids.push(x.id);
+            b.submit(x).expect("submit WRITE");
+            off += len;
+            size = if size >= 2 << 20 { 3 } else { size * 5 + 1 };
+        }
+        let last = xfer(peer, Op::Write, &local, 0, &t, 0, 0).with_notify(&b"written"[..]);
+        ids.push(last.id);
+        b.submit(last).unwrap();
+        for (id, (r, _)) in collect(&mut b, &ids, Duration::from_secs(60)) {
+            assert!(r.is_ok(), "{id}: {r:?}");
+        }
+        let expect = local.to_vec().unwrap();
+        assert_eq!(
+            t.command("sum"),
+            format!("{:016x}", fnv1a(&expect)),
+            "target memory differs"
+        );
+        assert_eq!(t.command("notes"), "1");
+        // READ it back into a second region, in 1 MiB + 1 pieces.
+        let back = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        b.register(&back).unwrap();
+        let mut ids = Vec::new();
+        let mut off = 0;
+        while off < LEN {
+            let len = (1 << 20 | 1).min(LEN - off);
+            let x = xfer(peer, Op::Read, &back, off, &t, off, len);
+            ids.push(x.id);
+            b.submit(x).expect("submit READ");
+            off += len;
+        }
+        for (id, (r, _)) in collect(&mut b, &ids, Duration::from_secs(60)) {
+            assert!(r.is_ok(), "{id}: {r:?}");
+        }
+        assert!(
+            back.to_vec().unwrap() == expect,
+            "READ back differs from what was written"
+        );
+    }
+
+    #[test]
+    fn killed_target_process_fails_in_flight_with_peer_lost() {
+        const LEN: u64 = 64 << 20;
+        const BLOCK: u64 = 1 << 20;
+        let mut t = spawn_target(LEN);
+        let (mut b, peer, local) = initiator(&t, LEN);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let start = Instant::now();
+        let mut done: Vec<Completion> = Vec::new();
+        let mut ok_before_kill = 0;
+        let mut i = 0u64;
+        // Keep 64 MiB in flight for a while, then kill the target.
+        while start.elapsed() < Duration::from_millis(300) {
+            while b.in_flight() < 64 {
+                let off = (i % (LEN / BLOCK)) * BLOCK;
+                let op = if i.is_multiple_of(2) {
+                    Op::Write
+                } else {
+                    Op::Read
+                };
+                let x = xfer(peer, op, &local, off, &t, off, BLOCK).with_deadline(deadline);
+                match b.submit(x) {
+                    Ok(()) => i += 1,
+                    Err(SubmitError::QueueFull { .. }) => break,
+                    Err(e) => panic!("submit: {e}"),
+                }
+            }
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                c.result.expect("transfer failed before the kill");
+                ok_before_kill += 1;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(ok_before_kill > 0, "no transfer finished before the kill");
+        let in_flight = b.in_flight();
+        assert!(in_flight > 0);
+        t.child.kill().expect("kill target");
+        let killed = Instant::now();
+        let end = killed + Duration::from_secs(10);
+        let mut lost = 0;
+        while b.in_flight() > 0 {
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                match c.result {
+                    Ok(()) => {}
+                    Err(DataError::PeerLost { .. }) => lost += 1,
+                    Err(e) => panic!("{}: expected PeerLost, got {e}", c.id),
+                }
+            }
+            assert!(
+                Instant::now() < end,
+                "{} transfers still in flight",
+                b.in_flight()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(lost > 0, "killing the target failed no transfer");
+        let took = killed.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "PeerLost after {took:?}; deadline was 60 s"
+        );
+        // The peer stays failed.
+        let x = xfer(peer, Op::Write, &local, 0, &t, 0, 8);
+        let id = x.id;
+        b.submit(x).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(5));
+        assert!(r[&id].0.as_ref().is_err_and(DataError::is_peer_lost));
+    }
+}
