@@ -62,7 +62,17 @@ fn raw_tcp(secs: f64) -> f64 {
     total as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-fn backend_run(config: &TcpConfig, op: Op, block: u64, secs: f64) -> (f64, Duration) {
+/// A connected initiator/target pair with one batch worth of memory.
+struct Pair {
+    init: TcpBackend,
+    _target: TcpBackend,
+    peer: kvlane_data::PeerId,
+    local: Region,
+    key: kvlane_data::RemoteKey,
+    block: u64,
+}
+
+fn pair(config: &TcpConfig, block: u64) -> Pair {
     let mut init = TcpBackend::new(config.clone()).expect("initiator");
     let mut target = TcpBackend::new(config.clone()).expect("target");
     let len = (BATCH * block) as usize;
@@ -72,6 +82,19 @@ fn backend_run(config: &TcpConfig, op: Op, block: u64, secs: f64) -> (f64, Durat
     let remote_ad = target.register(&remote).expect("register");
     let (peer, _) = connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).expect("pair");
     init.set_waker(Waker::from(Arc::new(Unpark(std::thread::current()))));
+    Pair {
+        init,
+        _target: target,
+        peer,
+        local,
+        key: remote_ad.key,
+        block,
+    }
+}
+
+/// Runs batches of `op` for `secs`; returns (bytes, elapsed, batches).
+fn backend_run(p: &mut Pair, op: Op, secs: f64) -> (u64, Duration, u32) {
+    let block = p.block;
     let mut done: Vec<Completion> = Vec::new();
     let mut bytes = 0u64;
     let mut batches = 0u32;
@@ -79,25 +102,25 @@ fn backend_run(config: &TcpConfig, op: Op, block: u64, secs: f64) -> (f64, Durat
     while start.elapsed().as_secs_f64() < secs {
         for i in 0..BATCH {
             let mut t = Transfer::new(
-                peer,
+                p.peer,
                 op,
                 vec![Descriptor {
-                    region: local.id(),
+                    region: p.local.id(),
                     offset: i * block,
                     len: block,
                 }],
                 vec![RemoteDescriptor {
-                    key: remote_ad.key,
+                    key: p.key,
                     offset: i * block,
                     len: block,
                 }],
             );
             loop {
-                match init.submit(t) {
+                match p.init.submit(t) {
                     Ok(()) => break,
                     Err(SubmitError::QueueFull { transfer, .. }) => {
                         t = *transfer;
-                        init.poll(&mut done);
+                        p.init.poll(&mut done);
                     }
                     Err(e) => panic!("submit: {e}"),
                 }
@@ -105,7 +128,7 @@ fn backend_run(config: &TcpConfig, op: Op, block: u64, secs: f64) -> (f64, Durat
         }
         let mut n = 0;
         while n < BATCH as usize {
-            if init.poll(&mut done) == 0 {
+            if p.init.poll(&mut done) == 0 {
                 std::thread::park_timeout(Duration::from_millis(1));
             }
             for c in done.drain(..) {
@@ -116,8 +139,7 @@ fn backend_run(config: &TcpConfig, op: Op, block: u64, secs: f64) -> (f64, Durat
         bytes += BATCH * block;
         batches += 1;
     }
-    let el = start.elapsed();
-    (bytes as f64 / el.as_secs_f64() / 1e9, el / batches.max(1))
+    (bytes, start.elapsed(), batches)
 }
 
 fn main() {
@@ -138,16 +160,30 @@ fn main() {
         "streams={} chunk_bytes={} socket_buffer={:?} batch={BATCH} secs={secs}",
         config.streams, config.chunk_bytes, config.socket_buffer
     );
-    // The machine may be shared: the baseline is measured right before
-    // each point, and the ratio is against that measurement.
+    // The machine may be shared: raw and backend slices alternate
+    // (ROUNDS each per point) and the ratio is of their totals.
+    const ROUNDS: u32 = 4;
+    let slice = secs / f64::from(ROUNDS);
     println!(
         "{:>6} {:>8} {:>9} {:>9} {:>7} {:>12}",
         "op", "block", "raw GB/s", "GB/s", "x raw", "batch time"
     );
     for block in [4u64 << 10, 64 << 10, 1 << 20] {
+        let mut p = pair(&config, block);
         for op in [Op::Write, Op::Read] {
-            let raw = raw_tcp(secs);
-            let (gbs, per_batch) = backend_run(&config, op, block, secs);
+            let (mut raw_gb, mut raw_s) = (0.0, 0.0);
+            let (mut bytes, mut el, mut batches) = (0u64, Duration::ZERO, 0u32);
+            for _ in 0..ROUNDS {
+                let r = raw_tcp(slice);
+                raw_gb += r * slice;
+                raw_s += slice;
+                let (b, e, n) = backend_run(&mut p, op, slice);
+                bytes += b;
+                el += e;
+                batches += n;
+            }
+            let raw = raw_gb / raw_s;
+            let gbs = bytes as f64 / el.as_secs_f64() / 1e9;
             println!(
                 "{:>6} {:>7}K {:>9.2} {:>9.2} {:>7.2} {:>12?}",
                 op.to_string(),
@@ -155,7 +191,7 @@ fn main() {
                 raw,
                 gbs,
                 gbs / raw,
-                per_batch
+                el / batches.max(1)
             );
         }
     }

@@ -458,6 +458,30 @@ mod faults {
     }
 
     #[test]
+    fn remove_peer_fails_in_flight_transfers_at_once() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let ids: Vec<_> = (0..16)
+            .map(|i| {
+                let t = write(peer, &local, ad.key, i * 4096, 4096);
+                let id = t.id;
+                b.submit(t).unwrap();
+                id
+            })
+            .collect();
+        let removed = Instant::now();
+        b.remove_peer(peer);
+        let results = collect(&mut b, &ids, Duration::from_secs(10));
+        for (id, (r, at)) in &results {
+            assert!(r.as_ref().is_err_and(|e| e.is_peer_lost()), "{id}: {r:?}");
+            assert!(*at - removed < Duration::from_secs(1));
+        }
+        assert_eq!(b.in_flight(), 0);
+    }
+
+    #[test]
     fn peer_lost_error_names_the_address() {
         let (ep, ad) = fake_target(drop);
         let (mut b, peer, local) = initiator(&ep, ad);
@@ -725,5 +749,66 @@ mod process {
         b.submit(x).unwrap();
         let r = collect(&mut b, &[id], Duration::from_secs(5));
         assert!(r[&id].0.as_ref().is_err_and(DataError::is_peer_lost));
+    }
+}
+
+/// The waker-driven [`Transport`](kvlane_data::Transport) on tcp.
+mod transport {
+    use kvlane_data::{
+        connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, TcpBackend,
+        TcpConfig, Transfer, Transport,
+    };
+    use std::time::Duration;
+
+    #[test]
+    fn transport_completes_and_delivers_notifications() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let src =
+            Region::from_vec((0..=255u8).cycle().take(1 << 20).collect(), Access::ALL).unwrap();
+        let dst = Region::alloc(1 << 20, Access::ALL).unwrap();
+        let src_ad = init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
+        let init = Transport::new(init).unwrap();
+        let target = Transport::new(target).unwrap();
+        let mut notes = target.take_notifications().unwrap();
+        let handles: Vec<_> = (0..16u64)
+            .map(|i| {
+                let t = Transfer::new(
+                    peer,
+                    Op::Write,
+                    vec![Descriptor {
+                        region: src.id(),
+                        offset: i << 16,
+                        len: 1 << 16,
+                    }],
+                    vec![RemoteDescriptor {
+                        key: dst_ad.key,
+                        offset: i << 16,
+                        len: 1 << 16,
+                    }],
+                )
+                .with_notify(vec![i as u8]);
+                init.submit(t).unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait().expect("transfer over Transport");
+        }
+        assert!(dst.to_vec().unwrap() == src.to_vec().unwrap());
+        let mut got = Vec::new();
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < 16 {
+            match notes.try_recv() {
+                Ok(n) => got.push(n.payload[0]),
+                Err(_) => {
+                    assert!(std::time::Instant::now() < end, "notifications missing");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        got.sort_unstable();
+        assert_eq!(got, (0..16).collect::<Vec<u8>>());
     }
 }

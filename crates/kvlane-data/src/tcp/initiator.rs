@@ -9,30 +9,24 @@
 //! every byte has landed on every stream, and the transfer completes when
 //! the notification is acknowledged.
 
+use super::io::{FrameReader, FrameWriter, DIRECT_MIN, IO_BUF};
 use super::wire::{
     Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
 };
-use super::{lock, Shared, SOCKET_IO_BUF};
+use super::{lock, Shared};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region};
 use crate::transfer::{Completion, Op};
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
-
-/// Requests and small payloads are gathered into one buffer of up to this
-/// many bytes per `write` syscall.
-const COALESCE: usize = 256 << 10;
-/// WRITE payloads up to this size are copied into the coalescing buffer;
-/// larger ones go from region memory to the socket directly.
-const INLINE_MAX: u64 = 16 << 10;
 
 /// Progress of one submitted transfer, shared by the streams.
 pub(crate) struct XferState {
@@ -112,7 +106,8 @@ pub(crate) struct PeerConn {
     senders: Vec<Sender<Msg>>,
     sockets: Vec<TcpStream>,
     transfers: Mutex<Transfers>,
-    rr: AtomicUsize,
+    /// Bytes queued so far; picks the stream (see `send_chunk`).
+    striped: AtomicU64,
 }
 
 pub(crate) struct ConnectConfig {
@@ -178,7 +173,7 @@ impl PeerConn {
             senders,
             sockets,
             transfers: Mutex::new(Transfers::default()),
-            rr: AtomicUsize::new(0),
+            striped: AtomicU64::new(0),
         });
         for (i, rx) in receivers.into_iter().enumerate() {
             let pending = Arc::new(Mutex::new(VecDeque::new()));
@@ -227,10 +222,14 @@ impl PeerConn {
         Ok(())
     }
 
-    /// Queues one chunk of a started transfer on the next stream.
-    pub(crate) fn send_chunk(&self, job: Job) {
+    /// Queues one chunk of a started transfer. Streams take turns every
+    /// `stripe` bytes: a chunk of `stripe` bytes gets a stream to itself,
+    /// while a run of small requests stays on one stream (fewer wake-ups
+    /// and larger coalesced writes than spreading them thinly).
+    pub(crate) fn send_chunk(&self, job: Job, stripe: u64) {
         job.xfer.remaining.fetch_add(1, Ordering::AcqRel);
-        let i = self.rr.fetch_add(1, Ordering::Relaxed) % self.senders.len();
+        let at = self.striped.fetch_add(job.len.max(1), Ordering::Relaxed);
+        let i = ((at / stripe.max(1)) % self.senders.len() as u64) as usize;
         // A closed channel means the connection failed, which already
         // failed the transfer.
         let _ = self.senders[i].send(Msg::Job(job));
@@ -272,12 +271,11 @@ impl PeerConn {
             return;
         }
         lock(&self.transfers).map.remove(&x.id);
-        lock(&self.shared.completions).push(Completion {
+        self.shared.complete(Completion {
             id: x.id,
             peer: x.peer,
             result,
         });
-        self.shared.wake();
     }
 
     /// Fails every transfer in flight with `PeerLost` and closes the
@@ -386,40 +384,20 @@ pub(crate) fn access_from_bits(bits: u8) -> Access {
     .fold(Access::NONE, |a, f| a | f)
 }
 
-/// Writes `a` then `b` with vectored writes (one syscall when possible).
-fn write_two(w: &mut &TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n >= a.len() {
-            b = &b[n - a.len()..];
-            a = &[];
-        } else {
-            a = &a[n..];
-        }
-    }
-    w.write_all(b)
-}
-
 struct Outbox<'a> {
-    stream: &'a TcpStream,
-    buf: Vec<u8>,
+    w: FrameWriter<'a>,
     staged: Vec<Pending>,
     pending: &'a Mutex<VecDeque<Pending>>,
 }
 
 impl Outbox<'_> {
-    /// Publishes staged requests to the receiver, then writes `buf` and
-    /// `tail` (the order matters: a response may arrive at once).
+    /// Publishes staged requests to the receiver, then writes the buffer
+    /// and `tail` (the order matters: a response may arrive at once).
     fn flush(&mut self, tail: &[u8]) -> io::Result<()> {
         if !self.staged.is_empty() {
             lock(self.pending).extend(self.staged.drain(..));
         }
-        let r = write_two(&mut &*self.stream, &self.buf, tail);
-        self.buf.clear();
-        r
+        self.w.flush_with(tail)
     }
 }
 
@@ -427,8 +405,7 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
     let span = tracing::debug_span!("tcp-tx", peer = %conn.peer, stream = i);
     let _g = span.enter();
     let mut out = Outbox {
-        stream: &conn.sockets[i],
-        buf: Vec::with_capacity(COALESCE + 64),
+        w: FrameWriter::new(&conn.sockets[i]),
         staged: Vec::new(),
         pending,
     };
@@ -445,7 +422,7 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
                     return conn.lost(i, e);
                 }
             }
-            if out.buf.len() >= COALESCE {
+            if out.w.buffered() >= IO_BUF {
                 if let Err(e) = out.flush(&[]) {
                     return conn.lost(i, e);
                 }
@@ -471,12 +448,12 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
         len: job.len,
     }
     .encode();
-    out.buf.extend_from_slice(&header);
+    out.w.put(&header);
     match job.kind {
         RequestKind::Read => out.staged.push(Pending { tag, job }),
         RequestKind::Notify => {
             if let Some(n) = &job.xfer.notify {
-                out.buf.extend_from_slice(n);
+                out.w.put(n);
             }
             out.staged.push(Pending { tag, job });
         }
@@ -486,9 +463,9 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
             };
             let (off, len) = (job.local_offset, job.len);
             out.staged.push(Pending { tag, job });
-            let r = if len <= INLINE_MAX {
+            let r = if len < DIRECT_MIN as u64 {
                 region.with_slice(off, len, |s| {
-                    out.buf.extend_from_slice(s);
+                    out.w.put(s);
                     Ok(())
                 })
             } else {
@@ -503,11 +480,11 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
 fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
     let span = tracing::debug_span!("tcp-rx", peer = %conn.peer, stream = i);
     let _g = span.enter();
-    let mut rd = BufReader::with_capacity(SOCKET_IO_BUF, &conn.sockets[i]);
+    let mut rd = FrameReader::new(&conn.sockets[i]);
     let protocol = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     loop {
         let mut h = [0u8; RESPONSE_LEN];
-        if let Err(e) = rd.read_exact(&mut h) {
+        if let Err(e) = rd.header(&mut h) {
             return conn.lost(i, e);
         }
         let resp = match Response::decode(&h) {
@@ -527,7 +504,7 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
                     return conn.lost(i, protocol("READ without local memory"));
                 };
                 let r = region
-                    .with_slice_mut(job.local_offset, job.len, |s| rd.read_exact(s))
+                    .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
                     .map_err(|e| io::Error::other(e.to_string()))
                     .and_then(|r| r);
                 if let Err(e) = r {

@@ -7,18 +7,19 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
+use super::io::{FrameReader, FrameWriter, IO_BUF};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
 };
-use super::{lock, Shared, SOCKET_IO_BUF};
+use super::{lock, Shared};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey};
 use crate::loopback::check_remote;
 use crate::memory::Region;
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -374,16 +375,16 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
     }
     stream.set_read_timeout(None)?;
     (&stream).write_all(&HELLO_ACK)?;
-    let mut rd = BufReader::with_capacity(SOCKET_IO_BUF, &stream);
-    let mut wr = BufWriter::with_capacity(SOCKET_IO_BUF, &stream);
+    let mut rd = FrameReader::new(&stream);
+    let mut wr = FrameWriter::new(&stream);
     let c = &state.counters;
     loop {
         // Answers go out in batches: flush only before we would block.
-        if rd.buffer().is_empty() {
-            wr.flush()?;
+        if rd.is_drained() && wr.buffered() > 0 {
+            wr.flush_with(&[])?;
         }
         let mut h = [0u8; REQUEST_LEN];
-        match rd.read_exact(&mut h) {
+        match rd.header(&mut h) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e.into()),
@@ -396,48 +397,49 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         let status = match checked {
             Ok(Some(region)) if req.kind == RequestKind::Write => {
                 region
-                    .with_slice_mut(req.offset, req.len, |s| rd.read_exact(s))
+                    .with_slice_mut(req.offset, req.len, |s| rd.payload(s))
                     .map_err(|e| io::Error::other(e.to_string()))??;
                 bump(&c.writes_served, 1);
                 bump(&c.bytes_written, req.len);
                 Status::Ok
             }
             Ok(Some(region)) => {
-                wr.write_all(&Response::ok(req.tag).encode())?;
+                wr.put(&Response::ok(req.tag).encode());
                 region
-                    .with_slice(req.offset, req.len, |s| wr.write_all(s))
+                    .with_slice(req.offset, req.len, |s| wr.payload(s))
                     .map_err(|e| io::Error::other(e.to_string()))??;
                 bump(&c.reads_served, 1);
                 bump(&c.bytes_read, req.len);
+                if wr.buffered() >= IO_BUF {
+                    wr.flush_with(&[])?;
+                }
                 continue;
             }
             Ok(None) => {
                 // `len <= MAX_NOTIFY` (checked by decode).
                 let mut payload = vec![0u8; req.len as usize];
-                rd.read_exact(&mut payload)?;
-                lock(&state.shared.notifications).push_back(Bytes::from(payload));
+                rd.payload(&mut payload)?;
+                state.shared.notify(Bytes::from(payload));
                 bump(&c.notifications, 1);
-                state.shared.wake();
                 Status::Ok
             }
             Err(status) => {
                 c.refused(status);
                 // Skip a refused WRITE's payload; it never reaches memory.
-                let skip = req.payload_len();
-                let skipped = io::copy(&mut (&mut rd).take(skip), &mut io::sink())?;
-                if skipped != skip {
-                    return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-                }
+                rd.skip(req.payload_len())?;
                 status
             }
         };
-        wr.write_all(
+        wr.put(
             &Response {
                 status,
                 tag: req.tag,
             }
             .encode(),
-        )?;
+        );
+        if wr.buffered() >= IO_BUF {
+            wr.flush_with(&[])?;
+        }
     }
 }
 
