@@ -1,7 +1,8 @@
 //! Throughput of the tcp backend against a raw TCP baseline, in one run.
 //!
 //! ```text
-//! cargo run --release -p kvlane-data --example tcp_bench -- [--streams N] [--chunk BYTES] [--secs S]
+//! cargo run --release -p kvlane-data --example tcp_bench -- [--streams N] [--chunk BYTES]
+//!     [--secs S] [--sockbuf BYTES] [--block BYTES] [--op write|read]
 //! ```
 //!
 //! Baseline: one plain TCP stream between two threads pushing 1 MiB
@@ -145,6 +146,8 @@ fn backend_run(p: &mut Pair, op: Op, secs: f64) -> (u64, Duration, u32) {
 fn main() {
     let mut config = TcpConfig::default();
     let mut secs = 2.0;
+    let mut blocks = vec![4u64 << 10, 64 << 10, 1 << 20];
+    let mut ops = vec![Op::Write, Op::Read];
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
         let v = pair.get(1).map(String::as_str).unwrap_or("");
@@ -152,6 +155,14 @@ fn main() {
             "--streams" => config.streams = v.parse().expect("--streams N"),
             "--chunk" => config.chunk_bytes = v.parse().expect("--chunk BYTES"),
             "--secs" => secs = v.parse().expect("--secs S"),
+            "--block" => blocks = vec![v.parse().expect("--block BYTES")],
+            "--op" => {
+                ops = vec![match v {
+                    "write" => Op::Write,
+                    "read" => Op::Read,
+                    _ => panic!("--op write|read"),
+                }]
+            }
             "--sockbuf" => config.socket_buffer = Some(v.parse().expect("--sockbuf BYTES")),
             other => panic!("unknown argument {other}"),
         }
@@ -168,9 +179,9 @@ fn main() {
         "{:>6} {:>8} {:>9} {:>9} {:>7} {:>12}",
         "op", "block", "raw GB/s", "GB/s", "x raw", "batch time"
     );
-    for block in [4u64 << 10, 64 << 10, 1 << 20] {
+    for &block in &blocks {
         let mut p = pair(&config, block);
-        for op in [Op::Write, Op::Read] {
+        for &op in &ops {
             let (mut raw_gb, mut raw_s) = (0.0, 0.0);
             let (mut bytes, mut el, mut batches) = (0u64, Duration::ZERO, 0u32);
             for _ in 0..ROUNDS {

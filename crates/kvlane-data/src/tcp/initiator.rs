@@ -83,6 +83,7 @@ pub(crate) struct Job {
 
 enum Msg {
     Job(Job),
+    Jobs(Vec<Job>),
     Stop,
 }
 
@@ -106,7 +107,7 @@ pub(crate) struct PeerConn {
     senders: Vec<Sender<Msg>>,
     sockets: Vec<TcpStream>,
     transfers: Mutex<Transfers>,
-    /// Bytes queued so far; picks the stream (see `send_chunk`).
+    /// Bytes queued so far; picks the stream (see `add_chunk`).
     striped: AtomicU64,
 }
 
@@ -129,7 +130,7 @@ fn open_stream(
 ) -> Result<TcpStream, DataError> {
     let what = || format!("connect tcp stream {i} to {peer} at {addr}");
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
-    super::server::tune_socket(&s, cfg.socket_buffer);
+    super::io::tune_socket(&s, cfg.socket_buffer);
     let mut ack = [0u8; HELLO_ACK.len()];
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| (&s).write_all(&Hello { token: *token }.encode()))
@@ -178,9 +179,17 @@ impl PeerConn {
         for (i, rx) in receivers.into_iter().enumerate() {
             let pending = Arc::new(Mutex::new(VecDeque::new()));
             let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+                let c = conn.clone();
                 thread::Builder::new()
                     .name(name)
-                    .spawn(f)
+                    .spawn(move || {
+                        // A panicking I/O thread must not leave transfers
+                        // hanging until their deadline.
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                            tracing::error!(peer = %c.peer, addr = %c.addr, "tcp I/O thread panicked");
+                            c.fail("an I/O thread of the connection panicked", None);
+                        }
+                    })
                     .map_err(|e| io_err(format!("spawn a tcp stream thread for {peer}"), e))
             };
             let (c, p) = (conn.clone(), pending.clone());
@@ -222,17 +231,27 @@ impl PeerConn {
         Ok(())
     }
 
-    /// Queues one chunk of a started transfer. Streams take turns every
-    /// `stripe` bytes: a chunk of `stripe` bytes gets a stream to itself,
-    /// while a run of small requests stays on one stream (fewer wake-ups
-    /// and larger coalesced writes than spreading them thinly).
-    pub(crate) fn send_chunk(&self, job: Job, stripe: u64) {
-        job.xfer.remaining.fetch_add(1, Ordering::AcqRel);
-        let at = self.striped.fetch_add(job.len.max(1), Ordering::Relaxed);
-        let i = ((at / stripe.max(1)) % self.senders.len() as u64) as usize;
+    /// Number of streams.
+    pub(crate) fn streams(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// Counts one more chunk of `x` and picks its stream. Streams take
+    /// turns every `stripe` bytes: a chunk of `stripe` bytes gets a stream
+    /// to itself, while a run of small requests stays on one stream (fewer
+    /// wake-ups and larger coalesced writes than spreading them thinly).
+    pub(crate) fn add_chunk(&self, x: &XferState, len: u64, stripe: u64) -> usize {
+        x.remaining.fetch_add(1, Ordering::AcqRel);
+        let at = self.striped.fetch_add(len.max(1), Ordering::Relaxed);
+        ((at / stripe.max(1)) % self.senders.len() as u64) as usize
+    }
+
+    /// Hands chunks (counted by [`add_chunk`](Self::add_chunk)) to stream
+    /// `i`'s sender.
+    pub(crate) fn send_jobs(&self, i: usize, jobs: Vec<Job>) {
         // A closed channel means the connection failed, which already
-        // failed the transfer.
-        let _ = self.senders[i].send(Msg::Job(job));
+        // failed the transfers.
+        let _ = self.senders[i].send(Msg::Jobs(jobs));
     }
 
     /// Forgets a transfer that finished elsewhere (deadline).
@@ -333,10 +352,11 @@ impl PeerConn {
         self.fail(reason, Some(e));
     }
 
-    fn refusal(&self, job: &Job, status: Status) -> DataError {
+    /// The error for a refused request; `None` when it succeeded.
+    fn refusal(&self, job: &Job, status: Status) -> Option<DataError> {
         let (peer, key) = (self.peer, job.key);
-        match status {
-            Status::Ok => unreachable_ok(),
+        Some(match status {
+            Status::Ok => return None,
             Status::UnknownKey => DataError::UnknownKey { peer, key },
             Status::OutOfBounds(region_len) => DataError::RemoteOutOfBounds {
                 peer,
@@ -346,29 +366,19 @@ impl PeerConn {
                 region_len,
             },
             Status::AccessDenied(bits) => {
-                let op = if job.kind == RequestKind::Read {
-                    Op::Read
+                let (op, needed) = if job.kind == RequestKind::Read {
+                    (Op::Read, Access::REMOTE_READ)
                 } else {
-                    Op::Write
+                    (Op::Write, Access::REMOTE_WRITE)
                 };
                 DataError::AccessDenied {
                     op,
                     target: format!("remote {key} at {peer} ({})", self.addr),
-                    needed: match op {
-                        Op::Read => Access::REMOTE_READ,
-                        Op::Write => Access::REMOTE_WRITE,
-                    },
+                    needed,
                     granted: access_from_bits(bits),
                 }
             }
-        }
-    }
-}
-
-fn unreachable_ok() -> DataError {
-    DataError::Unsupported {
-        backend: "tcp",
-        what: "a successful response is not a refusal",
+        })
     }
 }
 
@@ -412,20 +422,15 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
     let mut tag = 0u64;
     while let Ok(mut msg) = rx.recv() {
         loop {
-            let Msg::Job(job) = msg else { return };
-            if job.xfer.is_done() {
-                // Timed out or failed: nothing left to send for it.
-                conn.release(&job.xfer, job.kind == RequestKind::Notify);
-            } else {
-                tag = tag.wrapping_add(1);
-                if let Err(e) = stage(&mut out, tag, job) {
-                    return conn.lost(i, e);
-                }
-            }
-            if out.w.buffered() >= IO_BUF {
-                if let Err(e) = out.flush(&[]) {
-                    return conn.lost(i, e);
-                }
+            let r = match msg {
+                Msg::Stop => return,
+                Msg::Job(job) => handle(conn, &mut out, &mut tag, job),
+                Msg::Jobs(jobs) => jobs
+                    .into_iter()
+                    .try_for_each(|job| handle(conn, &mut out, &mut tag, job)),
+            };
+            if let Err(e) = r {
+                return conn.lost(i, e);
             }
             match rx.try_recv() {
                 Ok(m) => msg = m,
@@ -436,6 +441,21 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
             return conn.lost(i, e);
         }
     }
+}
+
+/// Stages one job, writing out the buffer when it is full.
+fn handle(conn: &PeerConn, out: &mut Outbox<'_>, tag: &mut u64, job: Job) -> io::Result<()> {
+    if job.xfer.is_done() {
+        // Timed out or failed: nothing left to send for it.
+        conn.release(&job.xfer, job.kind == RequestKind::Notify);
+        return Ok(());
+    }
+    *tag = tag.wrapping_add(1);
+    stage(out, *tag, job)?;
+    if out.w.buffered() >= IO_BUF {
+        out.flush(&[])?;
+    }
+    Ok(())
 }
 
 /// Adds one request (and its payload) to the outbox.
@@ -498,22 +518,19 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
             return conn.lost(i, protocol("response out of order"));
         }
         let job = p.job;
-        if resp.status == Status::Ok {
-            if job.kind == RequestKind::Read {
-                let Some(region) = &job.local else {
-                    return conn.lost(i, protocol("READ without local memory"));
-                };
-                let r = region
-                    .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
-                    .map_err(|e| io::Error::other(e.to_string()))
-                    .and_then(|r| r);
-                if let Err(e) = r {
-                    return conn.lost(i, e);
-                }
-            }
-        } else {
-            let e = conn.refusal(&job, resp.status);
+        if let Some(e) = conn.refusal(&job, resp.status) {
             lock(&job.xfer.error).get_or_insert(e);
+        } else if job.kind == RequestKind::Read {
+            let Some(region) = &job.local else {
+                return conn.lost(i, protocol("READ without local memory"));
+            };
+            let r = region
+                .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
+                .map_err(|e| io::Error::other(e.to_string()))
+                .and_then(|r| r);
+            if let Err(e) = r {
+                return conn.lost(i, e);
+            }
         }
         conn.release(&job.xfer, job.kind == RequestKind::Notify);
     }

@@ -140,3 +140,36 @@ fn write_two(w: &mut &TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
         w.write_all(b)
     }
 }
+
+/// `TCP_NODELAY`, and socket buffer sizes when configured.
+pub(crate) fn tune_socket(s: &TcpStream, buffer: Option<usize>) {
+    if let Err(e) = s.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+    if let Some(size) = buffer {
+        let sock = socket2::SockRef::from(s);
+        if let Err(e) = sock
+            .set_send_buffer_size(size)
+            .and_then(|()| sock.set_recv_buffer_size(size))
+        {
+            tracing::debug!(error = %e, size, "socket buffer size");
+        }
+    }
+}
+
+/// Whether bytes (or an EOF) are waiting on `stream`, without blocking.
+/// Where the check is unsupported it answers `false`, so callers flush.
+pub(crate) fn readable_now(stream: &TcpStream) -> bool {
+    #[cfg(unix)]
+    {
+        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        socket2::SockRef::from(stream)
+            .recv_with_flags(&mut probe, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+            .is_ok()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stream;
+        false
+    }
+}

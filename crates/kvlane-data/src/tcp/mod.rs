@@ -25,7 +25,43 @@
 //!
 //! Failures: a broken stream fails every transfer in flight to that peer
 //! with [`DataError::PeerLost`] as soon as the socket reports it; deadlines
-//! are enforced by [`poll`](Backend::poll).
+//! are enforced by [`poll`](Backend::poll). Completions and notifications
+//! are announced through the waker given to
+//! [`set_waker`](Backend::set_waker), so a [`Transport`](crate::Transport)
+//! sleeps between them.
+//!
+//! # Example
+//!
+//! ```
+//! use kvlane_data::{connect_pair, Access, Backend, Descriptor, Op, Region,
+//!                   RemoteDescriptor, TcpBackend, TcpConfig, Transfer, Transport};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let mut init = TcpBackend::new(TcpConfig::default())?;
+//! let mut target = TcpBackend::new(TcpConfig::default())?;
+//! let src = Region::from_vec(vec![7; 8192], Access::ALL)?;
+//! let dst = Region::alloc(8192, Access::REMOTE_WRITE)?;
+//! let src_ad = init.register(&src)?;
+//! let dst_ad = target.register(&dst)?;
+//! let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad])?;
+//! let transport = Transport::new(init)?;
+//! let write = Transfer::new(
+//!     peer,
+//!     Op::Write,
+//!     vec![Descriptor { region: src.id(), offset: 0, len: 8192 }],
+//!     vec![RemoteDescriptor { key: dst_ad.key, offset: 0, len: 8192 }],
+//! );
+//! transport.submit(write)?.wait()?;
+//! assert_eq!(dst.to_vec()?, vec![7; 8192]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Resource cleanup
+//!
+//! Dropping the backend fails its peers' in-flight transfers, closes every
+//! socket and stops the listener; the I/O threads exit as their sockets
+//! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
 
 mod initiator;
 mod io;
@@ -54,6 +90,11 @@ use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
 
 /// Buffer size of the buffered socket readers and writers.
+/// Small chunks are handed to a stream's sender in groups of up to this
+/// many (the rest at the next `poll`): one wake-up per group instead of
+/// one per request.
+const STAGE_JOBS: usize = 32;
+
 /// Settings of a [`TcpBackend`].
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -211,6 +252,10 @@ impl Shared {
 struct PeerSlot {
     conn: Option<Arc<PeerConn>>,
     regions: HashMap<RemoteKey, RemoteRegion>,
+    /// Chunks submitted but not yet handed to their stream, per stream:
+    /// `submit` hands them over in groups (one wake-up of the sender per
+    /// group), `poll` hands over the rest.
+    staged: Vec<Vec<Job>>,
 }
 
 /// Software one-sided RDMA over TCP (see the [module docs](self)).
@@ -379,6 +424,18 @@ impl TcpBackend {
         Ok(conn)
     }
 
+    /// Hands every staged chunk to its stream's sender.
+    fn send_staged(&mut self) {
+        for slot in self.peers.values_mut() {
+            let Some(conn) = &slot.conn else { continue };
+            for (i, staged) in slot.staged.iter_mut().enumerate() {
+                if !staged.is_empty() {
+                    conn.send_jobs(i, std::mem::take(staged));
+                }
+            }
+        }
+    }
+
     fn fail_now(&mut self, t: &Transfer, e: DataError) {
         self.ready.push(Completion {
             id: t.id,
@@ -473,6 +530,7 @@ impl Backend for TcpBackend {
             PeerSlot {
                 conn: None,
                 regions: HashMap::new(),
+                staged: Vec::new(),
             },
         );
         Ok((peer, self.endpoint.to_endpoint()))
@@ -498,6 +556,7 @@ impl Backend for TcpBackend {
             .peers
             .get_mut(&peer)
             .ok_or(DataError::UnknownPeer(peer))?;
+        slot.staged.clear();
         if let Some(old) = slot.conn.replace(conn) {
             old.fail("peer reconnected", None);
         }
@@ -558,6 +617,11 @@ impl Backend for TcpBackend {
             Op::Write => RequestKind::Write,
         };
         // `validate` resolved every segment, so `segments` succeeds.
+        let Some(slot) = self.peers.get_mut(&t.peer) else {
+            return Ok(());
+        };
+        let streams = conn.streams();
+        slot.staged.resize_with(streams, Vec::new);
         for seg in t.segments().into_iter().flatten() {
             let Some(region) = self.local.get(&seg.region) else {
                 continue;
@@ -565,18 +629,20 @@ impl Backend for TcpBackend {
             let mut done = 0;
             while done < seg.len {
                 let len = chunk.min(seg.len - done);
-                conn.send_chunk(
-                    Job {
-                        kind,
-                        key: seg.key,
-                        remote_offset: seg.remote_offset + done,
-                        len,
-                        local: Some(region.clone()),
-                        local_offset: seg.local_offset + done,
-                        xfer: x.clone(),
-                    },
-                    chunk,
-                );
+                let i = conn.add_chunk(&x, len, chunk);
+                let staged = &mut slot.staged[i];
+                staged.push(Job {
+                    kind,
+                    key: seg.key,
+                    remote_offset: seg.remote_offset + done,
+                    len,
+                    local: Some(region.clone()),
+                    local_offset: seg.local_offset + done,
+                    xfer: x.clone(),
+                });
+                if staged.len() >= STAGE_JOBS || len >= chunk {
+                    conn.send_jobs(i, std::mem::take(staged));
+                }
                 done += len;
             }
         }
@@ -585,6 +651,7 @@ impl Backend for TcpBackend {
     }
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        self.send_staged();
         let before = completions.len();
         completions.append(&mut self.ready);
         std::mem::swap(&mut self.drained, &mut lock(&self.shared.completions));

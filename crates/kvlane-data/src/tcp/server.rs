@@ -7,7 +7,7 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
-use super::io::{FrameReader, FrameWriter, IO_BUF};
+use super::io::{readable_now, tune_socket, FrameReader, FrameWriter, IO_BUF};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
@@ -25,6 +25,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
+
+/// Answers are flushed at the latest once they acknowledge this many
+/// payload bytes, even while more requests are waiting.
+const ACK_BATCH: u64 = 1 << 20;
 
 /// How long a new connection may take to present its token.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -277,21 +281,6 @@ impl Drop for Server {
     }
 }
 
-pub(crate) fn tune_socket(s: &TcpStream, buffer: Option<usize>) {
-    if let Err(e) = s.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY");
-    }
-    if let Some(size) = buffer {
-        let sock = socket2::SockRef::from(s);
-        if let Err(e) = sock
-            .set_send_buffer_size(size)
-            .and_then(|()| sock.set_recv_buffer_size(size))
-        {
-            tracing::debug!(error = %e, size, "socket buffer size");
-        }
-    }
-}
-
 fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) {
     let mut next_id = 0u64;
     loop {
@@ -378,17 +367,29 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
     let mut rd = FrameReader::new(&stream);
     let mut wr = FrameWriter::new(&stream);
     let c = &state.counters;
+    // Payload bytes answered but not yet flushed.
+    let mut unflushed = 0u64;
     loop {
-        // Answers go out in batches: flush only before we would block.
-        if rd.is_drained() && wr.buffered() > 0 {
+        // Answers go out in batches: flush before we would block, or once
+        // a batch acknowledges `ACK_BATCH` bytes (so acks keep flowing
+        // while the initiator streams without pause).
+        if wr.buffered() > 0
+            && (unflushed >= ACK_BATCH || (rd.is_drained() && !readable_now(&stream)))
+        {
             wr.flush_with(&[])?;
+            unflushed = 0;
         }
         let mut h = [0u8; REQUEST_LEN];
         match rd.header(&mut h) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                // Half-closed: the initiator may still read its answers.
+                let _ = wr.flush_with(&[]);
+                return Ok(());
+            }
             Err(e) => return Err(e.into()),
         }
+        unflushed += req_len_hint(&h);
         let req = Request::decode(&h).map_err(End::Frame)?;
         let checked = {
             let regions = state.regions.read().unwrap_or_else(|e| e.into_inner());
@@ -412,6 +413,7 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
                 bump(&c.bytes_read, req.len);
                 if wr.buffered() >= IO_BUF {
                     wr.flush_with(&[])?;
+                    unflushed = 0;
                 }
                 continue;
             }
@@ -439,8 +441,17 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         );
         if wr.buffered() >= IO_BUF {
             wr.flush_with(&[])?;
+            unflushed = 0;
         }
     }
+}
+
+/// The length field of an encoded request (for flush accounting only;
+/// the request itself is validated by `Request::decode`).
+fn req_len_hint(h: &[u8; REQUEST_LEN]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h[24..32]);
+    u64::from_le_bytes(b)
 }
 
 impl Response {
