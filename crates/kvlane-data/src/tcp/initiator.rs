@@ -13,13 +13,13 @@ use super::io::{FrameReader, FrameWriter, DIRECT_MIN, IO_BUF};
 use super::wire::{
     Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
 };
-use super::{lock, Shared};
+use super::{lock, IdMap, Shared};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region};
 use crate::transfer::{Completion, Op};
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -95,8 +95,10 @@ struct Pending {
 
 #[derive(Default)]
 struct Transfers {
-    dead: bool,
-    map: HashMap<TransferId, Arc<XferState>>,
+    /// Why the connection failed, once it has: later submissions fail
+    /// with the same reason and cause.
+    dead: Option<(&'static str, Option<Arc<io::Error>>)>,
+    map: IdMap<Arc<XferState>>,
 }
 
 /// The connection to one peer.
@@ -220,11 +222,11 @@ impl PeerConn {
     /// Registers a transfer; fails when the connection is dead.
     pub(crate) fn start(&self, x: &Arc<XferState>) -> Result<(), DataError> {
         let mut t = lock(&self.transfers);
-        if t.dead {
+        if let Some((reason, source)) = &t.dead {
             return Err(DataError::PeerLost {
                 peer: self.peer,
-                reason: "the connection to the peer is down",
-                source: None,
+                reason,
+                source: source.clone(),
             });
         }
         t.map.insert(x.id, x.clone());
@@ -300,16 +302,23 @@ impl PeerConn {
     /// Fails every transfer in flight with `PeerLost` and closes the
     /// streams. Idempotent.
     pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
+        // The cause always names the target's `host:port`.
+        let addr = self.addr;
+        let source = Some(Arc::new(match source {
+            Some(e) => io::Error::new(e.kind(), format!("{addr}: {e}")),
+            None => io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("connection to {addr} closed locally"),
+            ),
+        }));
         let lost = {
             let mut t = lock(&self.transfers);
-            if t.dead {
+            if t.dead.is_some() {
                 return;
             }
-            t.dead = true;
+            t.dead = Some((reason, source.clone()));
             std::mem::take(&mut t.map)
         };
-        let source =
-            source.map(|e| Arc::new(io::Error::new(e.kind(), format!("{}: {e}", self.addr))));
         let mut completions = lock(&self.shared.completions);
         for x in lost.values() {
             if x.take_done() {
@@ -335,7 +344,7 @@ impl PeerConn {
     }
 
     fn is_dead(&self) -> bool {
-        lock(&self.transfers).dead
+        lock(&self.transfers).dead.is_some()
     }
 
     /// A stream broke: log it (unless we closed it) and fail the peer.
