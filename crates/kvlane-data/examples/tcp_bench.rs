@@ -40,25 +40,34 @@ const BATCH: u64 = 128;
 fn raw_tcp(secs: f64) -> f64 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let reader = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
-        let mut buf = vec![0u8; 1 << 20];
-        let mut total = 0u64;
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => return total,
-                Ok(n) => total += n as u64,
+    let reader = std::thread::Builder::new()
+        .name("raw-reader".into())
+        .spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut buf = vec![0u8; 1 << 20];
+            let mut total = 0u64;
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => return total,
+                    Ok(n) => total += n as u64,
+                }
             }
-        }
-    });
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_nodelay(true).expect("nodelay");
-    let buf = vec![7u8; 1 << 20];
-    let start = Instant::now();
-    while start.elapsed().as_secs_f64() < secs {
-        s.write_all(&buf).expect("write");
-    }
-    drop(s);
+        })
+        .expect("spawn reader");
+    let writer = std::thread::Builder::new()
+        .name("raw-writer".into())
+        .spawn(move || {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.set_nodelay(true).expect("nodelay");
+            let buf = vec![7u8; 1 << 20];
+            let start = Instant::now();
+            while start.elapsed().as_secs_f64() < secs {
+                s.write_all(&buf).expect("write");
+            }
+            start
+        })
+        .expect("spawn writer");
+    let start = writer.join().expect("writer");
     let total = reader.join().expect("reader");
     total as f64 / start.elapsed().as_secs_f64() / 1e9
 }

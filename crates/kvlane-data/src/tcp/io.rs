@@ -11,7 +11,7 @@ use std::net::TcpStream;
 pub(crate) const DIRECT_MIN: usize = 16 << 10;
 
 /// Buffer size of [`FrameReader`] and of the senders' coalescing buffers.
-pub(crate) const IO_BUF: usize = 64 << 10;
+pub(crate) const IO_BUF: usize = 256 << 10;
 
 /// Reads headers and payloads from a stream.
 ///
