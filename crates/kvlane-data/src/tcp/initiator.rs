@@ -9,7 +9,7 @@
 //! every byte has landed on every stream, and the transfer completes when
 //! the notification is acknowledged.
 
-use super::io::{FrameReader, FrameWriter, DIRECT_MIN, IO_BUF};
+use super::io::{FrameReader, FrameWriter};
 use super::wire::{
     Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
 };
@@ -410,13 +410,13 @@ struct Outbox<'a> {
 }
 
 impl Outbox<'_> {
-    /// Publishes staged requests to the receiver, then writes the buffer
-    /// and `tail` (the order matters: a response may arrive at once).
-    fn flush(&mut self, tail: &[u8]) -> io::Result<()> {
+    /// Publishes staged requests to the receiver, then writes what was
+    /// gathered (the order matters: a response may arrive at once).
+    fn flush(&mut self) -> io::Result<()> {
         if !self.staged.is_empty() {
             lock(self.pending).extend(self.staged.drain(..));
         }
-        self.w.flush_with(tail)
+        self.w.flush()
     }
 }
 
@@ -446,7 +446,7 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
                 Err(_) => break,
             }
         }
-        if let Err(e) = out.flush(&[]) {
+        if let Err(e) = out.flush() {
             return conn.lost(i, e);
         }
     }
@@ -461,8 +461,8 @@ fn handle(conn: &PeerConn, out: &mut Outbox<'_>, tag: &mut u64, job: Job) -> io:
     }
     *tag = tag.wrapping_add(1);
     stage(out, *tag, job)?;
-    if out.w.buffered() >= IO_BUF {
-        out.flush(&[])?;
+    if out.w.is_full() {
+        out.flush()?;
     }
     Ok(())
 }
@@ -487,20 +487,11 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
             out.staged.push(Pending { tag, job });
         }
         RequestKind::Write => {
-            let Some(region) = job.local.clone() else {
+            let Some(region) = &job.local else {
                 return Err(io::Error::other("WRITE without local memory"));
             };
-            let (off, len) = (job.local_offset, job.len);
+            out.w.region(region, job.local_offset, job.len)?;
             out.staged.push(Pending { tag, job });
-            let r = if len < DIRECT_MIN as u64 {
-                region.with_slice(off, len, |s| {
-                    out.w.put(s);
-                    Ok(())
-                })
-            } else {
-                region.with_slice(off, len, |s| out.flush(s))
-            };
-            r.map_err(|e| io::Error::other(e.to_string()))??;
         }
     }
     Ok(())

@@ -2,6 +2,7 @@
 //! small buffer, large payloads move between the socket and region memory
 //! without an intermediate copy.
 
+use crate::memory::Region;
 use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
 use std::net::TcpStream;
 
@@ -76,69 +77,134 @@ impl<'a> FrameReader<'a> {
     }
 }
 
-/// Gathers headers and small payloads; writes them together with a large
-/// payload in one vectored write.
+/// Payloads shorter than this are copied into the write buffer; longer
+/// ones are sent from region memory by reference (an iovec each).
+const COPY_MAX: u64 = 1024;
+
+/// Most iovecs gathered before a write (Linux caps a `writev` at 1024).
+const MAX_SEGS: usize = 512;
+
+/// One piece of pending output.
+enum Seg {
+    /// `buf[start..end]`.
+    Buf(usize, usize),
+    /// A span of region memory, sent without a copy.
+    Mem(Region, u64, u64),
+}
+
+/// Gathers frames and writes them with vectored writes: headers and tiny
+/// payloads are copied into a buffer, other payloads are referenced in
+/// region memory and go from there to the socket (no user-space copy).
 pub(crate) struct FrameWriter<'a> {
     stream: &'a TcpStream,
     buf: Vec<u8>,
+    segs: Vec<Seg>,
+    bytes: usize,
 }
 
 impl<'a> FrameWriter<'a> {
     pub(crate) fn new(stream: &'a TcpStream) -> Self {
         Self {
             stream,
-            buf: Vec::with_capacity(IO_BUF + DIRECT_MIN),
+            buf: Vec::with_capacity(64 << 10),
+            segs: Vec::with_capacity(MAX_SEGS + 2),
+            bytes: 0,
         }
     }
 
     /// Bytes gathered and not yet written.
     pub(crate) fn buffered(&self) -> usize {
-        self.buf.len()
+        self.bytes
     }
 
-    /// Appends bytes to the buffer.
+    /// Whether enough is gathered that it should be written now.
+    pub(crate) fn is_full(&self) -> bool {
+        self.bytes >= IO_BUF || self.segs.len() >= MAX_SEGS
+    }
+
+    /// Appends a copy of `bytes`.
     pub(crate) fn put(&mut self, bytes: &[u8]) {
+        let start = self.buf.len();
         self.buf.extend_from_slice(bytes);
-    }
-
-    /// Writes the buffer, then `tail`, then clears the buffer.
-    pub(crate) fn flush_with(&mut self, tail: &[u8]) -> io::Result<()> {
-        let r = write_two(&mut &*self.stream, &self.buf, tail);
-        self.buf.clear();
-        r
-    }
-
-    /// Appends a payload: copied when small, else written at once with
-    /// everything buffered before it.
-    pub(crate) fn payload(&mut self, bytes: &[u8]) -> io::Result<()> {
-        if bytes.len() < DIRECT_MIN {
-            self.put(bytes);
-            Ok(())
-        } else {
-            self.flush_with(bytes)
+        let end = self.buf.len();
+        self.bytes += bytes.len();
+        match self.segs.last_mut() {
+            Some(Seg::Buf(_, last_end)) if *last_end == start => *last_end = end,
+            _ => self.segs.push(Seg::Buf(start, end)),
         }
+    }
+
+    /// Appends `len` bytes of `region` from `offset` (checked again when
+    /// written).
+    pub(crate) fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        if len < COPY_MAX {
+            return region
+                .with_slice(offset, len, |s| self.put(s))
+                .map_err(|e| io::Error::other(e.to_string()));
+        }
+        self.segs.push(Seg::Mem(region.clone(), offset, len));
+        self.bytes = self
+            .bytes
+            .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+        Ok(())
+    }
+
+    /// Writes everything gathered.
+    pub(crate) fn flush(&mut self) -> io::Result<()> {
+        if self.segs.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream;
+        let slices = Vec::with_capacity(self.segs.len());
+        let r = gather(&self.segs, &self.buf, slices, &mut |s| {
+            write_all_slices(stream, s)
+        });
+        self.segs.clear();
+        self.buf.clear();
+        self.bytes = 0;
+        r
     }
 }
 
-/// Writes `a` then `b` with vectored writes (one syscall when possible).
-fn write_two(w: &mut &TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n >= a.len() {
-            b = &b[n - a.len()..];
-            a = &[];
-        } else {
-            a = &a[n..];
+/// Borrows every segment's bytes (region memory through nested
+/// `with_slice` calls, one level per region span) and hands the slices to
+/// `f`.
+fn gather<'s>(
+    segs: &[Seg],
+    buf: &'s [u8],
+    mut acc: Vec<IoSlice<'s>>,
+    f: &mut dyn FnMut(&mut [IoSlice<'_>]) -> io::Result<()>,
+) -> io::Result<()> {
+    for (i, seg) in segs.iter().enumerate() {
+        match seg {
+            Seg::Buf(a, b) => acc.push(IoSlice::new(&buf[*a..*b])),
+            Seg::Mem(region, off, len) => {
+                let rest = &segs[i + 1..];
+                return region
+                    .with_slice(*off, *len, move |s| {
+                        let mut acc: Vec<IoSlice<'_>> = acc;
+                        acc.push(IoSlice::new(s));
+                        gather(rest, buf, acc, f)
+                    })
+                    .map_err(|e| io::Error::other(e.to_string()))?;
+            }
         }
     }
-    if b.is_empty() {
-        Ok(())
-    } else {
-        w.write_all(b)
+    f(&mut acc)
+}
+
+/// Writes every slice, retrying partial writes.
+fn write_all_slices(mut w: &TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
+    Ok(())
 }
 
 /// `TCP_NODELAY`, and socket buffer sizes when configured.

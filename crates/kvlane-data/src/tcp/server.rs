@@ -7,7 +7,7 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
-use super::io::{readable_now, tune_socket, FrameReader, FrameWriter, IO_BUF};
+use super::io::{readable_now, tune_socket, FrameReader, FrameWriter};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
@@ -376,7 +376,7 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         if wr.buffered() > 0
             && (unflushed >= ACK_BATCH || (rd.is_drained() && !readable_now(&stream)))
         {
-            wr.flush_with(&[])?;
+            wr.flush()?;
             unflushed = 0;
         }
         let mut h = [0u8; REQUEST_LEN];
@@ -384,7 +384,7 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                 // Half-closed: the initiator may still read its answers.
-                let _ = wr.flush_with(&[]);
+                let _ = wr.flush();
                 return Ok(());
             }
             Err(e) => return Err(e.into()),
@@ -406,13 +406,11 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
             }
             Ok(Some(region)) => {
                 wr.put(&Response::ok(req.tag).encode());
-                region
-                    .with_slice(req.offset, req.len, |s| wr.payload(s))
-                    .map_err(|e| io::Error::other(e.to_string()))??;
+                wr.region(&region, req.offset, req.len)?;
                 bump(&c.reads_served, 1);
                 bump(&c.bytes_read, req.len);
-                if wr.buffered() >= IO_BUF {
-                    wr.flush_with(&[])?;
+                if wr.is_full() {
+                    wr.flush()?;
                     unflushed = 0;
                 }
                 continue;
@@ -439,8 +437,8 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
             }
             .encode(),
         );
-        if wr.buffered() >= IO_BUF {
-            wr.flush_with(&[])?;
+        if wr.is_full() {
+            wr.flush()?;
             unflushed = 0;
         }
     }
