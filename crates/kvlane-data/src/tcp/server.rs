@@ -460,3 +460,96 @@ impl Response {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Access;
+    use proptest::prelude::*;
+
+    fn table() -> HashMap<RemoteKey, Region> {
+        let mut t = HashMap::new();
+        t.insert(RemoteKey(1), Region::alloc(4096, Access::ALL).unwrap());
+        t.insert(
+            RemoteKey(2),
+            Region::alloc(100, Access::REMOTE_READ).unwrap(),
+        );
+        t.insert(
+            RemoteKey(3),
+            Region::alloc(10, Access::REMOTE_WRITE).unwrap(),
+        );
+        t
+    }
+
+    proptest! {
+        /// A request is accepted exactly when the key exists, the right is
+        /// granted and `offset + len` fits (without overflow).
+        #[test]
+        fn check_request_accepts_exactly_the_valid_requests(
+            key in 0u32..5,
+            write in any::<bool>(),
+            offset in prop_oneof![0u64..5000, any::<u64>()],
+            len in prop_oneof![0u64..5000, any::<u64>()],
+        ) {
+            let t = table();
+            let kind = if write { RequestKind::Write } else { RequestKind::Read };
+            let req = Request { kind, key: RemoteKey(key), tag: 0, offset, len };
+            let r = check_request(&t, &req);
+            match t.get(&RemoteKey(key)) {
+                None => prop_assert_eq!(r.err(), Some(Status::UnknownKey)),
+                Some(region) => {
+                    let needed = if write { Access::REMOTE_WRITE } else { Access::REMOTE_READ };
+                    let fits = offset.checked_add(len).is_some_and(|e| e <= region.len());
+                    match r {
+                        Ok(Some(got)) => {
+                            prop_assert!(fits && region.access().contains(needed));
+                            prop_assert_eq!(got.id(), region.id());
+                        }
+                        Err(Status::AccessDenied(bits)) => {
+                            prop_assert!(!region.access().contains(needed));
+                            prop_assert_eq!(bits, region.access().bits());
+                        }
+                        Err(Status::OutOfBounds(n)) => {
+                            prop_assert!(!fits && region.access().contains(needed));
+                            prop_assert_eq!(n, region.len());
+                        }
+                        other => prop_assert!(false, "unexpected {:?}", other.map(|r| r.map(|r| r.id()))),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn notifications_touch_no_region() {
+        let req = Request {
+            kind: RequestKind::Notify,
+            key: RemoteKey(0),
+            tag: 0,
+            offset: 0,
+            len: 10,
+        };
+        assert!(matches!(check_request(&table(), &req), Ok(None)));
+    }
+
+    #[test]
+    fn fuzz_entry_survives_edge_headers() {
+        let mut data = Vec::new();
+        for (kind, key, offset, len) in [
+            (1u8, 1u32, 4095u64, 1u64),
+            (2, 1, 4096, 0),
+            (2, 3, 0, 1),
+            (1, 2, u64::MAX, 2),
+            (3, 0, 0, 5),
+            (1, u32::MAX, 0, 65_536),
+        ] {
+            let mut h = [0u8; REQUEST_LEN];
+            h[0] = kind;
+            h[4..8].copy_from_slice(&key.to_le_bytes());
+            h[16..24].copy_from_slice(&offset.to_le_bytes());
+            h[24..32].copy_from_slice(&len.to_le_bytes());
+            data.extend_from_slice(&h);
+        }
+        fuzz_request(&data);
+    }
+}
