@@ -269,10 +269,19 @@ impl Drop for Server {
                 SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
             });
         }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let woken = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(h) = self.listener.take() {
-            if h.join().is_err() {
-                tracing::error!(addr = %self.addr, "tcp listener thread panicked");
+            match woken {
+                Ok(_) => {
+                    if h.join().is_err() {
+                        tracing::error!(addr = %self.addr, "tcp listener thread panicked");
+                    }
+                }
+                // Joining could block forever: leave the thread parked in
+                // `accept`; it exits at the next connection.
+                Err(e) => {
+                    tracing::warn!(addr = %self.addr, error = %e, "could not wake the tcp listener")
+                }
             }
         }
         for (_, s) in lock(&self.state.conns).drain() {
