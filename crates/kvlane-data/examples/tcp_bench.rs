@@ -109,7 +109,9 @@ fn backend_run(p: &mut Pair, op: Op, secs: f64) -> (u64, Duration, u32) {
     let mut bytes = 0u64;
     let mut batches = 0u32;
     let start = Instant::now();
+    let mut submitting = Duration::ZERO;
     while start.elapsed().as_secs_f64() < secs {
+        let t0 = Instant::now();
         for i in 0..BATCH {
             let mut t = Transfer::new(
                 p.peer,
@@ -136,6 +138,7 @@ fn backend_run(p: &mut Pair, op: Op, secs: f64) -> (u64, Duration, u32) {
                 }
             }
         }
+        submitting += t0.elapsed();
         let mut n = 0;
         while n < BATCH as usize {
             if p.init.poll(&mut done) == 0 {
@@ -148,6 +151,9 @@ fn backend_run(p: &mut Pair, op: Op, secs: f64) -> (u64, Duration, u32) {
         }
         bytes += BATCH * block;
         batches += 1;
+    }
+    if std::env::var_os("TCP_BENCH_VERBOSE").is_some() {
+        eprintln!("  submit loop: {:?} per batch", submitting / batches.max(1));
     }
     (bytes, start.elapsed(), batches)
 }

@@ -212,8 +212,9 @@ impl TcpEndpoint {
     }
 }
 
-/// Hasher for maps keyed by [`TransferId`] (one multiply per key instead
-/// of SipHash; the ids come from the local caller, not the network).
+/// Hasher for the backend's maps keyed by small local ids (transfer,
+/// region, peer, key): one multiply per key instead of SipHash. The keys
+/// come from the local caller, never from the network.
 #[derive(Default)]
 pub(crate) struct IdHasher(u64);
 
@@ -223,6 +224,9 @@ impl std::hash::Hasher for IdHasher {
             self.write_u64(u64::from(b));
         }
     }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
     }
@@ -231,8 +235,10 @@ impl std::hash::Hasher for IdHasher {
     }
 }
 
+/// A map keyed by a local id.
+pub(crate) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
 /// A map keyed by transfer id.
-pub(crate) type IdMap<V> = HashMap<TransferId, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub(crate) type IdMap<V> = FastMap<TransferId, V>;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Tables behind these locks stay consistent if a holder panicked.
@@ -281,7 +287,7 @@ impl Shared {
 
 struct PeerSlot {
     conn: Option<Arc<PeerConn>>,
-    regions: HashMap<RemoteKey, RemoteRegion>,
+    regions: FastMap<RemoteKey, RemoteRegion>,
     /// Chunks submitted but not yet handed to their stream, per stream:
     /// `submit` hands them over in groups (one wake-up of the sender per
     /// group), `poll` hands over the rest.
@@ -295,11 +301,11 @@ pub struct TcpBackend {
     regions: Arc<RegionTable>,
     counters: Arc<Counters>,
     shared: Arc<Shared>,
-    local: HashMap<RegionId, Region>,
-    keys: HashMap<RegionId, RemoteKey>,
+    local: FastMap<RegionId, Region>,
+    keys: FastMap<RegionId, RemoteKey>,
     next_key: u32,
     next_peer: u64,
-    peers: HashMap<PeerId, PeerSlot>,
+    peers: FastMap<PeerId, PeerSlot>,
     in_flight: IdMap<Arc<XferState>>,
     ready: Vec<Completion>,
     next_deadline: Option<Instant>,
@@ -354,11 +360,11 @@ impl TcpBackend {
             regions,
             counters,
             shared,
-            local: HashMap::new(),
-            keys: HashMap::new(),
+            local: FastMap::default(),
+            keys: FastMap::default(),
             next_key: 1,
             next_peer: 1,
-            peers: HashMap::new(),
+            peers: FastMap::default(),
             in_flight: IdMap::default(),
             ready: Vec::new(),
             next_deadline: None,
@@ -559,7 +565,7 @@ impl Backend for TcpBackend {
             peer,
             PeerSlot {
                 conn: None,
-                regions: HashMap::new(),
+                regions: FastMap::default(),
                 staged: Vec::new(),
             },
         );
