@@ -9,7 +9,7 @@
 //! every byte has landed on every stream, and the transfer completes when
 //! the notification is acknowledged.
 
-use super::io::{FrameReader, FrameWriter};
+use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
 use super::wire::{
     Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
 };
@@ -116,7 +116,7 @@ pub(crate) struct PeerConn {
 pub(crate) struct ConnectConfig {
     pub(crate) streams: usize,
     pub(crate) timeout: Duration,
-    pub(crate) socket_buffer: Option<usize>,
+    pub(crate) socket: SocketOptions,
 }
 
 fn io_err(op: String, source: io::Error) -> DataError {
@@ -132,7 +132,7 @@ fn open_stream(
 ) -> Result<TcpStream, DataError> {
     let what = || format!("connect tcp stream {i} to {peer} at {addr}");
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
-    super::io::tune_socket(&s, cfg.socket_buffer);
+    tune_socket(&s, cfg.socket);
     let mut ack = [0u8; HELLO_ACK.len()];
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| (&s).write_all(&Hello { token: *token }.encode()))

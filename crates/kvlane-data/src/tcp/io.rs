@@ -207,18 +207,42 @@ fn write_all_slices(mut w: &TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Re
     Ok(())
 }
 
-/// `TCP_NODELAY`, and socket buffer sizes when configured.
-pub(crate) fn tune_socket(s: &TcpStream, buffer: Option<usize>) {
+/// Socket settings applied to every connection.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SocketOptions {
+    /// `SO_SNDBUF`/`SO_RCVBUF`; `None` keeps auto-tuning.
+    pub(crate) buffer: Option<usize>,
+    /// Keep-alive idle time; see [`TcpConfig::keepalive`](super::TcpConfig::keepalive).
+    pub(crate) keepalive: Option<std::time::Duration>,
+}
+
+/// `TCP_NODELAY`, buffer sizes and keep-alive. Failures only cost
+/// performance or dead-peer detection time, so they are logged.
+pub(crate) fn tune_socket(s: &TcpStream, opts: SocketOptions) {
     if let Err(e) = s.set_nodelay(true) {
         tracing::debug!(error = %e, "TCP_NODELAY");
     }
-    if let Some(size) = buffer {
-        let sock = socket2::SockRef::from(s);
+    let sock = socket2::SockRef::from(s);
+    if let Some(size) = opts.buffer {
         if let Err(e) = sock
             .set_send_buffer_size(size)
             .and_then(|()| sock.set_recv_buffer_size(size))
         {
             tracing::debug!(error = %e, size, "socket buffer size");
+        }
+    }
+    if let Some(idle) = opts.keepalive {
+        let ka = socket2::TcpKeepalive::new().with_time(idle);
+        #[cfg(target_os = "linux")]
+        let ka = ka
+            .with_interval((idle / 4).max(std::time::Duration::from_secs(1)))
+            .with_retries(4);
+        if let Err(e) = sock.set_tcp_keepalive(&ka) {
+            tracing::debug!(error = %e, "TCP keep-alive");
+        }
+        #[cfg(target_os = "linux")]
+        if let Err(e) = sock.set_tcp_user_timeout(Some(idle * 2)) {
+            tracing::debug!(error = %e, "TCP_USER_TIMEOUT");
         }
     }
 }

@@ -126,6 +126,13 @@ pub struct TcpConfig {
     /// `SO_SNDBUF`/`SO_RCVBUF` of every socket; `None` (the default) keeps
     /// the kernel's auto-tuning.
     pub socket_buffer: Option<usize>,
+    /// Dead-peer detection when the socket cannot tell at once (the host
+    /// vanished without a reset): TCP keep-alive probes start after this
+    /// idle time, and on Linux a connection whose sent data stays
+    /// unacknowledged for twice this long is aborted; either fails the
+    /// peer's transfers with [`DataError::PeerLost`]. Default 10 s; `None`
+    /// leaves the system defaults (hours).
+    pub keepalive: Option<Duration>,
     /// Connections the target side serves at once. Default 1024.
     pub max_connections: usize,
 }
@@ -140,7 +147,17 @@ impl Default for TcpConfig {
             queue_depth: 4096,
             connect_timeout: Duration::from_secs(5),
             socket_buffer: None,
+            keepalive: Some(Duration::from_secs(10)),
             max_connections: 1024,
+        }
+    }
+}
+
+impl TcpConfig {
+    fn socket_options(&self) -> io::SocketOptions {
+        io::SocketOptions {
+            buffer: self.socket_buffer,
+            keepalive: self.keepalive,
         }
     }
 }
@@ -337,7 +354,7 @@ impl TcpBackend {
                 listen: config.listen,
                 token,
                 max_connections: config.max_connections.max(1),
-                socket_buffer: config.socket_buffer,
+                socket: config.socket_options(),
             },
             regions.clone(),
             shared.clone(),
@@ -585,7 +602,7 @@ impl Backend for TcpBackend {
         let cfg = ConnectConfig {
             streams: self.config.streams,
             timeout: self.config.connect_timeout,
-            socket_buffer: self.config.socket_buffer,
+            socket: self.config.socket_options(),
         };
         let conn = PeerConn::connect(peer, ep.addr, &ep.token, &cfg, self.shared.clone())?;
         let slot = self

@@ -7,7 +7,7 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
-use super::io::{readable_now, tune_socket, FrameReader, FrameWriter};
+use super::io::{readable_now, tune_socket, FrameReader, FrameWriter, SocketOptions};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
@@ -191,7 +191,7 @@ pub(crate) struct ServerConfig {
     pub(crate) listen: SocketAddr,
     pub(crate) token: [u8; TOKEN_LEN],
     pub(crate) max_connections: usize,
-    pub(crate) socket_buffer: Option<usize>,
+    pub(crate) socket: SocketOptions,
 }
 
 struct ServerState {
@@ -202,7 +202,7 @@ struct ServerState {
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, TcpStream>>,
     max_connections: usize,
-    socket_buffer: Option<usize>,
+    socket: SocketOptions,
 }
 
 /// The listener and its connections; shut down on drop.
@@ -235,7 +235,7 @@ impl Server {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             max_connections: config.max_connections,
-            socket_buffer: config.socket_buffer,
+            socket: config.socket,
         });
         let thread_state = state.clone();
         let handle = thread::Builder::new()
@@ -364,7 +364,7 @@ impl From<io::Error> for End {
 }
 
 fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
-    tune_socket(&stream, state.socket_buffer);
+    tune_socket(&stream, state.socket);
     // Authenticate before reading any request.
     stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
     let mut hello = [0u8; HELLO_LEN];
