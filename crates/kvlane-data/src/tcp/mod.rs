@@ -63,6 +63,9 @@
 //! socket and stops the listener; the I/O threads exit as their sockets
 //! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
 
+// Region memory is reached only through `Region::with_slice{,_mut}`.
+#![forbid(unsafe_code)]
+
 mod initiator;
 mod io;
 mod server;
