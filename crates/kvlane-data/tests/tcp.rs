@@ -564,3 +564,105 @@ mod transport {
         assert_eq!(got, (0..16).collect::<Vec<u8>>());
     }
 }
+
+/// Refusals that only the target can make (the initiator's own checks
+/// pass because the advertisement is stale or wrong) come back typed.
+mod target_refusals {
+    use super::util::collect;
+    use kvlane_data::{
+        Access, Backend, DataError, Descriptor, Op, Region, RemoteDescriptor, RemoteRegion,
+        TcpBackend, TcpConfig, Transfer,
+    };
+    use std::time::Duration;
+
+    #[test]
+    fn wire_refusals_map_to_typed_errors_and_suppress_notifications() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let local = Region::from_vec(vec![1; 8192], Access::ALL).unwrap();
+        init.register(&local).unwrap();
+        let ro = Region::alloc(4096, Access::REMOTE_READ).unwrap();
+        let gone = Region::alloc(4096, Access::ALL).unwrap();
+        let ro_ad = target.register(&ro).unwrap();
+        let gone_ad = target.register(&gone).unwrap();
+        target.deregister(gone.id()).unwrap();
+        // Advertise more than the target grants.
+        let lie = RemoteRegion {
+            len: 8192,
+            access: Access::ALL,
+            ..ro_ad
+        };
+        let (peer, _) = init.prepare_peer().unwrap();
+        let (_, ep) = target.prepare_peer().unwrap();
+        init.connect_peer(peer, &ep, &[lie, gone_ad]).unwrap();
+        let t = |op, key, offset: u64, len: u64| {
+            Transfer::new(
+                peer,
+                op,
+                vec![Descriptor {
+                    region: local.id(),
+                    offset: 0,
+                    len,
+                }],
+                vec![RemoteDescriptor { key, offset, len }],
+            )
+            .with_notify(&b"must not arrive"[..])
+        };
+        let cases = [
+            t(Op::Write, ro_ad.key, 0, 64),
+            t(Op::Read, ro_ad.key, 4000, 200),
+            t(Op::Write, gone_ad.key, 0, 64),
+        ];
+        let ids: Vec<_> = cases.iter().map(|t| t.id).collect();
+        for c in cases {
+            init.submit(c).unwrap();
+        }
+        let r = collect(&mut init, &ids, Duration::from_secs(10));
+        let err = |i: usize| r[&ids[i]].0.as_ref().expect_err("refused on the wire");
+        assert!(
+            matches!(err(0), DataError::AccessDenied { op: Op::Write, granted, .. } if *granted == Access::REMOTE_READ),
+            "{}",
+            err(0)
+        );
+        assert!(
+            matches!(
+                err(1),
+                DataError::RemoteOutOfBounds {
+                    offset: 4000,
+                    len: 200,
+                    region_len: 4096,
+                    ..
+                }
+            ),
+            "{}",
+            err(1)
+        );
+        assert!(
+            matches!(err(2), DataError::UnknownKey { key, .. } if *key == gone_ad.key),
+            "{}",
+            err(2)
+        );
+        assert_eq!(
+            ro.to_vec().unwrap(),
+            vec![0; 4096],
+            "a refused WRITE landed"
+        );
+        let mut notes = Vec::new();
+        std::thread::sleep(Duration::from_millis(50));
+        target.poll_notifications(&mut notes);
+        assert!(
+            notes.is_empty(),
+            "a failed transfer delivered its notification"
+        );
+        let c = target.counters();
+        assert_eq!(
+            (
+                c.refused_access,
+                c.refused_out_of_bounds,
+                c.refused_unknown_key
+            ),
+            (1, 1, 1),
+            "{c:?}"
+        );
+    }
+}
