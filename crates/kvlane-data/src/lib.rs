@@ -51,6 +51,8 @@
 //! clones of the regions registered with them until `deregister` or drop.
 //! Dropping a [`Transport`] stops its thread and fails transfers still in
 //! flight with [`DataError::Shutdown`]; nothing is left waiting forever.
+//! Dropping a [`TcpBackend`] closes its listener and every connection;
+//! its I/O threads exit as their sockets close.
 #![deny(missing_docs)]
 
 mod backend;

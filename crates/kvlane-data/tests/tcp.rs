@@ -22,3 +22,647 @@ impl Fixture for Tcp {
 }
 
 kvlane_data::conformance_tests!(Tcp);
+
+/// Tests that speak the wire protocol by hand, bypassing the initiator.
+mod raw {
+    use kvlane_data::tcp::wire::{
+        Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, RESPONSE_LEN,
+    };
+    use kvlane_data::{
+        Access, Backend, Region, RemoteKey, RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint,
+    };
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::Duration;
+
+    const LEN: u64 = 64 << 10;
+
+    struct Target {
+        backend: TcpBackend,
+        ep: TcpEndpoint,
+        all: (Region, RemoteRegion),
+        read_only: (Region, RemoteRegion),
+        write_only: (Region, RemoteRegion),
+    }
+
+    fn region(b: &mut TcpBackend, access: Access, seed: u8) -> (Region, RemoteRegion) {
+        let data: Vec<u8> = (0..LEN)
+            .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+            .collect();
+        let r = Region::from_vec(data, access).unwrap();
+        let ad = b.register(&r).unwrap();
+        (r, ad)
+    }
+
+    fn target() -> Target {
+        let mut backend = TcpBackend::new(TcpConfig::default()).unwrap();
+        let all = region(&mut backend, Access::ALL, 1);
+        let read_only = region(&mut backend, Access::REMOTE_READ, 2);
+        let write_only = region(&mut backend, Access::REMOTE_WRITE, 3);
+        let (_, endpoint) = backend.prepare_peer().unwrap();
+        let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+        Target {
+            backend,
+            ep,
+            all,
+            read_only,
+            write_only,
+        }
+    }
+
+    fn connect(ep: &TcpEndpoint) -> TcpStream {
+        let s = TcpStream::connect(ep.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    }
+
+    fn authed(ep: &TcpEndpoint) -> TcpStream {
+        let mut s = connect(ep);
+        s.write_all(&Hello { token: ep.token }.encode()).unwrap();
+        let mut ack = [0u8; 8];
+        s.read_exact(&mut ack).unwrap();
+        assert_eq!(ack, HELLO_ACK);
+        s
+    }
+
+    fn request(
+        s: &mut TcpStream,
+        kind: RequestKind,
+        key: RemoteKey,
+        offset: u64,
+        len: u64,
+    ) -> Response {
+        let req = Request {
+            kind,
+            key,
+            tag: offset ^ len,
+            offset,
+            len,
+        };
+        s.write_all(&req.encode()).unwrap();
+        if kind == RequestKind::Write {
+            s.write_all(&vec![0xee; len as usize]).unwrap();
+        }
+        let mut h = [0u8; RESPONSE_LEN];
+        s.read_exact(&mut h).unwrap();
+        let resp = Response::decode(&h).unwrap();
+        assert_eq!(resp.tag, req.tag);
+        resp
+    }
+
+    fn snapshot(t: &Target) -> Vec<Vec<u8>> {
+        [&t.all.0, &t.read_only.0, &t.write_only.0]
+            .iter()
+            .map(|r| r.to_vec().unwrap())
+            .collect()
+    }
+
+    /// Reads until the server closes; returns what it sent.
+    fn drain(mut s: TcpStream) -> Vec<u8> {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    }
+
+    #[test]
+    fn raw_client_bad_requests_refused_and_memory_unchanged() {
+        let t = target();
+        let before = snapshot(&t);
+        let mut s = authed(&t.ep);
+        let (all, ro, wo) = (t.all.1.key, t.read_only.1.key, t.write_only.1.key);
+        let unknown = RemoteKey(all.0 + 1000);
+        use RequestKind::{Read, Write};
+        let cases = [
+            (Write, unknown, 0, 64, Status::UnknownKey),
+            (Read, unknown, 0, 64, Status::UnknownKey),
+            (Write, all, LEN - 10, 64, Status::OutOfBounds(LEN)),
+            (Read, all, LEN - 10, 64, Status::OutOfBounds(LEN)),
+            (Write, all, u64::MAX - 10, 64, Status::OutOfBounds(LEN)),
+            (Read, all, u64::MAX, 1, Status::OutOfBounds(LEN)),
+            (Write, all, LEN + 1, 0, Status::OutOfBounds(LEN)),
+            (
+                Write,
+                ro,
+                0,
+                64,
+                Status::AccessDenied(Access::REMOTE_READ.bits()),
+            ),
+            (
+                Read,
+                wo,
+                0,
+                64,
+                Status::AccessDenied(Access::REMOTE_WRITE.bits()),
+            ),
+        ];
+        for (kind, key, offset, len, want) in cases {
+            let resp = request(&mut s, kind, key, offset, len);
+            assert_eq!(resp.status, want, "{kind:?} {key} {offset}+{len}");
+        }
+        assert!(
+            snapshot(&t) == before,
+            "a refused request changed target memory"
+        );
+        // The connection survives refusals: a valid WRITE then READ work.
+        assert_eq!(request(&mut s, Write, all, 100, 8).status, Status::Ok);
+        assert_eq!(t.all.0.to_vec().unwrap()[100..108], [0xee; 8]);
+        assert_eq!(request(&mut s, Read, ro, 8, 16).status, Status::Ok);
+        let mut data = [0u8; 16];
+        s.read_exact(&mut data).unwrap();
+        assert_eq!(data[..], before[1][8..24]);
+        let c = t.backend.counters();
+        assert_eq!(c.refused_unknown_key, 2, "{c:?}");
+        assert_eq!(c.refused_out_of_bounds, 5, "{c:?}");
+        assert_eq!(c.refused_access, 2, "{c:?}");
+        assert_eq!((c.writes_served, c.reads_served), (1, 1), "{c:?}");
+    }
+
+    #[test]
+    fn unauthenticated_connections_get_nothing() {
+        let t = target();
+        let before = snapshot(&t);
+        let key = t.all.1.key;
+        let read = Request {
+            kind: RequestKind::Read,
+            key,
+            tag: 1,
+            offset: 0,
+            len: 4096,
+        };
+        let write = Request {
+            kind: RequestKind::Write,
+            key,
+            tag: 2,
+            offset: 0,
+            len: 64,
+        };
+        let mut wrong = t.ep.token;
+        wrong[15] ^= 1;
+        let attempts: Vec<Vec<u8>> = vec![
+            // Wrong token, then requests.
+            [
+                &Hello { token: wrong }.encode()[..],
+                &read.encode(),
+                &write.encode(),
+                &[0xee; 64],
+            ]
+            .concat(),
+            // No hello at all: requests straight away.
+            [&read.encode()[..], &write.encode(), &[0xee; 64]].concat(),
+            // Garbage.
+            (0..200u32).map(|i| (i * 7) as u8).collect(),
+            // A truncated hello.
+            Hello { token: t.ep.token }.encode()[..HELLO_LEN - 1].to_vec(),
+        ];
+        for (i, bytes) in attempts.iter().enumerate() {
+            let mut s = connect(&t.ep);
+            let _ = s.write_all(bytes);
+            if i == 3 {
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            }
+            let got = drain(s);
+            assert!(got.is_empty(), "attempt {i} got {} bytes back", got.len());
+        }
+        assert!(
+            snapshot(&t) == before,
+            "an unauthenticated connection changed memory"
+        );
+        let c = t.backend.counters();
+        assert_eq!(c.auth_failures, 4, "{c:?}");
+        assert_eq!((c.reads_served, c.writes_served), (0, 0), "{c:?}");
+    }
+
+    #[test]
+    fn framing_error_closes_only_that_connection() {
+        let t = target();
+        let mut good = authed(&t.ep);
+        let mut bad = authed(&t.ep);
+        let mut header = Request {
+            kind: RequestKind::Read,
+            key: t.all.1.key,
+            tag: 1,
+            offset: 0,
+            len: 8,
+        }
+        .encode();
+        header[0] = 9; // unknown opcode
+        bad.write_all(&header).unwrap();
+        assert!(drain(bad).is_empty(), "a bad header was answered");
+        // Oversized request: also a framing error, nothing read.
+        let mut big = authed(&t.ep);
+        let huge = Request {
+            kind: RequestKind::Write,
+            key: t.all.1.key,
+            tag: 1,
+            offset: 0,
+            len: 1 << 40,
+        };
+        big.write_all(&huge.encode()).unwrap();
+        assert!(drain(big).is_empty());
+        assert_eq!(
+            request(&mut good, RequestKind::Read, t.all.1.key, 0, 8).status,
+            Status::Ok
+        );
+        assert_eq!(t.backend.counters().framing_errors, 2);
+    }
+}
+
+/// Shared helpers for tests that drive a [`TcpBackend`] initiator.
+mod util {
+    use kvlane_data::{Backend, Completion, TransferId};
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+
+    /// Polls until every id completed or `limit` passed; returns results
+    /// and when each arrived.
+    pub(crate) fn collect(
+        b: &mut impl Backend,
+        ids: &[TransferId],
+        limit: Duration,
+    ) -> HashMap<TransferId, (Result<(), kvlane_data::DataError>, Instant)> {
+        let end = Instant::now() + limit;
+        let mut out = HashMap::new();
+        let mut done: Vec<Completion> = Vec::new();
+        while out.len() < ids.len() {
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                assert!(out.insert(c.id, (c.result, Instant::now())).is_none());
+            }
+            assert!(
+                Instant::now() < end,
+                "{} transfers hang",
+                ids.len() - out.len()
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        out
+    }
+}
+
+/// Stalled and broken targets, faked with plain sockets.
+mod faults {
+    use super::util::collect;
+    use kvlane_data::tcp::wire::{HELLO_ACK, HELLO_LEN};
+    use kvlane_data::{
+        connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
+        RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
+    };
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    const LEN: u64 = 4 << 20;
+
+    /// A fake target that authenticates every stream, then hands each
+    /// accepted socket to `behave`.
+    fn fake_target(behave: fn(TcpStream)) -> (TcpEndpoint, RemoteRegion) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ep = TcpEndpoint {
+            addr: listener.local_addr().unwrap(),
+            token: [5; 16],
+        };
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut hello = [0u8; HELLO_LEN];
+                if s.read_exact(&mut hello).is_ok() && s.write_all(&HELLO_ACK).is_ok() {
+                    std::thread::spawn(move || behave(s));
+                }
+            }
+        });
+        let ad = RemoteRegion {
+            key: RemoteKey(1),
+            addr: 0,
+            len: LEN,
+            access: Access::ALL,
+        };
+        (ep, ad)
+    }
+
+    fn initiator(ep: &TcpEndpoint, ad: RemoteRegion) -> (TcpBackend, kvlane_data::PeerId, Region) {
+        let mut b = TcpBackend::new(TcpConfig::default()).unwrap();
+        let local = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        (b, peer, local)
+    }
+
+    fn write(
+        peer: kvlane_data::PeerId,
+        local: &Region,
+        key: RemoteKey,
+        off: u64,
+        len: u64,
+    ) -> Transfer {
+        Transfer::new(
+            peer,
+            Op::Write,
+            vec![Descriptor {
+                region: local.id(),
+                offset: off,
+                len,
+            }],
+            vec![RemoteDescriptor {
+                key,
+                offset: off,
+                len,
+            }],
+        )
+    }
+
+    #[test]
+    fn stalled_target_times_out_at_the_deadline() {
+        // Reads everything, answers nothing.
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let start = Instant::now();
+        let deadline = start + Duration::from_millis(300);
+        let ids: Vec<_> = (0..8)
+            .map(|i| {
+                let t = write(peer, &local, ad.key, i * 4096, 4096).with_deadline(deadline);
+                let id = t.id;
+                b.submit(t).unwrap();
+                id
+            })
+            .collect();
+        let results = collect(&mut b, &ids, Duration::from_secs(10));
+        for (id, (r, at)) in &results {
+            let e = r
+                .as_ref()
+                .expect_err("a stalled target completed a transfer");
+            assert!(e.is_timeout(), "{id}: {e}");
+            assert!(*at >= deadline, "{id} timed out early");
+            assert!(
+                *at < deadline + Duration::from_secs(1),
+                "{id} timed out late"
+            );
+        }
+        assert_eq!(b.in_flight(), 0);
+    }
+
+    #[test]
+    fn broken_connection_fails_only_that_peer_promptly() {
+        // Closes each stream after reading a little.
+        let (ep, ad) = fake_target(|mut s| {
+            let mut buf = [0u8; 100];
+            let _ = s.read_exact(&mut buf);
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        // A healthy second peer on the same initiator.
+        let mut good = TcpBackend::new(TcpConfig::default()).unwrap();
+        let remote = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        let remote_ad = good.register(&remote).unwrap();
+        let (good_peer, _) = connect_pair(&mut b, &[], &mut good, &[remote_ad]).unwrap();
+
+        let start = Instant::now();
+        let mut ids = Vec::new();
+        for i in 0..32 {
+            let t = write(peer, &local, ad.key, i * 65_536, 65_536);
+            ids.push(t.id);
+            b.submit(t).unwrap();
+        }
+        let mut good_ids = Vec::new();
+        for i in 0..32 {
+            let t = write(good_peer, &local, remote_ad.key, i * 65_536, 65_536);
+            good_ids.push(t.id);
+            b.submit(t).unwrap();
+        }
+        let all: Vec<_> = ids.iter().chain(&good_ids).copied().collect();
+        let results = collect(&mut b, &all, Duration::from_secs(20));
+        for id in &ids {
+            let (r, at) = &results[id];
+            let e = r.as_ref().expect_err("a broken peer completed a transfer");
+            assert!(e.is_peer_lost(), "{id}: {e}");
+            assert!(
+                *at - start < Duration::from_secs(5),
+                "PeerLost took {:?} (deadline is 30 s)",
+                *at - start
+            );
+            assert!(e.to_string().contains("peer#"), "{e}");
+        }
+        for id in &good_ids {
+            assert!(results[id].0.is_ok(), "{id}: {:?}", results[id].0);
+        }
+        assert!(
+            remote.to_vec().unwrap()[..(32 * 65_536)] == local.to_vec().unwrap()[..(32 * 65_536)]
+        );
+        // New transfers to the lost peer fail at once; the good peer still works.
+        let t = write(peer, &local, ad.key, 0, 8);
+        let id = t.id;
+        b.submit(t).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(5));
+        assert!(r[&id].0.as_ref().is_err_and(|e| e.is_peer_lost()));
+    }
+
+    #[test]
+    fn remove_peer_fails_in_flight_transfers_at_once() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let ids: Vec<_> = (0..16)
+            .map(|i| {
+                let t = write(peer, &local, ad.key, i * 4096, 4096);
+                let id = t.id;
+                b.submit(t).unwrap();
+                id
+            })
+            .collect();
+        let removed = Instant::now();
+        b.remove_peer(peer);
+        let results = collect(&mut b, &ids, Duration::from_secs(10));
+        for (id, (r, at)) in &results {
+            assert!(r.as_ref().is_err_and(|e| e.is_peer_lost()), "{id}: {r:?}");
+            assert!(*at - removed < Duration::from_secs(1));
+        }
+        assert_eq!(b.in_flight(), 0);
+    }
+
+    #[test]
+    fn peer_lost_error_names_the_address() {
+        let (ep, ad) = fake_target(drop);
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let t = write(peer, &local, ad.key, 0, 4096);
+        let id = t.id;
+        b.submit(t).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(10));
+        let e = r[&id]
+            .0
+            .as_ref()
+            .expect_err("closed target completed a transfer");
+        assert!(e.is_peer_lost(), "{e}");
+        let chain = format!(
+            "{e}: {}",
+            std::error::Error::source(e)
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        );
+        assert!(chain.contains(&ep.addr.to_string()), "{chain}");
+    }
+}
+
+/// The waker-driven [`Transport`](kvlane_data::Transport) on tcp.
+mod transport {
+    use kvlane_data::{
+        connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, TcpBackend,
+        TcpConfig, Transfer, Transport,
+    };
+    use std::time::Duration;
+
+    #[test]
+    fn transport_completes_and_delivers_notifications() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let src =
+            Region::from_vec((0..=255u8).cycle().take(1 << 20).collect(), Access::ALL).unwrap();
+        let dst = Region::alloc(1 << 20, Access::ALL).unwrap();
+        let src_ad = init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
+        let init = Transport::new(init).unwrap();
+        let target = Transport::new(target).unwrap();
+        let mut notes = target.take_notifications().unwrap();
+        let handles: Vec<_> = (0..16u64)
+            .map(|i| {
+                let t = Transfer::new(
+                    peer,
+                    Op::Write,
+                    vec![Descriptor {
+                        region: src.id(),
+                        offset: i << 16,
+                        len: 1 << 16,
+                    }],
+                    vec![RemoteDescriptor {
+                        key: dst_ad.key,
+                        offset: i << 16,
+                        len: 1 << 16,
+                    }],
+                )
+                .with_notify(vec![i as u8]);
+                init.submit(t).unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait().expect("transfer over Transport");
+        }
+        assert!(dst.to_vec().unwrap() == src.to_vec().unwrap());
+        let mut got = Vec::new();
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < 16 {
+            match notes.try_recv() {
+                Ok(n) => got.push(n.payload[0]),
+                Err(_) => {
+                    assert!(std::time::Instant::now() < end, "notifications missing");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        got.sort_unstable();
+        assert_eq!(got, (0..16).collect::<Vec<u8>>());
+    }
+}
+
+/// Refusals that only the target can make (the initiator's own checks
+/// pass because the advertisement is stale or wrong) come back typed.
+mod target_refusals {
+    use super::util::collect;
+    use kvlane_data::{
+        Access, Backend, DataError, Descriptor, Op, Region, RemoteDescriptor, RemoteRegion,
+        TcpBackend, TcpConfig, Transfer,
+    };
+    use std::time::Duration;
+
+    #[test]
+    fn wire_refusals_map_to_typed_errors_and_suppress_notifications() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let local = Region::from_vec(vec![1; 8192], Access::ALL).unwrap();
+        init.register(&local).unwrap();
+        let ro = Region::alloc(4096, Access::REMOTE_READ).unwrap();
+        let gone = Region::alloc(4096, Access::ALL).unwrap();
+        let ro_ad = target.register(&ro).unwrap();
+        let gone_ad = target.register(&gone).unwrap();
+        target.deregister(gone.id()).unwrap();
+        // Advertise more than the target grants.
+        let lie = RemoteRegion {
+            len: 8192,
+            access: Access::ALL,
+            ..ro_ad
+        };
+        let (peer, _) = init.prepare_peer().unwrap();
+        let (_, ep) = target.prepare_peer().unwrap();
+        init.connect_peer(peer, &ep, &[lie, gone_ad]).unwrap();
+        let t = |op, key, offset: u64, len: u64| {
+            Transfer::new(
+                peer,
+                op,
+                vec![Descriptor {
+                    region: local.id(),
+                    offset: 0,
+                    len,
+                }],
+                vec![RemoteDescriptor { key, offset, len }],
+            )
+            .with_notify(&b"must not arrive"[..])
+        };
+        let cases = [
+            t(Op::Write, ro_ad.key, 0, 64),
+            t(Op::Read, ro_ad.key, 4000, 200),
+            t(Op::Write, gone_ad.key, 0, 64),
+        ];
+        let ids: Vec<_> = cases.iter().map(|t| t.id).collect();
+        for c in cases {
+            init.submit(c).unwrap();
+        }
+        let r = collect(&mut init, &ids, Duration::from_secs(10));
+        let err = |i: usize| r[&ids[i]].0.as_ref().expect_err("refused on the wire");
+        assert!(
+            matches!(err(0), DataError::AccessDenied { op: Op::Write, granted, .. } if *granted == Access::REMOTE_READ),
+            "{}",
+            err(0)
+        );
+        assert!(
+            matches!(
+                err(1),
+                DataError::RemoteOutOfBounds {
+                    offset: 4000,
+                    len: 200,
+                    region_len: 4096,
+                    ..
+                }
+            ),
+            "{}",
+            err(1)
+        );
+        assert!(
+            matches!(err(2), DataError::UnknownKey { key, .. } if *key == gone_ad.key),
+            "{}",
+            err(2)
+        );
+        assert_eq!(
+            ro.to_vec().unwrap(),
+            vec![0; 4096],
+            "a refused WRITE landed"
+        );
+        let mut notes = Vec::new();
+        std::thread::sleep(Duration::from_millis(50));
+        target.poll_notifications(&mut notes);
+        assert!(
+            notes.is_empty(),
+            "a failed transfer delivered its notification"
+        );
+        let c = target.counters();
+        assert_eq!(
+            (
+                c.refused_access,
+                c.refused_out_of_bounds,
+                c.refused_unknown_key
+            ),
+            (1, 1, 1),
+            "{c:?}"
+        );
+    }
+}

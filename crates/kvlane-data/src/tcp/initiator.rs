@@ -9,30 +9,24 @@
 //! every byte has landed on every stream, and the transfer completes when
 //! the notification is acknowledged.
 
+use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
 use super::wire::{
     Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
 };
-use super::{lock, Shared, SOCKET_IO_BUF};
+use super::{lock, IdMap, Shared};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region};
 use crate::transfer::{Completion, Op};
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
-
-/// Requests and small payloads are gathered into one buffer of up to this
-/// many bytes per `write` syscall.
-const COALESCE: usize = 256 << 10;
-/// WRITE payloads up to this size are copied into the coalescing buffer;
-/// larger ones go from region memory to the socket directly.
-const INLINE_MAX: u64 = 16 << 10;
 
 /// Progress of one submitted transfer, shared by the streams.
 pub(crate) struct XferState {
@@ -89,6 +83,7 @@ pub(crate) struct Job {
 
 enum Msg {
     Job(Job),
+    Jobs(Vec<Job>),
     Stop,
 }
 
@@ -100,8 +95,10 @@ struct Pending {
 
 #[derive(Default)]
 struct Transfers {
-    dead: bool,
-    map: HashMap<TransferId, Arc<XferState>>,
+    /// Why the connection failed, once it has: later submissions fail
+    /// with the same reason and cause.
+    dead: Option<(&'static str, Option<Arc<io::Error>>)>,
+    map: IdMap<Arc<XferState>>,
 }
 
 /// The connection to one peer.
@@ -112,13 +109,14 @@ pub(crate) struct PeerConn {
     senders: Vec<Sender<Msg>>,
     sockets: Vec<TcpStream>,
     transfers: Mutex<Transfers>,
-    rr: AtomicUsize,
+    /// Bytes queued so far; picks the stream (see `add_chunk`).
+    striped: AtomicU64,
 }
 
 pub(crate) struct ConnectConfig {
     pub(crate) streams: usize,
     pub(crate) timeout: Duration,
-    pub(crate) socket_buffer: Option<usize>,
+    pub(crate) socket: SocketOptions,
 }
 
 fn io_err(op: String, source: io::Error) -> DataError {
@@ -134,7 +132,7 @@ fn open_stream(
 ) -> Result<TcpStream, DataError> {
     let what = || format!("connect tcp stream {i} to {peer} at {addr}");
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
-    super::server::tune_socket(&s, cfg.socket_buffer);
+    tune_socket(&s, cfg.socket);
     let mut ack = [0u8; HELLO_ACK.len()];
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| (&s).write_all(&Hello { token: *token }.encode()))
@@ -178,14 +176,22 @@ impl PeerConn {
             senders,
             sockets,
             transfers: Mutex::new(Transfers::default()),
-            rr: AtomicUsize::new(0),
+            striped: AtomicU64::new(0),
         });
         for (i, rx) in receivers.into_iter().enumerate() {
             let pending = Arc::new(Mutex::new(VecDeque::new()));
             let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+                let c = conn.clone();
                 thread::Builder::new()
                     .name(name)
-                    .spawn(f)
+                    .spawn(move || {
+                        // A panicking I/O thread must not leave transfers
+                        // hanging until their deadline.
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                            tracing::error!(peer = %c.peer, addr = %c.addr, "tcp I/O thread panicked");
+                            c.fail("an I/O thread of the connection panicked", None);
+                        }
+                    })
                     .map_err(|e| io_err(format!("spawn a tcp stream thread for {peer}"), e))
             };
             let (c, p) = (conn.clone(), pending.clone());
@@ -216,24 +222,38 @@ impl PeerConn {
     /// Registers a transfer; fails when the connection is dead.
     pub(crate) fn start(&self, x: &Arc<XferState>) -> Result<(), DataError> {
         let mut t = lock(&self.transfers);
-        if t.dead {
+        if let Some((reason, source)) = &t.dead {
             return Err(DataError::PeerLost {
                 peer: self.peer,
-                reason: "the connection to the peer is down",
-                source: None,
+                reason,
+                source: source.clone(),
             });
         }
         t.map.insert(x.id, x.clone());
         Ok(())
     }
 
-    /// Queues one chunk of a started transfer on the next stream.
-    pub(crate) fn send_chunk(&self, job: Job) {
-        job.xfer.remaining.fetch_add(1, Ordering::AcqRel);
-        let i = self.rr.fetch_add(1, Ordering::Relaxed) % self.senders.len();
+    /// Number of streams.
+    pub(crate) fn streams(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// Counts one more chunk of `x` and picks its stream. Streams take
+    /// turns every `stripe` bytes: a chunk of `stripe` bytes gets a stream
+    /// to itself, while a run of small requests stays on one stream (fewer
+    /// wake-ups and larger coalesced writes than spreading them thinly).
+    pub(crate) fn add_chunk(&self, x: &XferState, len: u64, stripe: u64) -> usize {
+        x.remaining.fetch_add(1, Ordering::AcqRel);
+        let at = self.striped.fetch_add(len.max(1), Ordering::Relaxed);
+        ((at / stripe.max(1)) % self.senders.len() as u64) as usize
+    }
+
+    /// Hands chunks (counted by [`add_chunk`](Self::add_chunk)) to stream
+    /// `i`'s sender.
+    pub(crate) fn send_jobs(&self, i: usize, jobs: Vec<Job>) {
         // A closed channel means the connection failed, which already
-        // failed the transfer.
-        let _ = self.senders[i].send(Msg::Job(job));
+        // failed the transfers.
+        let _ = self.senders[i].send(Msg::Jobs(jobs));
     }
 
     /// Forgets a transfer that finished elsewhere (deadline).
@@ -272,27 +292,33 @@ impl PeerConn {
             return;
         }
         lock(&self.transfers).map.remove(&x.id);
-        lock(&self.shared.completions).push(Completion {
+        self.shared.complete(Completion {
             id: x.id,
             peer: x.peer,
             result,
         });
-        self.shared.wake();
     }
 
     /// Fails every transfer in flight with `PeerLost` and closes the
     /// streams. Idempotent.
     pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
+        // The cause always names the target's `host:port`.
+        let addr = self.addr;
+        let source = Some(Arc::new(match source {
+            Some(e) => io::Error::new(e.kind(), format!("{addr}: {e}")),
+            None => io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("connection to {addr} closed locally"),
+            ),
+        }));
         let lost = {
             let mut t = lock(&self.transfers);
-            if t.dead {
+            if t.dead.is_some() {
                 return;
             }
-            t.dead = true;
+            t.dead = Some((reason, source.clone()));
             std::mem::take(&mut t.map)
         };
-        let source =
-            source.map(|e| Arc::new(io::Error::new(e.kind(), format!("{}: {e}", self.addr))));
         let mut completions = lock(&self.shared.completions);
         for x in lost.values() {
             if x.take_done() {
@@ -318,7 +344,7 @@ impl PeerConn {
     }
 
     fn is_dead(&self) -> bool {
-        lock(&self.transfers).dead
+        lock(&self.transfers).dead.is_some()
     }
 
     /// A stream broke: log it (unless we closed it) and fail the peer.
@@ -335,10 +361,11 @@ impl PeerConn {
         self.fail(reason, Some(e));
     }
 
-    fn refusal(&self, job: &Job, status: Status) -> DataError {
+    /// The error for a refused request; `None` when it succeeded.
+    fn refusal(&self, job: &Job, status: Status) -> Option<DataError> {
         let (peer, key) = (self.peer, job.key);
-        match status {
-            Status::Ok => unreachable_ok(),
+        Some(match status {
+            Status::Ok => return None,
             Status::UnknownKey => DataError::UnknownKey { peer, key },
             Status::OutOfBounds(region_len) => DataError::RemoteOutOfBounds {
                 peer,
@@ -348,29 +375,19 @@ impl PeerConn {
                 region_len,
             },
             Status::AccessDenied(bits) => {
-                let op = if job.kind == RequestKind::Read {
-                    Op::Read
+                let (op, needed) = if job.kind == RequestKind::Read {
+                    (Op::Read, Access::REMOTE_READ)
                 } else {
-                    Op::Write
+                    (Op::Write, Access::REMOTE_WRITE)
                 };
                 DataError::AccessDenied {
                     op,
                     target: format!("remote {key} at {peer} ({})", self.addr),
-                    needed: match op {
-                        Op::Read => Access::REMOTE_READ,
-                        Op::Write => Access::REMOTE_WRITE,
-                    },
+                    needed,
                     granted: access_from_bits(bits),
                 }
             }
-        }
-    }
-}
-
-fn unreachable_ok() -> DataError {
-    DataError::Unsupported {
-        backend: "tcp",
-        what: "a successful response is not a refusal",
+        })
     }
 }
 
@@ -386,40 +403,20 @@ pub(crate) fn access_from_bits(bits: u8) -> Access {
     .fold(Access::NONE, |a, f| a | f)
 }
 
-/// Writes `a` then `b` with vectored writes (one syscall when possible).
-fn write_two(w: &mut &TcpStream, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() {
-        let n = w.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if n >= a.len() {
-            b = &b[n - a.len()..];
-            a = &[];
-        } else {
-            a = &a[n..];
-        }
-    }
-    w.write_all(b)
-}
-
 struct Outbox<'a> {
-    stream: &'a TcpStream,
-    buf: Vec<u8>,
+    w: FrameWriter<'a>,
     staged: Vec<Pending>,
     pending: &'a Mutex<VecDeque<Pending>>,
 }
 
 impl Outbox<'_> {
-    /// Publishes staged requests to the receiver, then writes `buf` and
-    /// `tail` (the order matters: a response may arrive at once).
-    fn flush(&mut self, tail: &[u8]) -> io::Result<()> {
+    /// Publishes staged requests to the receiver, then writes what was
+    /// gathered (the order matters: a response may arrive at once).
+    fn flush(&mut self) -> io::Result<()> {
         if !self.staged.is_empty() {
             lock(self.pending).extend(self.staged.drain(..));
         }
-        let r = write_two(&mut &*self.stream, &self.buf, tail);
-        self.buf.clear();
-        r
+        self.w.flush()
     }
 }
 
@@ -427,38 +424,47 @@ fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecD
     let span = tracing::debug_span!("tcp-tx", peer = %conn.peer, stream = i);
     let _g = span.enter();
     let mut out = Outbox {
-        stream: &conn.sockets[i],
-        buf: Vec::with_capacity(COALESCE + 64),
+        w: FrameWriter::new(&conn.sockets[i]),
         staged: Vec::new(),
         pending,
     };
     let mut tag = 0u64;
     while let Ok(mut msg) = rx.recv() {
         loop {
-            let Msg::Job(job) = msg else { return };
-            if job.xfer.is_done() {
-                // Timed out or failed: nothing left to send for it.
-                conn.release(&job.xfer, job.kind == RequestKind::Notify);
-            } else {
-                tag = tag.wrapping_add(1);
-                if let Err(e) = stage(&mut out, tag, job) {
-                    return conn.lost(i, e);
-                }
-            }
-            if out.buf.len() >= COALESCE {
-                if let Err(e) = out.flush(&[]) {
-                    return conn.lost(i, e);
-                }
+            let r = match msg {
+                Msg::Stop => return,
+                Msg::Job(job) => handle(conn, &mut out, &mut tag, job),
+                Msg::Jobs(jobs) => jobs
+                    .into_iter()
+                    .try_for_each(|job| handle(conn, &mut out, &mut tag, job)),
+            };
+            if let Err(e) = r {
+                return conn.lost(i, e);
             }
             match rx.try_recv() {
                 Ok(m) => msg = m,
                 Err(_) => break,
             }
         }
-        if let Err(e) = out.flush(&[]) {
+        if let Err(e) = out.flush() {
             return conn.lost(i, e);
         }
     }
+}
+
+/// Stages one job, writing out the buffer when it is full.
+fn handle(conn: &PeerConn, out: &mut Outbox<'_>, tag: &mut u64, job: Job) -> io::Result<()> {
+    if job.xfer.is_done() {
+        // Timed out or failed: nothing left to send for it.
+        conn.release(&job.xfer, job.kind == RequestKind::Notify);
+        return Ok(());
+    }
+    *tag = tag.wrapping_add(1);
+    stage(out, *tag, job)?;
+    if out.w.is_full() {
+        out.flush()?;
+    }
+    Ok(())
 }
 
 /// Adds one request (and its payload) to the outbox.
@@ -471,30 +477,21 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
         len: job.len,
     }
     .encode();
-    out.buf.extend_from_slice(&header);
+    out.w.put(&header);
     match job.kind {
         RequestKind::Read => out.staged.push(Pending { tag, job }),
         RequestKind::Notify => {
             if let Some(n) = &job.xfer.notify {
-                out.buf.extend_from_slice(n);
+                out.w.put(n);
             }
             out.staged.push(Pending { tag, job });
         }
         RequestKind::Write => {
-            let Some(region) = job.local.clone() else {
+            let Some(region) = &job.local else {
                 return Err(io::Error::other("WRITE without local memory"));
             };
-            let (off, len) = (job.local_offset, job.len);
+            out.w.region(region, job.local_offset, job.len)?;
             out.staged.push(Pending { tag, job });
-            let r = if len <= INLINE_MAX {
-                region.with_slice(off, len, |s| {
-                    out.buf.extend_from_slice(s);
-                    Ok(())
-                })
-            } else {
-                region.with_slice(off, len, |s| out.flush(s))
-            };
-            r.map_err(|e| io::Error::other(e.to_string()))??;
         }
     }
     Ok(())
@@ -503,11 +500,11 @@ fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
 fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
     let span = tracing::debug_span!("tcp-rx", peer = %conn.peer, stream = i);
     let _g = span.enter();
-    let mut rd = BufReader::with_capacity(SOCKET_IO_BUF, &conn.sockets[i]);
+    let mut rd = FrameReader::new(&conn.sockets[i]);
     let protocol = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     loop {
         let mut h = [0u8; RESPONSE_LEN];
-        if let Err(e) = rd.read_exact(&mut h) {
+        if let Err(e) = rd.header(&mut h) {
             return conn.lost(i, e);
         }
         let resp = match Response::decode(&h) {
@@ -521,22 +518,19 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
             return conn.lost(i, protocol("response out of order"));
         }
         let job = p.job;
-        if resp.status == Status::Ok {
-            if job.kind == RequestKind::Read {
-                let Some(region) = &job.local else {
-                    return conn.lost(i, protocol("READ without local memory"));
-                };
-                let r = region
-                    .with_slice_mut(job.local_offset, job.len, |s| rd.read_exact(s))
-                    .map_err(|e| io::Error::other(e.to_string()))
-                    .and_then(|r| r);
-                if let Err(e) = r {
-                    return conn.lost(i, e);
-                }
-            }
-        } else {
-            let e = conn.refusal(&job, resp.status);
+        if let Some(e) = conn.refusal(&job, resp.status) {
             lock(&job.xfer.error).get_or_insert(e);
+        } else if job.kind == RequestKind::Read {
+            let Some(region) = &job.local else {
+                return conn.lost(i, protocol("READ without local memory"));
+            };
+            let r = region
+                .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
+                .map_err(|e| io::Error::other(e.to_string()))
+                .and_then(|r| r);
+            if let Err(e) = r {
+                return conn.lost(i, e);
+            }
         }
         conn.release(&job.xfer, job.kind == RequestKind::Notify);
     }

@@ -7,23 +7,28 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
+use super::io::{readable_now, tune_socket, FrameReader, FrameWriter, SocketOptions};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
 };
-use super::{lock, Shared, SOCKET_IO_BUF};
+use super::{lock, Shared};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey};
 use crate::loopback::check_remote;
 use crate::memory::Region;
 use bytes::Bytes;
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
+
+/// Answers are flushed at the latest once they acknowledge this many
+/// payload bytes, even while more requests are waiting.
+const ACK_BATCH: u64 = 1 << 20;
 
 /// How long a new connection may take to present its token.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
@@ -186,7 +191,7 @@ pub(crate) struct ServerConfig {
     pub(crate) listen: SocketAddr,
     pub(crate) token: [u8; TOKEN_LEN],
     pub(crate) max_connections: usize,
-    pub(crate) socket_buffer: Option<usize>,
+    pub(crate) socket: SocketOptions,
 }
 
 struct ServerState {
@@ -197,7 +202,7 @@ struct ServerState {
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, TcpStream>>,
     max_connections: usize,
-    socket_buffer: Option<usize>,
+    socket: SocketOptions,
 }
 
 /// The listener and its connections; shut down on drop.
@@ -230,7 +235,7 @@ impl Server {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             max_connections: config.max_connections,
-            socket_buffer: config.socket_buffer,
+            socket: config.socket,
         });
         let thread_state = state.clone();
         let handle = thread::Builder::new()
@@ -264,29 +269,23 @@ impl Drop for Server {
                 SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
             });
         }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let woken = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(h) = self.listener.take() {
-            if h.join().is_err() {
-                tracing::error!(addr = %self.addr, "tcp listener thread panicked");
+            match woken {
+                Ok(_) => {
+                    if h.join().is_err() {
+                        tracing::error!(addr = %self.addr, "tcp listener thread panicked");
+                    }
+                }
+                // Joining could block forever: leave the thread parked in
+                // `accept`; it exits at the next connection.
+                Err(e) => {
+                    tracing::warn!(addr = %self.addr, error = %e, "could not wake the tcp listener")
+                }
             }
         }
         for (_, s) in lock(&self.state.conns).drain() {
             let _ = s.shutdown(Shutdown::Both);
-        }
-    }
-}
-
-pub(crate) fn tune_socket(s: &TcpStream, buffer: Option<usize>) {
-    if let Err(e) = s.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY");
-    }
-    if let Some(size) = buffer {
-        let sock = socket2::SockRef::from(s);
-        if let Err(e) = sock
-            .set_send_buffer_size(size)
-            .and_then(|()| sock.set_recv_buffer_size(size))
-        {
-            tracing::debug!(error = %e, size, "socket buffer size");
         }
     }
 }
@@ -365,7 +364,7 @@ impl From<io::Error> for End {
 }
 
 fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
-    tune_socket(&stream, state.socket_buffer);
+    tune_socket(&stream, state.socket);
     // Authenticate before reading any request.
     stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
     let mut hello = [0u8; HELLO_LEN];
@@ -374,20 +373,32 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
     }
     stream.set_read_timeout(None)?;
     (&stream).write_all(&HELLO_ACK)?;
-    let mut rd = BufReader::with_capacity(SOCKET_IO_BUF, &stream);
-    let mut wr = BufWriter::with_capacity(SOCKET_IO_BUF, &stream);
+    let mut rd = FrameReader::new(&stream);
+    let mut wr = FrameWriter::new(&stream);
     let c = &state.counters;
+    // Payload bytes answered but not yet flushed.
+    let mut unflushed = 0u64;
     loop {
-        // Answers go out in batches: flush only before we would block.
-        if rd.buffer().is_empty() {
+        // Answers go out in batches: flush before we would block, or once
+        // a batch acknowledges `ACK_BATCH` bytes (so acks keep flowing
+        // while the initiator streams without pause).
+        if wr.buffered() > 0
+            && (unflushed >= ACK_BATCH || (rd.is_drained() && !readable_now(&stream)))
+        {
             wr.flush()?;
+            unflushed = 0;
         }
         let mut h = [0u8; REQUEST_LEN];
-        match rd.read_exact(&mut h) {
+        match rd.header(&mut h) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                // Half-closed: the initiator may still read its answers.
+                let _ = wr.flush();
+                return Ok(());
+            }
             Err(e) => return Err(e.into()),
         }
+        unflushed += req_len_hint(&h);
         let req = Request::decode(&h).map_err(End::Frame)?;
         let checked = {
             let regions = state.regions.read().unwrap_or_else(|e| e.into_inner());
@@ -396,49 +407,58 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         let status = match checked {
             Ok(Some(region)) if req.kind == RequestKind::Write => {
                 region
-                    .with_slice_mut(req.offset, req.len, |s| rd.read_exact(s))
+                    .with_slice_mut(req.offset, req.len, |s| rd.payload(s))
                     .map_err(|e| io::Error::other(e.to_string()))??;
                 bump(&c.writes_served, 1);
                 bump(&c.bytes_written, req.len);
                 Status::Ok
             }
             Ok(Some(region)) => {
-                wr.write_all(&Response::ok(req.tag).encode())?;
-                region
-                    .with_slice(req.offset, req.len, |s| wr.write_all(s))
-                    .map_err(|e| io::Error::other(e.to_string()))??;
+                wr.put(&Response::ok(req.tag).encode());
+                wr.region(&region, req.offset, req.len)?;
                 bump(&c.reads_served, 1);
                 bump(&c.bytes_read, req.len);
+                if wr.is_full() {
+                    wr.flush()?;
+                    unflushed = 0;
+                }
                 continue;
             }
             Ok(None) => {
                 // `len <= MAX_NOTIFY` (checked by decode).
                 let mut payload = vec![0u8; req.len as usize];
-                rd.read_exact(&mut payload)?;
-                lock(&state.shared.notifications).push_back(Bytes::from(payload));
+                rd.payload(&mut payload)?;
+                state.shared.notify(Bytes::from(payload));
                 bump(&c.notifications, 1);
-                state.shared.wake();
                 Status::Ok
             }
             Err(status) => {
                 c.refused(status);
                 // Skip a refused WRITE's payload; it never reaches memory.
-                let skip = req.payload_len();
-                let skipped = io::copy(&mut (&mut rd).take(skip), &mut io::sink())?;
-                if skipped != skip {
-                    return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-                }
+                rd.skip(req.payload_len())?;
                 status
             }
         };
-        wr.write_all(
+        wr.put(
             &Response {
                 status,
                 tag: req.tag,
             }
             .encode(),
-        )?;
+        );
+        if wr.is_full() {
+            wr.flush()?;
+            unflushed = 0;
+        }
     }
+}
+
+/// The length field of an encoded request (for flush accounting only;
+/// the request itself is validated by `Request::decode`).
+fn req_len_hint(h: &[u8; REQUEST_LEN]) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h[24..32]);
+    u64::from_le_bytes(b)
 }
 
 impl Response {
@@ -447,5 +467,98 @@ impl Response {
             status: Status::Ok,
             tag,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::Access;
+    use proptest::prelude::*;
+
+    fn table() -> HashMap<RemoteKey, Region> {
+        let mut t = HashMap::new();
+        t.insert(RemoteKey(1), Region::alloc(4096, Access::ALL).unwrap());
+        t.insert(
+            RemoteKey(2),
+            Region::alloc(100, Access::REMOTE_READ).unwrap(),
+        );
+        t.insert(
+            RemoteKey(3),
+            Region::alloc(10, Access::REMOTE_WRITE).unwrap(),
+        );
+        t
+    }
+
+    proptest! {
+        /// A request is accepted exactly when the key exists, the right is
+        /// granted and `offset + len` fits (without overflow).
+        #[test]
+        fn check_request_accepts_exactly_the_valid_requests(
+            key in 0u32..5,
+            write in any::<bool>(),
+            offset in prop_oneof![0u64..5000, any::<u64>()],
+            len in prop_oneof![0u64..5000, any::<u64>()],
+        ) {
+            let t = table();
+            let kind = if write { RequestKind::Write } else { RequestKind::Read };
+            let req = Request { kind, key: RemoteKey(key), tag: 0, offset, len };
+            let r = check_request(&t, &req);
+            match t.get(&RemoteKey(key)) {
+                None => prop_assert_eq!(r.err(), Some(Status::UnknownKey)),
+                Some(region) => {
+                    let needed = if write { Access::REMOTE_WRITE } else { Access::REMOTE_READ };
+                    let fits = offset.checked_add(len).is_some_and(|e| e <= region.len());
+                    match r {
+                        Ok(Some(got)) => {
+                            prop_assert!(fits && region.access().contains(needed));
+                            prop_assert_eq!(got.id(), region.id());
+                        }
+                        Err(Status::AccessDenied(bits)) => {
+                            prop_assert!(!region.access().contains(needed));
+                            prop_assert_eq!(bits, region.access().bits());
+                        }
+                        Err(Status::OutOfBounds(n)) => {
+                            prop_assert!(!fits && region.access().contains(needed));
+                            prop_assert_eq!(n, region.len());
+                        }
+                        other => prop_assert!(false, "unexpected {:?}", other.map(|r| r.map(|r| r.id()))),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn notifications_touch_no_region() {
+        let req = Request {
+            kind: RequestKind::Notify,
+            key: RemoteKey(0),
+            tag: 0,
+            offset: 0,
+            len: 10,
+        };
+        assert!(matches!(check_request(&table(), &req), Ok(None)));
+    }
+
+    #[test]
+    fn fuzz_entry_survives_edge_headers() {
+        let mut data = Vec::new();
+        for (kind, key, offset, len) in [
+            (1u8, 1u32, 4095u64, 1u64),
+            (2, 1, 4096, 0),
+            (2, 3, 0, 1),
+            (1, 2, u64::MAX, 2),
+            (3, 0, 0, 5),
+            (1, u32::MAX, 0, 65_536),
+        ] {
+            let mut h = [0u8; REQUEST_LEN];
+            h[0] = kind;
+            h[4..8].copy_from_slice(&key.to_le_bytes());
+            h[16..24].copy_from_slice(&offset.to_le_bytes());
+            h[24..32].copy_from_slice(&len.to_le_bytes());
+            data.extend_from_slice(&h);
+        }
+        fuzz_request(&data);
     }
 }
