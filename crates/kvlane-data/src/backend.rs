@@ -71,6 +71,14 @@ pub trait Backend: Send + 'static {
         let _ = waker;
     }
 
+    /// Whether each peer needs its own endpoint from
+    /// [`prepare_peer`](Self::prepare_peer) (verbs: one queue pair per peer),
+    /// so that endpoints must be exchanged per connection rather than
+    /// advertised once in the handshake.
+    fn endpoint_per_peer(&self) -> bool {
+        false
+    }
+
     /// Whether completions only appear by calling `poll` repeatedly while
     /// work is in flight (CQ polling), rather than being announced through
     /// the waker.
@@ -120,6 +128,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn needs_busy_poll(&self) -> bool {
         (**self).needs_busy_poll()
+    }
+    fn endpoint_per_peer(&self) -> bool {
+        (**self).endpoint_per_peer()
     }
 }
 

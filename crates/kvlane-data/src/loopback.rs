@@ -26,14 +26,16 @@ pub struct LoopbackConfig {
     /// transfer is always finished). Default 8 MiB; bounds how long `poll`
     /// holds the caller.
     pub poll_budget: u64,
+    /// Behave like verbs: every `prepare_peer` issues a distinct endpoint
+    /// that exactly one remote `connect_peer` may use (as a queue pair
+    /// pairs with one remote queue pair). Exercises per-peer endpoint
+    /// exchange without RDMA hardware. Default false.
+    pub endpoint_per_peer: bool,
 }
 
 impl Default for LoopbackConfig {
     fn default() -> Self {
-        Self {
-            queue_depth: 4096,
-            poll_budget: 8 << 20,
-        }
+        Self { queue_depth: 4096, poll_budget: 8 << 20, endpoint_per_peer: false }
     }
 }
 
@@ -41,6 +43,8 @@ impl Default for LoopbackConfig {
 struct Node {
     regions: Mutex<HashMap<RemoteKey, Region>>,
     notifications: Mutex<VecDeque<Bytes>>,
+    /// Per-peer endpoints issued and not yet used (`endpoint_per_peer`).
+    open_slots: Mutex<std::collections::HashSet<u64>>,
 }
 
 fn fabric() -> &'static Mutex<HashMap<u64, Weak<Node>>> {
@@ -270,11 +274,12 @@ impl Backend for LoopbackBackend {
         let peer = PeerId(self.next_peer);
         self.next_peer += 1;
         self.peers.insert(peer, PeerState { node: None });
-        let endpoint = Endpoint {
-            backend: BackendKind::Loopback,
-            data: self.node_id.to_le_bytes().to_vec(),
-        };
-        Ok((peer, endpoint))
+        let mut data = self.node_id.to_le_bytes().to_vec();
+        if self.config.endpoint_per_peer {
+            lock(&self.node.open_slots).insert(peer.0);
+            data.extend_from_slice(&peer.0.to_le_bytes());
+        }
+        Ok((peer, Endpoint { backend: BackendKind::Loopback, data }))
     }
 
     fn connect_peer(
@@ -293,18 +298,34 @@ impl Backend for LoopbackBackend {
                 remote.backend
             )));
         }
-        let id = u64::from_le_bytes(
-            remote
-                .data
-                .as_slice()
-                .try_into()
-                .map_err(|_| bad("expected an 8-byte node id"))?,
-        );
+        let (want, what) = if self.config.endpoint_per_peer {
+            (16, "a 16-byte node id and slot (per-peer endpoints)")
+        } else {
+            (8, "an 8-byte node id")
+        };
+        if remote.data.len() != want {
+            return Err(bad(&format!("expected {what}, got {} bytes", remote.data.len())));
+        }
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&remote.data[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        let id = word(0);
         let node = lock(fabric())
             .get(&id)
             .cloned()
             .filter(|n| n.strong_count() > 0)
             .ok_or_else(|| bad(&format!("no loopback node {id} in this process")))?;
+        if self.config.endpoint_per_peer {
+            let slot = word(1);
+            let live = node.upgrade().ok_or_else(|| bad("the remote node is gone"))?;
+            if !lock(&live.open_slots).remove(&slot) {
+                return Err(bad(&format!(
+                    "endpoint slot {slot} of node {id} is unknown or already connected"
+                )));
+            }
+        }
         let state = self
             .peers
             .get_mut(&peer)
@@ -377,6 +398,10 @@ impl Backend for LoopbackBackend {
 
     fn in_flight(&self) -> usize {
         self.queue.len() + self.failed.len()
+    }
+
+    fn endpoint_per_peer(&self) -> bool {
+        self.config.endpoint_per_peer
     }
 }
 

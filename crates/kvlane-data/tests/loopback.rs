@@ -180,3 +180,44 @@ mod transport {
         h.wait().unwrap();
     }
 }
+
+/// The suite again with verbs-like per-peer endpoints.
+mod per_peer {
+    use kvlane_data::conformance::Fixture;
+    use kvlane_data::{Backend, DataError, LoopbackBackend, LoopbackConfig};
+
+    struct PerPeer;
+
+    fn backend() -> LoopbackBackend {
+        LoopbackBackend::new(LoopbackConfig {
+            queue_depth: 256,
+            endpoint_per_peer: true,
+            ..LoopbackConfig::default()
+        })
+    }
+
+    impl Fixture for PerPeer {
+        type Backend = LoopbackBackend;
+        fn backends(&self) -> (LoopbackBackend, LoopbackBackend) {
+            (backend(), backend())
+        }
+    }
+
+    kvlane_data::conformance_tests!(PerPeer);
+
+    #[test]
+    fn a_per_peer_endpoint_connects_exactly_once() {
+        let (mut a, mut b, mut c) = (backend(), backend(), backend());
+        assert!(a.endpoint_per_peer());
+        let (_, a_ep) = a.prepare_peer().unwrap();
+        let (b_peer, _) = b.prepare_peer().unwrap();
+        let (c_peer, _) = c.prepare_peer().unwrap();
+        b.connect_peer(b_peer, &a_ep, &[]).unwrap();
+        match c.connect_peer(c_peer, &a_ep, &[]) {
+            Err(DataError::BadEndpoint { reason, .. }) => {
+                assert!(reason.contains("already connected"), "{reason}")
+            }
+            other => panic!("a used endpoint connected again: {other:?}"),
+        }
+    }
+}
