@@ -39,7 +39,8 @@ pub(crate) struct KvAdvert {
 /// The data-plane blob this agent puts in its handshake.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct DataPlaneInfo {
-    pub(crate) endpoint: Endpoint,
+    /// `None` when the backend needs an endpoint per peer.
+    pub(crate) endpoint: Option<Endpoint>,
     pub(crate) kv: Vec<KvAdvert>,
 }
 
@@ -130,7 +131,6 @@ pub struct PeerEvent {
 }
 
 /// Builds an [`Agent`].
-#[derive(Debug)]
 pub struct AgentBuilder {
     engine_id: String,
     ranks: Ranks,
@@ -140,6 +140,18 @@ pub struct AgentBuilder {
     control: Config,
     fingerprint: String,
     kv: Vec<(KvLayout, Region)>,
+    custom: Option<Box<dyn Backend>>,
+}
+
+impl std::fmt::Debug for AgentBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentBuilder")
+            .field("engine_id", &self.engine_id)
+            .field("listen", &self.listen)
+            .field("backend", &self.backend)
+            .field("custom_backend", &self.custom.as_ref().map(|b| b.kind()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for AgentBuilder {
@@ -157,6 +169,7 @@ impl Default for AgentBuilder {
             control: Config::default(),
             fingerprint: "kvlane".into(),
             kv: Vec::new(),
+            custom: None,
         }
     }
 }
@@ -194,6 +207,13 @@ impl AgentBuilder {
     /// The data-plane backend.
     pub fn backend(mut self, backend: BackendChoice) -> Self {
         self.backend = backend;
+        self
+    }
+
+    /// Uses this backend instance (a configured `TcpBackend`, a verbs
+    /// backend on a chosen device, your own) instead of [`backend`](Self::backend).
+    pub fn backend_instance(mut self, backend: impl Backend) -> Self {
+        self.custom = Some(Box::new(backend));
         self
     }
 
@@ -235,7 +255,10 @@ impl AgentBuilder {
             Some(a) => a.clone(),
             None => format!("{}:0", host_of(&self.listen)),
         };
-        let mut backend = crate::backend::create(self.backend, &data_listen)?;
+        let mut backend = match self.custom {
+            Some(b) => b,
+            None => crate::backend::create(self.backend, &data_listen)?,
+        };
         let mut kv = Vec::new();
         let mut adverts = Vec::new();
         for (layout, region) in self.kv {
@@ -254,8 +277,15 @@ impl AgentBuilder {
             adverts.push(KvAdvert { region: ad, layout });
             kv.push(LocalKv { layout, region });
         }
-        let (probe_peer, endpoint) = backend.prepare_peer()?;
-        backend.remove_peer(probe_peer);
+        let per_peer = backend.endpoint_per_peer();
+        let endpoint = if per_peer {
+            None
+        } else {
+            let (probe_peer, endpoint) = backend.prepare_peer()?;
+            backend.remove_peer(probe_peer);
+            Some(endpoint)
+        };
+        let exchange_timeout = self.control.handshake_timeout + std::time::Duration::from_secs(1);
         let blob = DataPlaneInfo {
             endpoint,
             kv: adverts,
@@ -282,7 +312,10 @@ impl AgentBuilder {
             note_tx,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
-            attach_lock: tokio::sync::Mutex::new(()),
+            conn_locks: Mutex::new(HashMap::new()),
+            per_peer,
+            offers: Mutex::new(HashMap::new()),
+            exchange_timeout,
         });
         let mut control_events = inner.control.events();
         let weak = Arc::downgrade(&inner);
@@ -322,6 +355,11 @@ impl AgentBuilder {
     }
 }
 
+/// Whether a control address names a peer that dialed us.
+pub(crate) fn is_inbound(addr: &str) -> bool {
+    addr.starts_with("inbound:")
+}
+
 fn host_of(addr: &str) -> &str {
     match addr.rsplit_once(':') {
         Some((host, _)) => host,
@@ -351,9 +389,17 @@ pub(crate) struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The runtime the agent was built on (posts from plain threads use it).
     pub(crate) runtime: tokio::runtime::Handle,
-    /// Serializes data-plane attachment: `connect` and the event task may
-    /// both attach the same connection.
-    attach_lock: tokio::sync::Mutex<()>,
+    /// Per-connection locks: `connect` and the event task may both attach
+    /// the same connection.
+    pub(crate) conn_locks: Mutex<HashMap<ConnectionId, Arc<tokio::sync::Mutex<()>>>>,
+    /// The backend needs an endpoint per peer (verbs): exchanged over the
+    /// control connection after the handshake.
+    pub(crate) per_peer: bool,
+    /// Endpoint offers waiting for their answer.
+    pub(crate) offers:
+        Mutex<HashMap<ConnectionId, tokio::sync::oneshot::Sender<crate::attach::DpFrame>>>,
+    /// Bound of one endpoint exchange.
+    pub(crate) exchange_timeout: std::time::Duration,
 }
 
 impl Inner {
@@ -361,16 +407,27 @@ impl Inner {
         let (id, addr) = (ev.id, ev.addr.clone());
         let kind = match ev.event {
             Event::Ready(info) => {
-                if let Err(e) = self.attach(id, &addr, &info).await {
-                    warn!(peer = %id, %addr, error = %e, "peer is up but its data plane is not");
-                    PeerEventKind::Refused {
-                        reason: e.to_string(),
+                if self.per_peer {
+                    // Endpoints are exchanged over the control connection;
+                    // `Up` follows once the exchange completed.
+                    if let Err(e) = self.record_remote(id, &addr, &info) {
+                        PeerEventKind::Refused {
+                            reason: e.to_string(),
+                        }
+                    } else if is_inbound(&addr) {
+                        return;
+                    } else {
+                        let this = self.clone();
+                        self.runtime.spawn(async move {
+                            let r = this.dial_exchange(id, &addr).await;
+                            this.report_attach(id, addr, &info, r);
+                        });
+                        return;
                     }
                 } else {
-                    PeerEventKind::Up {
-                        engine_id: info.engine_id,
-                        incarnation: info.incarnation,
-                    }
+                    let r = self.attach_shared(id, &addr, &info).await;
+                    self.report_attach(id, addr, &info, r);
+                    return;
                 }
             }
             Event::Suspect => PeerEventKind::Suspect,
@@ -398,6 +455,22 @@ impl Inner {
                 lock(&self.peers).remove(&id);
                 PeerEventKind::Closed
             }
+            Event::Notification {
+                transfer_id: crate::attach::DP_OFFER,
+                payload,
+            } => {
+                let this = self.clone();
+                self.runtime
+                    .spawn(async move { this.accept_offer(id, addr, payload).await });
+                return;
+            }
+            Event::Notification {
+                transfer_id: crate::attach::DP_ANSWER,
+                payload,
+            } => {
+                self.on_answer(id, &payload);
+                return;
+            }
             Event::Notification { payload, .. } => {
                 let note = match rmp_serde::from_slice::<NotifyFrame>(&payload) {
                     Ok(f) => Notification {
@@ -414,71 +487,34 @@ impl Inner {
             }
             _ => return,
         };
-        debug!(peer = %id, %addr, ?kind, "peer event");
-        let _ = self.events.send(PeerEvent {
-            peer: id,
-            addr,
-            kind,
-        });
+        self.emit(id, addr, kind);
     }
 
-    /// Connects the data plane to a peer that completed a handshake.
-    /// Idempotent per (connection, incarnation).
-    pub(crate) async fn attach(
-        self: &Arc<Self>,
+    pub(crate) fn emit(&self, peer: ConnectionId, addr: String, kind: PeerEventKind) {
+        debug!(%peer, %addr, ?kind, "peer event");
+        let _ = self.events.send(PeerEvent { peer, addr, kind });
+    }
+
+    fn report_attach(
+        &self,
         id: ConnectionId,
-        addr: &str,
+        addr: String,
         info: &RemoteInfo,
-    ) -> Result<(), Error> {
-        let _serial = self.attach_lock.lock().await;
-        if let Some(e) = lock(&self.peers).get(&id) {
-            if e.incarnation == info.incarnation && e.data_peer.is_some() {
-                return Ok(());
-            }
-        }
-        let dp: DataPlaneInfo = rmp_serde::from_slice(&info.data_plane).map_err(|e| {
-            Error::msg(
-                ErrorKind::Refused,
-                format!("{addr} sent a data-plane description that does not decode: {e}"),
-            )
-        })?;
-        let regions: Vec<RemoteRegion> = dp.kv.iter().map(|k| k.region).collect();
-        let this = self.clone();
-        let endpoint = dp.endpoint.clone();
-        // Connecting may open sockets: keep it off the async threads.
-        let data_peer = tokio::task::spawn_blocking(move || {
-            this.transport.with_backend(|b| {
-                let (peer, _) = b.prepare_peer()?;
-                if let Err(e) = b.connect_peer(peer, &endpoint, &regions) {
-                    b.remove_peer(peer);
-                    return Err(e);
+        r: Result<(), Error>,
+    ) {
+        let kind = match r {
+            Ok(()) => PeerEventKind::Up {
+                engine_id: info.engine_id.clone(),
+                incarnation: info.incarnation,
+            },
+            Err(e) => {
+                warn!(peer = %id, %addr, error = %e, "peer is up but its data plane is not");
+                PeerEventKind::Refused {
+                    reason: e.to_string(),
                 }
-                Ok::<_, kvlane_data::DataError>(peer)
-            })
-        })
-        .await
-        .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane connect task: {e}")))??;
-        let mut peers = lock(&self.peers);
-        let entry = peers.entry(id).or_insert_with(PeerEntry::new);
-        if let Some(old) = entry.data_peer.replace(data_peer) {
-            self.transport.with_backend(|b| b.remove_peer(old));
-        }
-        entry.incarnation = info.incarnation;
-        entry.engine_id = info.engine_id.clone();
-        entry.kv = dp.kv;
-        Ok(())
-    }
-
-    /// Drops a peer's data-plane connection; its in-flight transfers fail
-    /// with `PeerLost`.
-    pub(crate) fn detach(&self, id: ConnectionId, why: &str) {
-        let old = lock(&self.peers)
-            .get_mut(&id)
-            .and_then(|e| e.data_peer.take());
-        if let Some(old) = old {
-            debug!(peer = %id, why, "detaching data plane");
-            self.transport.with_backend(|b| b.remove_peer(old));
-        }
+            }
+        };
+        self.emit(id, addr, kind);
     }
 }
 

@@ -57,6 +57,7 @@
 #![deny(missing_docs)]
 
 mod agent;
+mod attach;
 mod backend;
 pub mod blocking;
 mod error;

@@ -19,6 +19,9 @@ pub(crate) struct PeerEntry {
     /// Data-plane peer of the current incarnation; `None` while dead.
     pub(crate) data_peer: Option<PeerId>,
     pub(crate) kv: Vec<KvAdvert>,
+    /// Bumped whenever the data-plane peer is dropped (dead, restarted,
+    /// closed); attachments begun in an older generation are discarded.
+    pub(crate) generation: u64,
 }
 
 impl PeerEntry {
@@ -28,6 +31,7 @@ impl PeerEntry {
             incarnation: 0,
             data_peer: None,
             kv: Vec::new(),
+            generation: 0,
         }
     }
 }

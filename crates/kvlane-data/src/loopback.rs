@@ -35,7 +35,11 @@ pub struct LoopbackConfig {
 
 impl Default for LoopbackConfig {
     fn default() -> Self {
-        Self { queue_depth: 4096, poll_budget: 8 << 20, endpoint_per_peer: false }
+        Self {
+            queue_depth: 4096,
+            poll_budget: 8 << 20,
+            endpoint_per_peer: false,
+        }
     }
 }
 
@@ -279,7 +283,13 @@ impl Backend for LoopbackBackend {
             lock(&self.node.open_slots).insert(peer.0);
             data.extend_from_slice(&peer.0.to_le_bytes());
         }
-        Ok((peer, Endpoint { backend: BackendKind::Loopback, data }))
+        Ok((
+            peer,
+            Endpoint {
+                backend: BackendKind::Loopback,
+                data,
+            },
+        ))
     }
 
     fn connect_peer(
@@ -304,7 +314,10 @@ impl Backend for LoopbackBackend {
             (8, "an 8-byte node id")
         };
         if remote.data.len() != want {
-            return Err(bad(&format!("expected {what}, got {} bytes", remote.data.len())));
+            return Err(bad(&format!(
+                "expected {what}, got {} bytes",
+                remote.data.len()
+            )));
         }
         let word = |i: usize| {
             let mut w = [0u8; 8];
@@ -319,7 +332,9 @@ impl Backend for LoopbackBackend {
             .ok_or_else(|| bad(&format!("no loopback node {id} in this process")))?;
         if self.config.endpoint_per_peer {
             let slot = word(1);
-            let live = node.upgrade().ok_or_else(|| bad("the remote node is gone"))?;
+            let live = node
+                .upgrade()
+                .ok_or_else(|| bad("the remote node is gone"))?;
             if !lock(&live.open_slots).remove(&slot) {
                 return Err(bad(&format!(
                     "endpoint slot {slot} of node {id} is unknown or already connected"
