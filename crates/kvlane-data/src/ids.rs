@@ -56,3 +56,30 @@ impl TransferId {
         Self(NEXT_TRANSFER.fetch_add(1, Ordering::Relaxed))
     }
 }
+
+/// Hasher for the backend's maps keyed by small local ids (transfer,
+/// region, peer, key): one multiply per key instead of SipHash. The keys
+/// come from the local caller, never from the network.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by a local id.
+pub(crate) type FastMap<K, V> =
+    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;

@@ -8,6 +8,7 @@
 
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
+use crate::ids::FastMap;
 use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
@@ -45,7 +46,7 @@ impl Default for LoopbackConfig {
 
 #[derive(Default)]
 struct Node {
-    regions: Mutex<HashMap<RemoteKey, Region>>,
+    regions: Mutex<FastMap<RemoteKey, Region>>,
     notifications: Mutex<VecDeque<Bytes>>,
     /// Per-peer endpoints issued and not yet used (`endpoint_per_peer`).
     open_slots: Mutex<std::collections::HashSet<u64>>,
@@ -73,13 +74,13 @@ pub struct LoopbackBackend {
     node: Arc<Node>,
     next_key: u32,
     next_peer: u64,
-    local: HashMap<RegionId, Region>,
-    keys: HashMap<RegionId, RemoteKey>,
-    peers: HashMap<PeerId, PeerState>,
+    local: FastMap<RegionId, Region>,
+    keys: FastMap<RegionId, RemoteKey>,
+    peers: FastMap<PeerId, PeerState>,
     queue: VecDeque<Transfer>,
     failed: VecDeque<Completion>,
-    /// Resolved segments of the transfer being executed (reused).
-    scratch: Vec<(Region, Region, Segment)>,
+    /// Checked segments of the transfer being executed (reused).
+    scratch: Vec<Segment>,
 }
 
 impl std::fmt::Debug for LoopbackBackend {
@@ -116,29 +117,18 @@ impl LoopbackBackend {
             node,
             next_key: 1,
             next_peer: 1,
-            local: HashMap::new(),
-            keys: HashMap::new(),
-            peers: HashMap::new(),
+            local: FastMap::default(),
+            keys: FastMap::default(),
+            peers: FastMap::default(),
             queue: VecDeque::new(),
             failed: VecDeque::new(),
             scratch: Vec::new(),
         }
     }
 
-    fn execute(&mut self, t: &Transfer) -> Result<(), DataError> {
-        let mut plan = std::mem::take(&mut self.scratch);
-        let r = self.execute_with(t, &mut plan);
-        plan.clear();
-        self.scratch = plan;
-        r
-    }
-
-    fn execute_with(
-        &self,
-        t: &Transfer,
-        plan: &mut Vec<(Region, Region, Segment)>,
-    ) -> Result<(), DataError> {
-        let now = Instant::now();
+    /// Checks every segment of `t`, then copies them all (nothing moves
+    /// when any check fails); `now` is read once per `poll`.
+    fn execute(&mut self, t: &Transfer, now: Instant) -> Result<(), DataError> {
         if now > t.deadline {
             return Err(DataError::Timeout {
                 id: t.id,
@@ -147,9 +137,12 @@ impl LoopbackBackend {
             });
         }
         let target = self.target(t.peer)?;
-        // Resolve and check every segment before touching any byte.
-        {
-            let remote_regions = lock(&target.regions);
+        // The target's table stays locked while the bytes move: a
+        // concurrent deregistration waits instead of racing the copy.
+        let remote_regions = lock(&target.regions);
+        let mut plan = std::mem::take(&mut self.scratch);
+        plan.clear();
+        let checked = (|| {
             for seg in t.segments()? {
                 let local = self.local_region(seg.region, t.op)?;
                 local.check_range(seg.local_offset, seg.len)?;
@@ -158,15 +151,27 @@ impl LoopbackBackend {
                     key: seg.key,
                 })?;
                 check_remote(t.peer, seg.key, remote, t.op, seg.remote_offset, seg.len)?;
-                plan.push((local.clone(), remote.clone(), seg));
+                plan.push(seg);
             }
-        }
-        for (local, remote, seg) in plan.iter() {
-            match t.op {
-                Op::Write => local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?,
-                Op::Read => remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?,
+            Ok::<_, DataError>(())
+        })();
+        let result = checked.and_then(|()| {
+            for seg in &plan {
+                let (local, remote) = (&self.local[&seg.region], &remote_regions[&seg.key]);
+                match t.op {
+                    Op::Write => {
+                        local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?
+                    }
+                    Op::Read => {
+                        remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?
+                    }
+                }
             }
-        }
+            Ok(())
+        });
+        drop(remote_regions);
+        self.scratch = plan;
+        result?;
         if let Some(payload) = &t.notify {
             lock(&target.notifications).push_back(payload.clone());
         }
@@ -388,8 +393,9 @@ impl Backend for LoopbackBackend {
         let before = completions.len();
         completions.extend(self.failed.drain(..));
         let mut budget = self.config.poll_budget;
+        let now = Instant::now();
         while let Some(t) = self.queue.pop_front() {
-            let result = self.execute(&t);
+            let result = self.execute(&t, now);
             let moved = if result.is_ok() { t.total_len() } else { 0 };
             completions.push(Completion {
                 id: t.id,

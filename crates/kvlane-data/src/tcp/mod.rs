@@ -85,7 +85,7 @@ use bytes::Bytes;
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
 use serde::{Deserialize, Serialize};
 use server::{Counters, RegionTable, Server, ServerConfig};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
@@ -232,33 +232,9 @@ impl TcpEndpoint {
     }
 }
 
-/// Hasher for the backend's maps keyed by small local ids (transfer,
-/// region, peer, key): one multiply per key instead of SipHash. The keys
-/// come from the local caller, never from the network.
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-/// A map keyed by a local id.
-pub(crate) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
 /// A map keyed by transfer id.
 pub(crate) type IdMap<V> = FastMap<TransferId, V>;
+pub(crate) use crate::ids::FastMap;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Tables behind these locks stay consistent if a holder panicked.
