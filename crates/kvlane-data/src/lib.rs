@@ -1,1 +1,4 @@
 //! kvlane data plane (being written).
+
+#[cfg(feature = "verbs")]
+pub mod verbs;
