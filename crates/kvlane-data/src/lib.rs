@@ -1,4 +1,78 @@
-//! kvlane data plane (being written).
+//! kvlane data plane: registered memory, KV layouts and one-sided
+//! READ/WRITE backends.
+//!
+//! # Quick start
+//!
+//! ```
+//! use kvlane_data::{connect_pair, Access, Backend, Descriptor, LoopbackBackend, Op,
+//!                   Region, RemoteDescriptor, Transfer, Transport};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // Two in-process backends: an initiator and a target.
+//! let mut init = LoopbackBackend::default();
+//! let mut target = LoopbackBackend::default();
+//! let src = Region::from_vec(b"hello, kv cache!".to_vec(), Access::ALL)?;
+//! let dst = Region::alloc(4096, Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+//! let src_ad = init.register(&src)?;
+//! let dst_ad = target.register(&dst)?;
+//! let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad])?;
+//!
+//! // Drive the initiator from a progress thread and wait for the WRITE.
+//! let transport = Transport::new(init)?;
+//! let write = Transfer::new(
+//!     peer,
+//!     Op::Write,
+//!     vec![Descriptor { region: src.id(), offset: 0, len: 16 }],
+//!     vec![RemoteDescriptor { key: dst_ad.key, offset: 100, len: 16 }],
+//! );
+//! transport.submit(write)?.wait()?;
+//! let mut out = [0u8; 16];
+//! dst.read(100, &mut out)?;
+//! assert_eq!(&out, b"hello, kv cache!");
+//! # drop(target);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Cargo features
+//!
+//! - `verbs`: the libibverbs backend (crate `sideway`). Building it needs
+//!   cmake and libclang; running it needs libibverbs and an RDMA device.
+//!
+//! # Thread safety
+//!
+//! [`Region`] is `Send + Sync` and cheap to clone. Backends are `Send` and
+//! driven through `&mut self` (one owner); [`Transport`] wraps a backend in
+//! a progress thread and is `Sync`, so any thread may submit.
+//!
+//! # Resource cleanup
+//!
+//! A region's memory is freed when its last clone is dropped; backends hold
+//! clones of the regions registered with them until `deregister` or drop.
+//! Dropping a [`Transport`] stops its thread and fails transfers still in
+//! flight with [`DataError::Shutdown`]; nothing is left waiting forever.
+#![deny(missing_docs)]
 
+mod backend;
+pub mod conformance;
+mod error;
+mod handle;
+mod ids;
+pub mod layout;
+pub mod loopback;
+mod memory;
+mod transfer;
 #[cfg(feature = "verbs")]
 pub mod verbs;
+
+pub use backend::{connect_pair, Backend};
+pub use error::{DataError, SubmitError};
+pub use handle::{TransferHandle, Transport};
+pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
+pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
+pub use loopback::{LoopbackBackend, LoopbackConfig};
+pub use memory::{Access, MemoryKind, Region, RemoteRegion, REGION_ALIGN};
+pub use transfer::{
+    BackendKind, Completion, Descriptor, Endpoint, Notification, Op, RemoteDescriptor, Segment,
+    Segments, Transfer, DEFAULT_DEADLINE,
+};

@@ -1,0 +1,140 @@
+//! The [`Backend`] trait: submit/poll one-sided transfers.
+
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, RegionId};
+use crate::memory::{Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
+use std::task::Waker;
+
+/// A data-plane provider: registers memory and moves bytes with one-sided
+/// READ and WRITE.
+///
+/// The trait is not async. [`submit`](Self::submit) never blocks: it
+/// validates what it can locally and queues the work; every failure of
+/// queued work (remote refusal, missed deadline, lost peer) comes back from
+/// [`poll`](Self::poll) as a [`Completion`] with a typed error. A full
+/// queue hands the transfer back ([`SubmitError::QueueFull`]). Every
+/// submitted transfer completes exactly once, at the latest at its deadline
+/// (provided `poll` keeps being called).
+///
+/// # Connecting two backends
+///
+/// Each side calls [`prepare_peer`](Self::prepare_peer), sends the
+/// resulting [`Endpoint`] and its registered [`RemoteRegion`]s to the other
+/// side (the control plane's handshake does this), and then calls
+/// [`connect_peer`](Self::connect_peer) with what it received. Verbs needs a
+/// queue pair per peer, hence the per-peer endpoint.
+pub trait Backend: Send + 'static {
+    /// Which backend this is.
+    fn kind(&self) -> BackendKind;
+
+    /// Makes `region` available to local transfers and serves it to peers
+    /// with the region's remote rights; returns what to advertise.
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError>;
+
+    /// Stops serving `region`; later requests for its key are refused.
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError>;
+
+    /// Reserves a peer slot and returns this side's endpoint for it.
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError>;
+
+    /// Connects a prepared peer to the remote endpoint; `regions` are the
+    /// regions it advertised (used for initiator-side checks and addresses).
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError>;
+
+    /// Drops a peer; its in-flight transfers complete with
+    /// [`DataError::PeerLost`].
+    fn remove_peer(&mut self, peer: PeerId);
+
+    /// Queues a transfer. Never blocks.
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError>;
+
+    /// Makes progress and appends finished transfers to `completions`;
+    /// returns how many were appended.
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize;
+
+    /// Appends notifications that arrived for this side; returns how many.
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize;
+
+    /// Transfers submitted and not yet returned by `poll`.
+    fn in_flight(&self) -> usize;
+
+    /// Registers a waker that the backend wakes when completions or
+    /// notifications become ready from another thread. Backends whose
+    /// progress happens only inside `poll` can ignore it.
+    fn set_waker(&mut self, waker: Waker) {
+        let _ = waker;
+    }
+
+    /// Whether completions only appear by calling `poll` repeatedly while
+    /// work is in flight (CQ polling), rather than being announced through
+    /// the waker.
+    fn needs_busy_poll(&self) -> bool {
+        false
+    }
+}
+
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn kind(&self) -> BackendKind {
+        (**self).kind()
+    }
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        (**self).register(region)
+    }
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        (**self).deregister(region)
+    }
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        (**self).prepare_peer()
+    }
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        (**self).connect_peer(peer, remote, regions)
+    }
+    fn remove_peer(&mut self, peer: PeerId) {
+        (**self).remove_peer(peer)
+    }
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
+        (**self).submit(transfer)
+    }
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        (**self).poll(completions)
+    }
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        (**self).poll_notifications(out)
+    }
+    fn in_flight(&self) -> usize {
+        (**self).in_flight()
+    }
+    fn set_waker(&mut self, waker: Waker) {
+        (**self).set_waker(waker)
+    }
+    fn needs_busy_poll(&self) -> bool {
+        (**self).needs_busy_poll()
+    }
+}
+
+/// Connects two backends to each other directly (both in this process):
+/// the handshake the control plane does between processes. Returns
+/// `(a's id for b, b's id for a)`.
+pub fn connect_pair<A: Backend + ?Sized, B: Backend + ?Sized>(
+    a: &mut A,
+    a_regions: &[RemoteRegion],
+    b: &mut B,
+    b_regions: &[RemoteRegion],
+) -> Result<(PeerId, PeerId), DataError> {
+    let (a_peer, a_ep) = a.prepare_peer()?;
+    let (b_peer, b_ep) = b.prepare_peer()?;
+    a.connect_peer(a_peer, &b_ep, b_regions)?;
+    b.connect_peer(b_peer, &a_ep, a_regions)?;
+    Ok((a_peer, b_peer))
+}

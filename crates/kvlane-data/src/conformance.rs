@@ -1,0 +1,663 @@
+//! The conformance suite every backend runs.
+//!
+//! A backend's test file implements [`Fixture`] (two fresh, unconnected
+//! backends that can reach each other) and expands
+//! [`conformance_tests!`](crate::conformance_tests) to get one `#[test]`
+//! per case. Each case connects the pair, registers memory on both sides,
+//! moves bytes through the [`Backend`] trait alone, and checks the target's
+//! memory byte for byte.
+
+use crate::backend::{connect_pair, Backend};
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, RemoteKey, TransferId};
+use crate::memory::{Access, Region, RemoteRegion};
+use crate::transfer::{Completion, Descriptor, Notification, Op, RemoteDescriptor, Transfer};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// How long a case waits for completions before it fails as hung.
+pub const CASE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Makes backends for the suite.
+pub trait Fixture {
+    /// The backend under test.
+    type Backend: Backend;
+    /// Two fresh backends (initiator, target) that can reach each other.
+    fn backends(&self) -> (Self::Backend, Self::Backend);
+}
+
+/// Deterministic xorshift generator (the suite needs no `rand`).
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+    /// Next value.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    /// Value in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// Fills `buf` with pseudo-random bytes.
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let v = self.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
+    }
+}
+
+/// A connected pair with memory on both sides.
+pub struct Setup<B> {
+    /// Initiator.
+    pub init: B,
+    /// Target.
+    pub target: B,
+    /// The initiator's id for the target.
+    pub peer: PeerId,
+    /// Initiator memory (random contents), registered with `Access::ALL`.
+    pub local: Region,
+    /// Target memory (random contents) and what it advertises.
+    pub remote: Region,
+    /// Advertisement of `remote`.
+    pub remote_ad: RemoteRegion,
+}
+
+/// Builds a [`Setup`] whose target region grants `remote_access`.
+pub fn setup<F: Fixture>(
+    f: &F,
+    local_len: usize,
+    remote_len: usize,
+    remote_access: Access,
+    seed: u64,
+) -> Setup<F::Backend> {
+    let (mut init, mut target) = f.backends();
+    let mut rng = Rng::new(seed);
+    let local = random_region(&mut rng, local_len, Access::ALL);
+    let remote = random_region(&mut rng, remote_len, remote_access);
+    let local_ad = init.register(&local).expect("register initiator memory");
+    let remote_ad = target.register(&remote).expect("register target memory");
+    let (peer, _) =
+        connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).expect("connect pair");
+    Setup {
+        init,
+        target,
+        peer,
+        local,
+        remote,
+        remote_ad,
+    }
+}
+
+fn random_region(rng: &mut Rng, len: usize, access: Access) -> Region {
+    let mut data = vec![0u8; len];
+    rng.fill(&mut data);
+    Region::from_vec(data, access).expect("allocate region")
+}
+
+/// Submits every transfer (retrying when the queue is full) and polls both
+/// sides until all have completed; panics after [`CASE_TIMEOUT`].
+/// Returns completions by id and every notification seen at the target.
+pub fn run<B: Backend>(
+    init: &mut B,
+    target: &mut B,
+    transfers: Vec<Transfer>,
+) -> (
+    HashMap<TransferId, Result<(), DataError>>,
+    Vec<Notification>,
+) {
+    let want = transfers.len();
+    let mut results = HashMap::new();
+    let mut notes = Vec::new();
+    let mut pending = transfers.into_iter();
+    let mut retry: Option<Transfer> = None;
+    let mut done: Vec<Completion> = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    while results.len() < want {
+        // Submit as much as the queue takes.
+        while let Some(t) = retry.take().or_else(|| pending.next()) {
+            match init.submit(t) {
+                Ok(()) => {}
+                Err(SubmitError::QueueFull { transfer, .. }) => {
+                    retry = Some(*transfer);
+                    break;
+                }
+                Err(SubmitError::Rejected(e)) => panic!("transfer rejected at submit: {e}"),
+            }
+        }
+        init.poll(&mut done);
+        target.poll(&mut Vec::new());
+        target.poll_notifications(&mut notes);
+        for c in done.drain(..) {
+            assert!(
+                results.insert(c.id, c.result).is_none(),
+                "{} completed twice",
+                c.id
+            );
+        }
+        assert!(
+            Instant::now() < end,
+            "{} of {want} transfers still running",
+            want - results.len()
+        );
+        std::thread::yield_now();
+    }
+    (results, notes)
+}
+
+/// Runs one transfer and returns its result (submit-time rejection included).
+pub fn run_one<B: Backend>(init: &mut B, target: &mut B, t: Transfer) -> Result<(), DataError> {
+    let id = t.id;
+    if let Err(e) = init.submit(t.clone()) {
+        match e {
+            SubmitError::Rejected(e) => return Err(e),
+            e @ SubmitError::QueueFull { .. } => panic!("submit failed: {e}"),
+        }
+    }
+    let mut done = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    loop {
+        init.poll(&mut done);
+        target.poll(&mut Vec::new());
+        if let Some(i) = done.iter().position(|c| c.id == id) {
+            return done.swap_remove(i).result;
+        }
+        assert!(Instant::now() < end, "{id} hung");
+        std::thread::yield_now();
+    }
+}
+
+/// Polls the target until `n` notifications arrived (or the case times out);
+/// initiator completions seen meanwhile are appended to `done`.
+pub fn wait_notifications<B: Backend>(
+    init: &mut B,
+    target: &mut B,
+    n: usize,
+    done: &mut Vec<Completion>,
+) -> Vec<Notification> {
+    let mut notes = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    while notes.len() < n {
+        init.poll(done);
+        target.poll(&mut Vec::new());
+        target.poll_notifications(&mut notes);
+        assert!(
+            Instant::now() < end,
+            "only {} of {n} notifications arrived",
+            notes.len()
+        );
+        std::thread::yield_now();
+    }
+    notes
+}
+
+fn desc(s: &Setup<impl Backend>, lo: u64, ro: u64, len: u64) -> (Descriptor, RemoteDescriptor) {
+    (
+        Descriptor {
+            region: s.local.id(),
+            offset: lo,
+            len,
+        },
+        RemoteDescriptor {
+            key: s.remote_ad.key,
+            offset: ro,
+            len,
+        },
+    )
+}
+
+fn transfer(s: &Setup<impl Backend>, op: Op, pieces: &[(u64, u64, u64)]) -> Transfer {
+    let (l, r) = pieces
+        .iter()
+        .map(|&(lo, ro, len)| desc(s, lo, ro, len))
+        .unzip();
+    Transfer::new(s.peer, op, l, r)
+}
+
+/// Random WRITEs then READs, verified byte for byte against a model.
+pub fn write_read_roundtrip<F: Fixture>(f: &F) {
+    const LEN: u64 = 1 << 20;
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::ALL, 1);
+    let mut rng = Rng::new(7);
+    let mut model = s.remote.to_vec().unwrap();
+    let local = s.local.to_vec().unwrap();
+    // Non-overlapping remote targets so the outcome is defined.
+    let mut transfers = Vec::new();
+    let mut cursor = 0u64;
+    while cursor + 70_000 < LEN {
+        let n = 1 + rng.below(4);
+        let mut pieces = Vec::new();
+        for _ in 0..n {
+            let len = 1 + rng.below(16_384);
+            let lo = rng.below(LEN - len);
+            pieces.push((lo, cursor, len));
+            model[cursor as usize..(cursor + len) as usize]
+                .copy_from_slice(&local[lo as usize..(lo + len) as usize]);
+            cursor += len + rng.below(64);
+        }
+        transfers.push(transfer(&s, Op::Write, &pieces));
+    }
+    let (results, _) = run(&mut s.init, &mut s.target, transfers);
+    for (id, r) in &results {
+        assert!(r.is_ok(), "{id}: {r:?}");
+    }
+    assert!(
+        s.remote.to_vec().unwrap() == model,
+        "target memory differs from the model after WRITE"
+    );
+
+    // READ random remote spans into a zeroed local region.
+    let back = Region::alloc(LEN as usize, Access::ALL).unwrap();
+    let back_ad = s.init.register(&back).unwrap();
+    let _ = back_ad;
+    let mut expect = vec![0u8; LEN as usize];
+    let mut reads = Vec::new();
+    let mut cursor = 0u64;
+    while cursor + 70_000 < LEN {
+        let len = 1 + rng.below(65_536);
+        let ro = rng.below(LEN - len);
+        expect[cursor as usize..(cursor + len) as usize]
+            .copy_from_slice(&model[ro as usize..(ro + len) as usize]);
+        reads.push(Transfer::new(
+            s.peer,
+            Op::Read,
+            vec![Descriptor {
+                region: back.id(),
+                offset: cursor,
+                len,
+            }],
+            vec![RemoteDescriptor {
+                key: s.remote_ad.key,
+                offset: ro,
+                len,
+            }],
+        ));
+        cursor += len;
+    }
+    let (results, _) = run(&mut s.init, &mut s.target, reads);
+    assert!(
+        results.values().all(Result::is_ok),
+        "a READ failed: {results:?}"
+    );
+    assert!(
+        back.to_vec().unwrap() == expect,
+        "READ results differ from target memory"
+    );
+}
+
+/// One large transfer each way (exercises splitting and striping).
+pub fn large_transfer<F: Fixture>(f: &F) {
+    const LEN: u64 = 24 << 20;
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::ALL, 2);
+    let local = s.local.to_vec().unwrap();
+    let t = transfer(&s, Op::Write, &[(0, 0, LEN)]);
+    run_one(&mut s.init, &mut s.target, t).expect("large WRITE");
+    assert!(
+        s.remote.to_vec().unwrap() == local,
+        "large WRITE corrupted data"
+    );
+    s.remote.fill(0, LEN / 2, 0x5a).unwrap();
+    let t = transfer(&s, Op::Read, &[(0, 0, LEN)]);
+    run_one(&mut s.init, &mut s.target, t).expect("large READ");
+    assert!(
+        s.local.to_vec().unwrap() == s.remote.to_vec().unwrap(),
+        "large READ corrupted data"
+    );
+}
+
+/// Hundreds of transfers in flight at once, all verified.
+pub fn many_in_flight<F: Fixture>(f: &F) {
+    const N: u64 = 512;
+    const BLOCK: u64 = 4096;
+    let mut s = setup(
+        f,
+        (N * BLOCK) as usize,
+        (N * BLOCK) as usize,
+        Access::ALL,
+        3,
+    );
+    let transfers = (0..N)
+        .map(|i| transfer(&s, Op::Write, &[(i * BLOCK, (N - 1 - i) * BLOCK, BLOCK)]))
+        .collect();
+    let (results, _) = run(&mut s.init, &mut s.target, transfers);
+    assert_eq!(results.len() as u64, N);
+    assert!(results.values().all(Result::is_ok), "{results:?}");
+    let (l, r) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    for i in 0..N as usize {
+        let j = N as usize - 1 - i;
+        let b = BLOCK as usize;
+        assert!(
+            l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
+            "block {i} misplaced"
+        );
+    }
+}
+
+/// The notification arrives after every byte of its transfer landed.
+pub fn notification_after_data<F: Fixture>(f: &F) {
+    const LEN: u64 = 4 << 20;
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::ALL, 4);
+    let pieces: Vec<_> = (0..16)
+        .map(|i| (i * (LEN / 16), (15 - i) * (LEN / 16), LEN / 16))
+        .collect();
+    let t = transfer(&s, Op::Write, &pieces).with_notify(&b"req-42 done"[..]);
+    s.init.submit(t).expect("submit");
+    let mut done = Vec::new();
+    let notes = wait_notifications(&mut s.init, &mut s.target, 1, &mut done);
+    // Checked the moment the notification is seen: all data is there.
+    let (l, r) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    for &(lo, ro, len) in &pieces {
+        assert!(
+            l[lo as usize..(lo + len) as usize] == r[ro as usize..(ro + len) as usize],
+            "notification arrived before the bytes at remote offset {ro}"
+        );
+    }
+    assert_eq!(&notes[0].payload[..], b"req-42 done");
+    // The initiator's completion still arrives, successful.
+    let end = Instant::now() + CASE_TIMEOUT;
+    while done.is_empty() {
+        s.init.poll(&mut done);
+        assert!(
+            Instant::now() < end,
+            "completion missing after notification"
+        );
+    }
+    assert!(done[0].result.is_ok(), "{:?}", done[0].result);
+}
+
+fn assert_untouched(s: &Setup<impl Backend>, local: &[u8], remote: &[u8], what: &str) {
+    assert!(
+        s.remote.to_vec().unwrap() == remote,
+        "{what}: target memory changed"
+    );
+    assert!(
+        s.local.to_vec().unwrap() == local,
+        "{what}: initiator memory changed"
+    );
+}
+
+/// Wrong key, out-of-range and out-of-region requests are refused with the
+/// right error, and no byte changes on either side.
+pub fn bad_requests_refused<F: Fixture>(f: &F) {
+    const LEN: u64 = 64 << 10;
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::ALL, 5);
+    let (l0, r0) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    for op in [Op::Write, Op::Read] {
+        // A key the target never issued.
+        let bad_key = RemoteKey(s.remote_ad.key.0.wrapping_add(0x1000));
+        let t = Transfer::new(
+            s.peer,
+            op,
+            vec![Descriptor {
+                region: s.local.id(),
+                offset: 0,
+                len: 128,
+            }],
+            vec![RemoteDescriptor {
+                key: bad_key,
+                offset: 0,
+                len: 128,
+            }],
+        );
+        let e = run_one(&mut s.init, &mut s.target, t).expect_err("wrong key accepted");
+        assert!(
+            matches!(e, DataError::UnknownKey { .. }) || e.is_refused(),
+            "{op} wrong key: {e}"
+        );
+        assert_untouched(&s, &l0, &r0, "wrong key");
+        // Past the end of the remote region (the first piece is valid: a
+        // refused transfer moves none of its bytes).
+        let t = transfer(&s, op, &[(0, 0, 64), (0, LEN - 100, 200)]);
+        let e = run_one(&mut s.init, &mut s.target, t).expect_err("out of range accepted");
+        assert!(
+            matches!(e, DataError::RemoteOutOfBounds { .. }),
+            "{op} out of range: {e}"
+        );
+        assert_untouched(&s, &l0, &r0, "remote out of range");
+        // Offset overflow.
+        let t = transfer(&s, op, &[(0, u64::MAX - 10, 64)]);
+        let e = run_one(&mut s.init, &mut s.target, t).expect_err("overflowing offset accepted");
+        assert!(e.is_refused(), "{op} overflow: {e}");
+        assert_untouched(&s, &l0, &r0, "offset overflow");
+        // Past the end of the local region.
+        let t = transfer(&s, op, &[(LEN - 10, 0, 64)]);
+        let e = run_one(&mut s.init, &mut s.target, t).expect_err("local out of range accepted");
+        assert!(
+            matches!(e, DataError::OutOfBounds { .. }),
+            "{op} local out of range: {e}"
+        );
+        assert_untouched(&s, &l0, &r0, "local out of range");
+    }
+}
+
+/// A region without the remote right is refused for that op only.
+pub fn missing_permission_refused<F: Fixture>(f: &F) {
+    const LEN: u64 = 64 << 10;
+    // Read-only target: WRITE refused, READ allowed.
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::REMOTE_READ, 6);
+    let (l0, r0) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    let e = {
+        let t = transfer(&s, Op::Write, &[(0, 0, 4096)]);
+        run_one(&mut s.init, &mut s.target, t)
+    }
+    .expect_err("WRITE into a read-only region accepted");
+    assert!(
+        matches!(e, DataError::AccessDenied { op: Op::Write, .. }),
+        "{e}"
+    );
+    assert_untouched(&s, &l0, &r0, "write to read-only");
+    {
+        let t = transfer(&s, Op::Read, &[(0, 0, 4096)]);
+        run_one(&mut s.init, &mut s.target, t)
+    }
+    .expect("READ from a read-only region");
+    // Write-only target: READ refused.
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::REMOTE_WRITE, 7);
+    let (l0, r0) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    let e = {
+        let t = transfer(&s, Op::Read, &[(0, 0, 4096)]);
+        run_one(&mut s.init, &mut s.target, t)
+    }
+    .expect_err("READ from a write-only region accepted");
+    assert!(
+        matches!(e, DataError::AccessDenied { op: Op::Read, .. }),
+        "{e}"
+    );
+    assert_untouched(&s, &l0, &r0, "read from write-only");
+}
+
+/// A transfer past its deadline fails as a timeout and moves nothing.
+pub fn deadline_expired<F: Fixture>(f: &F) {
+    const LEN: u64 = 64 << 10;
+    let mut s = setup(f, LEN as usize, LEN as usize, Access::ALL, 8);
+    let (l0, r0) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+    let past = Instant::now()
+        .checked_sub(Duration::from_millis(5))
+        .unwrap_or_else(Instant::now);
+    let t = transfer(&s, Op::Write, &[(0, 0, LEN)]).with_deadline(past);
+    let e = run_one(&mut s.init, &mut s.target, t).expect_err("expired transfer accepted");
+    assert!(e.is_timeout(), "{e}");
+    assert_untouched(&s, &l0, &r0, "expired transfer");
+}
+
+/// Empty transfers and zero-length descriptors complete successfully, and
+/// an empty transfer's notification is still delivered.
+pub fn empty_and_zero_length<F: Fixture>(f: &F) {
+    let mut s = setup(f, 4096, 4096, Access::ALL, 9);
+    let r0 = s.remote.to_vec().unwrap();
+    run_one(
+        &mut s.init,
+        &mut s.target,
+        Transfer::new(s.peer, Op::Write, vec![], vec![]),
+    )
+    .expect("empty transfer");
+    let t = transfer(&s, Op::Read, &[(0, 0, 0), (10, 10, 0)]);
+    run_one(&mut s.init, &mut s.target, t).expect("zero-length descriptors");
+    let t = Transfer::new(s.peer, Op::Write, vec![], vec![]).with_notify(&b"empty"[..]);
+    run_one(&mut s.init, &mut s.target, t).expect("empty transfer with notification");
+    let notes = wait_notifications(&mut s.init, &mut s.target, 1, &mut Vec::new());
+    assert_eq!(&notes[0].payload[..], b"empty");
+    assert!(s.remote.to_vec().unwrap() == r0);
+}
+
+/// Lists of different total length are rejected at submit.
+pub fn length_mismatch_rejected<F: Fixture>(f: &F) {
+    let mut s = setup(f, 4096, 4096, Access::ALL, 10);
+    let t = Transfer::new(
+        s.peer,
+        Op::Write,
+        vec![Descriptor {
+            region: s.local.id(),
+            offset: 0,
+            len: 100,
+        }],
+        vec![RemoteDescriptor {
+            key: s.remote_ad.key,
+            offset: 0,
+            len: 99,
+        }],
+    );
+    match s.init.submit(t) {
+        Err(SubmitError::Rejected(DataError::LengthMismatch {
+            local: 100,
+            remote: 99,
+        })) => {}
+        other => panic!("expected a length mismatch rejection, got {other:?}"),
+    }
+}
+
+/// Submitting without polling eventually fills the queue; the transfer is
+/// handed back intact, and everything submitted still completes.
+pub fn queue_full_hands_back<F: Fixture>(f: &F) {
+    let mut s = setup(f, 4096, 4096, Access::ALL, 11);
+    let mut accepted = Vec::new();
+    let mut handed_back = None;
+    for i in 0..(1u64 << 17) {
+        let t = transfer(&s, Op::Write, &[(i % 4000, i % 4000, 8)]);
+        let id = t.id;
+        match s.init.submit(t) {
+            Ok(()) => accepted.push(id),
+            Err(SubmitError::QueueFull { transfer, .. }) => {
+                assert_eq!(transfer.id, id, "a different transfer was handed back");
+                assert_eq!(
+                    transfer.local[0].len, 8,
+                    "the handed-back transfer was altered"
+                );
+                assert!(SubmitError::QueueFull {
+                    transfer: transfer.clone(),
+                    in_flight: 0
+                }
+                .is_retryable());
+                handed_back = Some(*transfer);
+                break;
+            }
+            Err(e) => panic!("unexpected submit error: {e}"),
+        }
+    }
+    let mut retry =
+        Some(handed_back.expect("the queue never filled: backends must bound their queues"));
+    let want = accepted.len() + 1;
+    // Drain: the handed-back transfer goes in once there is room, and every
+    // transfer completes exactly once.
+    let mut done = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < want {
+        s.init.poll(&mut done);
+        s.target.poll(&mut Vec::new());
+        for c in done.drain(..) {
+            assert!(c.result.is_ok(), "{}: {:?}", c.id, c.result);
+            assert!(seen.insert(c.id), "{} completed twice", c.id);
+        }
+        if let Some(t) = retry.take() {
+            match s.init.submit(t) {
+                Ok(()) => {}
+                Err(SubmitError::QueueFull { transfer, .. }) => retry = Some(*transfer),
+                Err(e) => panic!("resubmit failed: {e}"),
+            }
+        }
+        assert!(
+            Instant::now() < end,
+            "{} transfers never completed",
+            want - seen.len()
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Removing a peer fails its in-flight transfers (or they had finished);
+/// none is lost and none hangs.
+pub fn removed_peer_fails_in_flight<F: Fixture>(f: &F) {
+    let mut s = setup(f, 1 << 20, 1 << 20, Access::ALL, 12);
+    let mut ids = Vec::new();
+    for i in 0..64u64 {
+        let t = transfer(&s, Op::Write, &[(i * 16_384, i * 16_384, 16_384)]);
+        ids.push(t.id);
+        s.init.submit(t).expect("submit");
+    }
+    s.init.remove_peer(s.peer);
+    let mut done = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    let mut results = HashMap::new();
+    while results.len() < ids.len() {
+        s.init.poll(&mut done);
+        for c in done.drain(..) {
+            assert!(results.insert(c.id, c.result).is_none());
+        }
+        assert!(Instant::now() < end, "transfers of a removed peer hang");
+        std::thread::yield_now();
+    }
+    for (id, r) in results {
+        assert!(
+            r.as_ref().is_ok() || r.as_ref().is_err_and(DataError::is_peer_lost),
+            "{id}: {r:?}"
+        );
+    }
+    let after = transfer(&s, Op::Write, &[(0, 0, 8)]);
+    match s.init.submit(after) {
+        Err(SubmitError::Rejected(DataError::UnknownPeer(p))) => assert_eq!(p, s.peer),
+        Ok(()) => {
+            let mut done = Vec::new();
+            while done.is_empty() {
+                s.init.poll(&mut done);
+                assert!(Instant::now() < end, "transfer to a removed peer hangs");
+            }
+            assert!(
+                done[0].result.is_err(),
+                "a removed peer accepted a transfer"
+            );
+        }
+        Err(e) => panic!("unexpected: {e}"),
+    }
+}
+
+/// Expands to one `#[test]` per conformance case for a [`Fixture`]
+/// expression.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($fixture:expr) => {
+        $crate::conformance_tests!(@cases $fixture;
+            write_read_roundtrip, large_transfer, many_in_flight, notification_after_data,
+            bad_requests_refused, missing_permission_refused, deadline_expired,
+            empty_and_zero_length, length_mismatch_rejected, queue_full_hands_back,
+            removed_peer_fails_in_flight);
+    };
+    (@cases $fixture:expr; $($case:ident),*) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::conformance::$case(&$fixture);
+            }
+        )*
+    };
+}

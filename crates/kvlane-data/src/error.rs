@@ -1,0 +1,204 @@
+//! The data plane's error types.
+
+use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
+use crate::memory::Access;
+use crate::transfer::{Op, Transfer};
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything that can go wrong in the data plane.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DataError {
+    /// A region of zero bytes was registered.
+    #[error("cannot register an empty region")]
+    EmptyRegion,
+    /// A null pointer was registered.
+    #[error("cannot register memory at a null address")]
+    NullPointer,
+    /// Host memory could not be allocated.
+    #[error("could not allocate {len} bytes of host memory")]
+    Alloc {
+        /// Requested length.
+        len: usize,
+    },
+    /// A local range is outside its region.
+    #[error("range {offset}+{len} is outside {region} of {region_len} bytes")]
+    OutOfBounds {
+        /// The region.
+        region: RegionId,
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// A remote range is outside the region the target serves under `key`.
+    #[error("remote range {offset}+{len} is outside {key} of {region_len} bytes at {peer}")]
+    RemoteOutOfBounds {
+        /// The target.
+        peer: PeerId,
+        /// The remote key.
+        key: RemoteKey,
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Length of the remote region.
+        region_len: u64,
+    },
+    /// A local region id is not registered with this backend.
+    #[error("{0} is not registered with this backend")]
+    UnknownRegion(RegionId),
+    /// The target serves no region under this key.
+    #[error("{peer} serves no region under {key}")]
+    UnknownKey {
+        /// The target.
+        peer: PeerId,
+        /// The unknown key.
+        key: RemoteKey,
+    },
+    /// The region lacks a right the operation needs.
+    #[error("{op} needs {needed} on {target}, which only grants {granted}")]
+    AccessDenied {
+        /// The operation.
+        op: Op,
+        /// `"local region#N"` or `"remote key#N at peer#M"`.
+        target: String,
+        /// The missing right.
+        needed: Access,
+        /// What the region grants.
+        granted: Access,
+    },
+    /// Local and remote descriptor lists do not move the same number of bytes.
+    #[error("local descriptors cover {local} bytes but remote descriptors cover {remote}")]
+    LengthMismatch {
+        /// Sum of local lengths.
+        local: u64,
+        /// Sum of remote lengths.
+        remote: u64,
+    },
+    /// The transfer missed its deadline; the target bytes are unspecified.
+    #[error("{id} to {peer} missed its deadline by {overdue:?}")]
+    Timeout {
+        /// The transfer.
+        id: TransferId,
+        /// The target.
+        peer: PeerId,
+        /// How late the backend noticed.
+        overdue: Duration,
+    },
+    /// The peer is gone (connection broken, peer removed or dead).
+    #[error("{peer} was lost: {reason}")]
+    PeerLost {
+        /// The peer.
+        peer: PeerId,
+        /// What happened, e.g. "connection reset" or "peer removed".
+        reason: &'static str,
+        /// The I/O error behind it, if any.
+        #[source]
+        source: Option<Arc<io::Error>>,
+    },
+    /// The peer id is not known to this backend.
+    #[error("{0} is not connected to this backend")]
+    UnknownPeer(PeerId),
+    /// The backend cannot do this here.
+    #[error("{backend}: unsupported: {what}")]
+    Unsupported {
+        /// Which backend (or facility).
+        backend: &'static str,
+        /// What is missing, and why.
+        what: &'static str,
+    },
+    /// The transfer id is already in flight on this backend.
+    #[error("{0} is already in flight")]
+    DuplicateTransfer(TransferId),
+    /// A notification payload is larger than the backend can deliver.
+    #[error("notification of {len} bytes exceeds the limit of {max}")]
+    NotificationTooLarge {
+        /// Payload length.
+        len: usize,
+        /// The backend's limit.
+        max: usize,
+    },
+    /// An endpoint from a peer could not be decoded.
+    #[error("endpoint for the {backend} backend could not be decoded: {reason}")]
+    BadEndpoint {
+        /// The backend that tried.
+        backend: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The backend was shut down before the transfer completed.
+    #[error("backend shut down with {0} still in flight")]
+    Shutdown(TransferId),
+    /// An I/O operation failed.
+    #[error("{op} failed")]
+    Io {
+        /// The operation, e.g. "bind tcp listener 127.0.0.1:0".
+        op: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl DataError {
+    /// Whether the error is a missed deadline.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Timeout { .. })
+    }
+
+    /// Whether the error means the peer is gone.
+    pub fn is_peer_lost(&self) -> bool {
+        matches!(self, Self::PeerLost { .. })
+    }
+
+    /// Whether the target (or the local checks standing in for it) refused
+    /// the request: unknown key, out of bounds, missing access right.
+    pub fn is_refused(&self) -> bool {
+        matches!(
+            self,
+            Self::UnknownKey { .. }
+                | Self::RemoteOutOfBounds { .. }
+                | Self::OutOfBounds { .. }
+                | Self::AccessDenied { .. }
+                | Self::UnknownRegion(_)
+        )
+    }
+}
+
+/// Why [`Backend::submit`](crate::Backend::submit) did not accept a transfer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The submission queue is full: poll completions and submit again.
+    /// The transfer is handed back untouched; nothing was lost.
+    #[error("submission queue full ({} still in flight); poll and retry {}", .in_flight, .transfer.id)]
+    QueueFull {
+        /// The transfer, handed back.
+        transfer: Box<Transfer>,
+        /// Transfers in flight at the time.
+        in_flight: usize,
+    },
+    /// The transfer is malformed or names something unknown locally.
+    #[error("transfer rejected")]
+    Rejected(#[source] DataError),
+}
+
+impl SubmitError {
+    /// Whether submitting again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::QueueFull { .. })
+    }
+
+    /// The transfer, when it was handed back.
+    pub fn into_transfer(self) -> Option<Transfer> {
+        match self {
+            Self::QueueFull { transfer, .. } => Some(*transfer),
+            Self::Rejected(_) => None,
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! [`Transport`]: a [`Backend`] driven by a progress thread, handing out
+//! [`TransferHandle`]s that can be polled, awaited or waited on.
+
+use crate::backend::Backend;
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, TransferId};
+use crate::transfer::{Completion, Notification, Transfer};
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How long the progress thread sleeps when nothing is in flight (it is
+/// woken at once by `submit` and by backends that announce completions).
+const IDLE_PARK: Duration = Duration::from_millis(50);
+/// How often it re-polls while work is in flight on a backend that
+/// announces completions through its waker (bounds deadline detection).
+const BUSY_PARK: Duration = Duration::from_millis(1);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Default)]
+struct SlotState {
+    result: Option<Result<(), DataError>>,
+    waker: Option<Waker>,
+}
+
+#[derive(Default)]
+struct Slot {
+    state: Mutex<SlotState>,
+    done: Condvar,
+}
+
+impl Slot {
+    fn complete(&self, result: Result<(), DataError>) {
+        let waker = {
+            let mut s = lock(&self.state);
+            s.result = Some(result);
+            s.waker.take()
+        };
+        self.done.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The pending result of one submitted transfer.
+///
+/// Poll it with [`try_result`](Self::try_result), block on it with
+/// [`wait`](Self::wait), or `.await` it. The result can be taken once.
+#[must_use = "a transfer's result reports whether its bytes landed"]
+pub struct TransferHandle {
+    id: TransferId,
+    peer: PeerId,
+    slot: Arc<Slot>,
+}
+
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferHandle")
+            .field("id", &self.id)
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+impl TransferHandle {
+    /// The transfer's id.
+    pub fn id(&self) -> TransferId {
+        self.id
+    }
+
+    /// The transfer's target.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Whether the result is ready.
+    pub fn is_done(&self) -> bool {
+        lock(&self.slot.state).result.is_some()
+    }
+
+    /// Takes the result if it is ready.
+    pub fn try_result(&mut self) -> Option<Result<(), DataError>> {
+        lock(&self.slot.state).result.take()
+    }
+
+    /// Blocks the thread until the transfer completes. Every transfer
+    /// completes by its deadline, so this does not hang.
+    pub fn wait(self) -> Result<(), DataError> {
+        let mut s = lock(&self.slot.state);
+        loop {
+            if let Some(r) = s.result.take() {
+                return r;
+            }
+            s = self.slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Blocks for at most `timeout`; `None` if the transfer is still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), DataError>> {
+        let end = Instant::now() + timeout;
+        let mut s = lock(&self.slot.state);
+        loop {
+            if let Some(r) = s.result.take() {
+                return Some(r);
+            }
+            let left = end.checked_duration_since(Instant::now())?;
+            s = self
+                .slot
+                .done
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Future for TransferHandle {
+    type Output = Result<(), DataError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut s = lock(&self.slot.state);
+        if let Some(r) = s.result.take() {
+            return Poll::Ready(r);
+        }
+        s.waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+struct Shared {
+    backend: Mutex<Box<dyn Backend>>,
+    slots: Mutex<HashMap<TransferId, Arc<Slot>>>,
+    notifications: mpsc::UnboundedSender<Notification>,
+    stop: AtomicBool,
+}
+
+struct ThreadWaker(Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// A backend plus the thread that drives it.
+///
+/// `submit` from any thread; the progress thread polls the backend and
+/// resolves [`TransferHandle`]s. Dropping the transport (or
+/// [`shutdown`](Self::shutdown)) stops the thread and fails every transfer
+/// still in flight with [`DataError::Shutdown`].
+pub struct Transport {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    progress: Thread,
+    notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("in_flight", &lock(&self.shared.slots).len())
+            .finish()
+    }
+}
+
+impl Transport {
+    /// Starts the progress thread for `backend`.
+    pub fn new(backend: impl Backend) -> Result<Self, DataError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            backend: Mutex::new(Box::new(backend)),
+            slots: Mutex::new(HashMap::new()),
+            notifications: tx,
+            stop: AtomicBool::new(false),
+        });
+        let thread_shared = shared.clone();
+        let handle = thread::Builder::new()
+            .name("kvlane-progress".into())
+            .spawn(move || progress_loop(&thread_shared))
+            .map_err(|source| DataError::Io {
+                op: "spawn progress thread".into(),
+                source,
+            })?;
+        let progress = handle.thread().clone();
+        Ok(Self {
+            shared,
+            thread: Mutex::new(Some(handle)),
+            progress,
+            notifications: Mutex::new(Some(rx)),
+        })
+    }
+
+    /// Runs `f` with exclusive access to the backend (registration,
+    /// connecting peers). Keep it short: the progress thread waits.
+    pub fn with_backend<R>(&self, f: impl FnOnce(&mut dyn Backend) -> R) -> R {
+        let mut b = lock(&self.shared.backend);
+        let r = f(&mut **b);
+        drop(b);
+        self.progress.unpark();
+        r
+    }
+
+    /// Submits a transfer. A full queue hands it back
+    /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
+    pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {
+        let (id, peer) = (transfer.id, transfer.peer);
+        if self.shared.stop.load(Ordering::Acquire) {
+            return Err(SubmitError::Rejected(DataError::Shutdown(id)));
+        }
+        let slot = Arc::new(Slot::default());
+        {
+            let mut slots = lock(&self.shared.slots);
+            if slots.contains_key(&id) {
+                return Err(SubmitError::Rejected(DataError::DuplicateTransfer(id)));
+            }
+            slots.insert(id, slot.clone());
+        }
+        let r = lock(&self.shared.backend).submit(transfer);
+        if let Err(e) = r {
+            lock(&self.shared.slots).remove(&id);
+            return Err(e);
+        }
+        self.progress.unpark();
+        Ok(TransferHandle { id, peer, slot })
+    }
+
+    /// Submits, and when the queue is full waits for room (up to the
+    /// transfer's deadline) instead of handing the transfer back.
+    pub fn submit_wait(&self, mut transfer: Transfer) -> Result<TransferHandle, SubmitError> {
+        loop {
+            match self.submit(transfer) {
+                Err(SubmitError::QueueFull {
+                    transfer: t,
+                    in_flight,
+                }) => {
+                    if Instant::now() >= t.deadline {
+                        return Err(SubmitError::QueueFull {
+                            transfer: t,
+                            in_flight,
+                        });
+                    }
+                    transfer = *t;
+                    thread::sleep(Duration::from_micros(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// The stream of notifications that arrive for this side. Returns
+    /// `None` after the first call (there is one receiver).
+    pub fn take_notifications(&self) -> Option<mpsc::UnboundedReceiver<Notification>> {
+        lock(&self.notifications).take()
+    }
+
+    /// Transfers submitted and not yet resolved.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.shared.slots).len()
+    }
+
+    /// Stops the progress thread; transfers still in flight fail with
+    /// [`DataError::Shutdown`]. Idempotent.
+    pub fn shutdown(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.progress.unpark();
+        if let Some(h) = lock(&self.thread).take() {
+            if h.join().is_err() {
+                tracing::error!("kvlane progress thread panicked");
+            }
+        }
+        let slots: Vec<_> = lock(&self.shared.slots).drain().collect();
+        for (id, slot) in slots {
+            slot.complete(Err(DataError::Shutdown(id)));
+        }
+    }
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn progress_loop(shared: &Shared) {
+    let waker = Waker::from(Arc::new(ThreadWaker(thread::current())));
+    lock(&shared.backend).set_waker(waker);
+    let mut completions: Vec<Completion> = Vec::new();
+    let mut notes: Vec<Notification> = Vec::new();
+    while !shared.stop.load(Ordering::Acquire) {
+        let (n, in_flight, busy) = {
+            let mut b = lock(&shared.backend);
+            let n = b.poll(&mut completions) + b.poll_notifications(&mut notes);
+            (n, b.in_flight(), b.needs_busy_poll())
+        };
+        if !completions.is_empty() {
+            let mut slots = lock(&shared.slots);
+            let ready: Vec<_> = completions
+                .drain(..)
+                .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result)))
+                .collect();
+            drop(slots);
+            for (slot, result) in ready {
+                slot.complete(result);
+            }
+        }
+        for note in notes.drain(..) {
+            // Nobody listening is fine: the notification is dropped.
+            let _ = shared.notifications.send(note);
+        }
+        if n > 0 {
+            continue;
+        }
+        match (in_flight > 0, busy) {
+            (true, true) => thread::yield_now(),
+            (true, false) => thread::park_timeout(BUSY_PARK),
+            (false, _) => thread::park_timeout(IDLE_PARK),
+        }
+    }
+}

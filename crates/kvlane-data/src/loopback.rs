@@ -1,0 +1,373 @@
+//! The loopback backend: one-sided transfers between backends of the same
+//! process, executed as `memcpy` with the checks a NIC makes.
+//!
+//! Every loopback backend is a node of a process-wide fabric. A peer is
+//! another node; its regions are looked up by key at execution time, and
+//! every check (key known, range inside the region, remote right present,
+//! local range and right) passes before the first byte moves.
+
+use crate::backend::Backend;
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, RegionId, RemoteKey};
+use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
+use bytes::Bytes;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Instant;
+
+/// Settings of a [`LoopbackBackend`].
+#[derive(Clone, Debug)]
+pub struct LoopbackConfig {
+    /// Transfers that may be queued before `submit` hands them back.
+    /// Default 4096.
+    pub queue_depth: usize,
+    /// Bytes copied per `poll` call before it returns (at least one
+    /// transfer is always finished). Default 8 MiB; bounds how long `poll`
+    /// holds the caller.
+    pub poll_budget: u64,
+}
+
+impl Default for LoopbackConfig {
+    fn default() -> Self {
+        Self {
+            queue_depth: 4096,
+            poll_budget: 8 << 20,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Node {
+    regions: Mutex<HashMap<RemoteKey, Region>>,
+    notifications: Mutex<VecDeque<Bytes>>,
+}
+
+fn fabric() -> &'static Mutex<HashMap<u64, Weak<Node>>> {
+    static FABRIC: OnceLock<Mutex<HashMap<u64, Weak<Node>>>> = OnceLock::new();
+    FABRIC.get_or_init(Default::default)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain tables behind,
+    // which stay consistent: keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct PeerState {
+    node: Option<Weak<Node>>,
+}
+
+/// In-process backend (see the [module docs](self)).
+pub struct LoopbackBackend {
+    config: LoopbackConfig,
+    node_id: u64,
+    node: Arc<Node>,
+    next_key: u32,
+    next_peer: u64,
+    local: HashMap<RegionId, Region>,
+    keys: HashMap<RegionId, RemoteKey>,
+    peers: HashMap<PeerId, PeerState>,
+    queue: VecDeque<Transfer>,
+    failed: VecDeque<Completion>,
+}
+
+impl std::fmt::Debug for LoopbackBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoopbackBackend")
+            .field("node", &self.node_id)
+            .field("regions", &self.local.len())
+            .field("peers", &self.peers.len())
+            .field("queued", &self.queue.len())
+            .finish()
+    }
+}
+
+impl Default for LoopbackBackend {
+    fn default() -> Self {
+        Self::new(LoopbackConfig::default())
+    }
+}
+
+impl LoopbackBackend {
+    /// A new node on the process-wide loopback fabric.
+    pub fn new(config: LoopbackConfig) -> Self {
+        let node = Arc::new(Node::default());
+        let node_id = {
+            let mut fabric = lock(fabric());
+            fabric.retain(|_, n| n.strong_count() > 0);
+            let id = fabric.keys().max().map_or(1, |m| m + 1);
+            fabric.insert(id, Arc::downgrade(&node));
+            id
+        };
+        Self {
+            config,
+            node_id,
+            node,
+            next_key: 1,
+            next_peer: 1,
+            local: HashMap::new(),
+            keys: HashMap::new(),
+            peers: HashMap::new(),
+            queue: VecDeque::new(),
+            failed: VecDeque::new(),
+        }
+    }
+
+    fn execute(&self, t: &Transfer) -> Result<(), DataError> {
+        let now = Instant::now();
+        if now > t.deadline {
+            return Err(DataError::Timeout {
+                id: t.id,
+                peer: t.peer,
+                overdue: now - t.deadline,
+            });
+        }
+        let target = self.target(t.peer)?;
+        // Resolve and check every segment before touching any byte.
+        let mut plan: Vec<(Region, Region, Segment)> = Vec::new();
+        {
+            let remote_regions = lock(&target.regions);
+            for seg in t.segments()? {
+                let local = self.local_region(seg.region, t.op)?;
+                local.check_range(seg.local_offset, seg.len)?;
+                let remote = remote_regions.get(&seg.key).ok_or(DataError::UnknownKey {
+                    peer: t.peer,
+                    key: seg.key,
+                })?;
+                check_remote(t.peer, seg.key, remote, t.op, seg.remote_offset, seg.len)?;
+                plan.push((local.clone(), remote.clone(), seg));
+            }
+        }
+        for (local, remote, seg) in &plan {
+            match t.op {
+                Op::Write => local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?,
+                Op::Read => remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?,
+            }
+        }
+        if let Some(payload) = &t.notify {
+            lock(&target.notifications).push_back(payload.clone());
+        }
+        Ok(())
+    }
+
+    fn target(&self, peer: PeerId) -> Result<Arc<Node>, DataError> {
+        let state = self.peers.get(&peer).ok_or(DataError::UnknownPeer(peer))?;
+        state
+            .node
+            .as_ref()
+            .and_then(Weak::upgrade)
+            .ok_or(DataError::PeerLost {
+                peer,
+                reason: "the peer's loopback backend was dropped or never connected",
+                source: None,
+            })
+    }
+
+    fn local_region(&self, id: RegionId, op: Op) -> Result<&Region, DataError> {
+        let region = self.local.get(&id).ok_or(DataError::UnknownRegion(id))?;
+        if op == Op::Read && !region.access().contains(Access::LOCAL_WRITE) {
+            return Err(DataError::AccessDenied {
+                op,
+                target: format!("local {id}"),
+                needed: Access::LOCAL_WRITE,
+                granted: region.access(),
+            });
+        }
+        Ok(region)
+    }
+}
+
+/// The checks a target NIC makes for one remote span.
+pub(crate) fn check_remote(
+    peer: PeerId,
+    key: RemoteKey,
+    region: &Region,
+    op: Op,
+    offset: u64,
+    len: u64,
+) -> Result<(), DataError> {
+    let needed = match op {
+        Op::Read => Access::REMOTE_READ,
+        Op::Write => Access::REMOTE_WRITE,
+    };
+    if !region.access().contains(needed) {
+        return Err(DataError::AccessDenied {
+            op,
+            target: format!("remote {key} at {peer}"),
+            needed,
+            granted: region.access(),
+        });
+    }
+    if offset.checked_add(len).is_none_or(|end| end > region.len()) {
+        return Err(DataError::RemoteOutOfBounds {
+            peer,
+            key,
+            offset,
+            len,
+            region_len: region.len(),
+        });
+    }
+    Ok(())
+}
+
+impl Backend for LoopbackBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Loopback
+    }
+
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        if region.kind() != MemoryKind::Host {
+            return Err(DataError::Unsupported {
+                backend: "loopback",
+                what: "device (dma-buf) memory; use the verbs backend",
+            });
+        }
+        let key = match self.keys.get(&region.id()) {
+            Some(key) => *key,
+            None => {
+                let key = RemoteKey(self.next_key);
+                self.next_key += 1;
+                key
+            }
+        };
+        self.local.insert(region.id(), region.clone());
+        self.keys.insert(region.id(), key);
+        lock(&self.node.regions).insert(key, region.clone());
+        Ok(RemoteRegion {
+            key,
+            addr: region.addr(),
+            len: region.len(),
+            access: region.access(),
+        })
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        self.local
+            .remove(&region)
+            .ok_or(DataError::UnknownRegion(region))?;
+        if let Some(key) = self.keys.remove(&region) {
+            lock(&self.node.regions).remove(&key);
+        }
+        Ok(())
+    }
+
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        let peer = PeerId(self.next_peer);
+        self.next_peer += 1;
+        self.peers.insert(peer, PeerState { node: None });
+        let endpoint = Endpoint {
+            backend: BackendKind::Loopback,
+            data: self.node_id.to_le_bytes().to_vec(),
+        };
+        Ok((peer, endpoint))
+    }
+
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        _regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        let bad = |reason: &str| DataError::BadEndpoint {
+            backend: "loopback",
+            reason: reason.to_owned(),
+        };
+        if remote.backend != BackendKind::Loopback {
+            return Err(bad(&format!(
+                "endpoint is for the {} backend",
+                remote.backend
+            )));
+        }
+        let id = u64::from_le_bytes(
+            remote
+                .data
+                .as_slice()
+                .try_into()
+                .map_err(|_| bad("expected an 8-byte node id"))?,
+        );
+        let node = lock(fabric())
+            .get(&id)
+            .cloned()
+            .filter(|n| n.strong_count() > 0)
+            .ok_or_else(|| bad(&format!("no loopback node {id} in this process")))?;
+        let state = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(DataError::UnknownPeer(peer))?;
+        state.node = Some(node);
+        Ok(())
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        if self.peers.remove(&peer).is_none() {
+            return;
+        }
+        let (lost, kept): (VecDeque<_>, VecDeque<_>) =
+            self.queue.drain(..).partition(|t| t.peer == peer);
+        self.queue = kept;
+        self.failed.extend(lost.into_iter().map(|t| Completion {
+            id: t.id,
+            peer,
+            result: Err(DataError::PeerLost {
+                peer,
+                reason: "peer removed",
+                source: None,
+            }),
+        }));
+    }
+
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
+        if !self.peers.contains_key(&transfer.peer) {
+            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
+        }
+        if let Err(e) = transfer.check_lengths() {
+            return Err(SubmitError::Rejected(e));
+        }
+        if self.queue.len() >= self.config.queue_depth {
+            return Err(SubmitError::QueueFull {
+                transfer: Box::new(transfer),
+                in_flight: self.queue.len(),
+            });
+        }
+        self.queue.push_back(transfer);
+        Ok(())
+    }
+
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        let before = completions.len();
+        completions.extend(self.failed.drain(..));
+        let mut budget = self.config.poll_budget;
+        while let Some(t) = self.queue.pop_front() {
+            let result = self.execute(&t);
+            let moved = if result.is_ok() { t.total_len() } else { 0 };
+            completions.push(Completion {
+                id: t.id,
+                peer: t.peer,
+                result,
+            });
+            budget = budget.saturating_sub(moved.max(1));
+            if budget == 0 {
+                break;
+            }
+        }
+        completions.len() - before
+    }
+
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        let mut q = lock(&self.node.notifications);
+        let n = q.len();
+        out.extend(q.drain(..).map(|payload| Notification { payload }));
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.queue.len() + self.failed.len()
+    }
+}
+
+impl Drop for LoopbackBackend {
+    fn drop(&mut self) {
+        lock(fabric()).remove(&self.node_id);
+    }
+}

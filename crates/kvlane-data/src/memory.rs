@@ -1,0 +1,470 @@
+//! Registered memory: [`Region`], [`Access`], [`MemoryKind`], [`RemoteRegion`].
+//!
+//! A [`Region`] is a span of memory that backends may read and write on
+//! behalf of local or remote transfers. Owned host memory is registered
+//! safely ([`Region::alloc`], [`Region::from_vec`]): the region keeps the
+//! buffer alive. Foreign memory (an engine's KV tensors, GPU memory exported
+//! as dma-buf) is registered with the `unsafe` [`Region::from_raw`], whose
+//! contract is that the memory outlives every clone of the region.
+//!
+//! Like memory registered with an RDMA NIC, the contents of bytes targeted
+//! by an in-flight transfer are unspecified until that transfer completes;
+//! the region itself is shared (`Clone` is a reference count) and all access
+//! goes through bounds-checked copies.
+
+use crate::error::DataError;
+use crate::ids::{RegionId, RemoteKey};
+use serde::{Deserialize, Serialize};
+use std::alloc::Layout;
+use std::any::Any;
+use std::fmt;
+use std::ops::BitOr;
+use std::sync::Arc;
+
+/// Access rights of a region. Local read is always allowed.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Access(u8);
+
+impl Access {
+    /// No rights beyond local read.
+    pub const NONE: Self = Self(0);
+    /// The local backend may write into the region (the target of a READ).
+    pub const LOCAL_WRITE: Self = Self(1);
+    /// Peers may READ from the region.
+    pub const REMOTE_READ: Self = Self(2);
+    /// Peers may WRITE into the region.
+    pub const REMOTE_WRITE: Self = Self(4);
+    /// Every right.
+    pub const ALL: Self = Self(7);
+
+    /// Whether every right in `other` is present.
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The raw bit set.
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+impl BitOr for Access {
+    type Output = Self;
+    fn bitor(self, rhs: Self) -> Self {
+        Self(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = vec!["local_read"];
+        for (flag, name) in [
+            (Self::LOCAL_WRITE, "local_write"),
+            (Self::REMOTE_READ, "remote_read"),
+            (Self::REMOTE_WRITE, "remote_write"),
+        ] {
+            if self.contains(flag) {
+                parts.push(name);
+            }
+        }
+        write!(f, "{}", parts.join("|"))
+    }
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// Where the memory of a region lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemoryKind {
+    /// Ordinary host memory, addressable by the CPU.
+    Host,
+    /// Accelerator memory exported as a dma-buf (ROCm, CUDA). Only backends
+    /// that can register dma-bufs (verbs) serve it; the others refuse it
+    /// with [`DataError::Unsupported`].
+    Device {
+        /// The dma-buf file descriptor.
+        dmabuf_fd: i32,
+        /// Offset of the region inside the dma-buf.
+        offset: u64,
+        /// Accelerator ordinal.
+        device: u32,
+    },
+}
+
+/// What a target advertises for one of its regions: enough for a peer to
+/// address it in [`RemoteDescriptor`](crate::RemoteDescriptor)s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Key the target serves the region under.
+    pub key: RemoteKey,
+    /// Address of the region's first byte in the target's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Rights the target grants.
+    pub access: Access,
+}
+
+enum Owner {
+    /// Allocated by [`Region::alloc`]; freed with this layout.
+    Aligned(Layout),
+    /// A boxed slice from [`Region::from_vec`]; rebuilt and dropped.
+    Boxed,
+    /// Foreign memory; the optional value is dropped with the region.
+    Foreign(#[allow(dead_code)] Option<Box<dyn Any + Send + Sync>>),
+}
+
+struct Inner {
+    id: RegionId,
+    ptr: *mut u8,
+    len: usize,
+    kind: MemoryKind,
+    access: Access,
+    owner: Owner,
+}
+
+// SAFETY: `ptr` is only dereferenced through bounds-checked raw copies in
+// this module; the memory is either owned by `Inner` (freed once, in Drop)
+// or foreign memory whose registrant promised (see `Region::from_raw`) that
+// it stays valid and may be accessed from any thread while registered.
+unsafe impl Send for Inner {}
+// SAFETY: as above; `Inner` has no interior mutability besides the memory
+// behind `ptr`, whose concurrent access follows RDMA semantics (contents of
+// in-flight bytes are unspecified, never out of bounds).
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        match &self.owner {
+            Owner::Aligned(layout) => {
+                // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` in
+                // `Region::alloc` and is freed exactly once, here.
+                unsafe { std::alloc::dealloc(self.ptr, *layout) }
+            }
+            Owner::Boxed => {
+                // SAFETY: `ptr`/`len` come from `Box::into_raw` of a
+                // `Box<[u8]>` in `Region::from_vec`; rebuilt exactly once.
+                drop(unsafe {
+                    Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len))
+                })
+            }
+            Owner::Foreign(_) => {}
+        }
+    }
+}
+
+/// Registered memory. Cheap to clone (a reference count); the memory lives
+/// until the last clone is dropped.
+#[derive(Clone)]
+pub struct Region {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.inner.id)
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.inner.len)
+            .field("kind", &self.inner.kind)
+            .field("access", &self.inner.access)
+            .finish()
+    }
+}
+
+/// Alignment of [`Region::alloc`] buffers: one page, as NICs prefer.
+pub const REGION_ALIGN: usize = 4096;
+
+impl Region {
+    /// Allocates `len` zeroed, page-aligned bytes of host memory.
+    pub fn alloc(len: usize, access: Access) -> Result<Self, DataError> {
+        if len == 0 {
+            return Err(DataError::EmptyRegion);
+        }
+        let layout =
+            Layout::from_size_align(len, REGION_ALIGN).map_err(|_| DataError::Alloc { len })?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(DataError::Alloc { len });
+        }
+        Ok(Self::wrap(
+            ptr,
+            len,
+            MemoryKind::Host,
+            access,
+            Owner::Aligned(layout),
+        ))
+    }
+
+    /// Registers an owned buffer; the region keeps it alive.
+    pub fn from_vec(buf: Vec<u8>, access: Access) -> Result<Self, DataError> {
+        if buf.is_empty() {
+            return Err(DataError::EmptyRegion);
+        }
+        let len = buf.len();
+        let ptr = Box::into_raw(buf.into_boxed_slice()).cast::<u8>();
+        Ok(Self::wrap(ptr, len, MemoryKind::Host, access, Owner::Boxed))
+    }
+
+    /// Registers foreign memory: an engine's KV tensor, or device memory
+    /// exported as a dma-buf (`kind = MemoryKind::Device`, where `ptr` is the
+    /// device virtual address). `keep_alive` is dropped with the last clone
+    /// of the region (use it to hold the tensor's owner).
+    ///
+    /// # Safety
+    ///
+    /// For host memory, `ptr..ptr + len` must be valid for reads and writes
+    /// from any thread until every clone of the returned region has been
+    /// dropped (and every backend it was registered with has deregistered
+    /// it), and must not be freed or remapped before then. Bytes targeted by
+    /// an in-flight transfer must not be accessed by other code while that
+    /// transfer runs, except through this region. For device memory the
+    /// dma-buf and the mapping at `ptr` must stay valid for the same time.
+    pub unsafe fn from_raw(
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+        access: Access,
+        keep_alive: Option<Box<dyn Any + Send + Sync>>,
+    ) -> Result<Self, DataError> {
+        if len == 0 {
+            return Err(DataError::EmptyRegion);
+        }
+        if ptr.is_null() {
+            return Err(DataError::NullPointer);
+        }
+        Ok(Self::wrap(
+            ptr,
+            len,
+            kind,
+            access,
+            Owner::Foreign(keep_alive),
+        ))
+    }
+
+    fn wrap(ptr: *mut u8, len: usize, kind: MemoryKind, access: Access, owner: Owner) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                id: RegionId::next(),
+                ptr,
+                len,
+                kind,
+                access,
+                owner,
+            }),
+        }
+    }
+
+    /// The region's process-unique id.
+    pub fn id(&self) -> RegionId {
+        self.inner.id
+    }
+
+    /// Address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.inner.ptr as u64
+    }
+
+    /// Raw pointer to the first byte (for backends that hand it to a NIC).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.len as u64
+    }
+
+    /// Always false: empty regions cannot be created.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Where the memory lives.
+    pub fn kind(&self) -> MemoryKind {
+        self.inner.kind
+    }
+
+    /// Rights granted on this region.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// Checks that `offset..offset+len` lies inside the region.
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<(), DataError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(DataError::OutOfBounds {
+                region: self.id(),
+                offset,
+                len,
+                region_len: self.len(),
+            }),
+        }
+    }
+
+    fn host_ptr(&self, offset: u64, len: u64) -> Result<*mut u8, DataError> {
+        if self.kind() != MemoryKind::Host {
+            return Err(DataError::Unsupported {
+                backend: "host copy",
+                what: "device memory is not CPU-addressable",
+            });
+        }
+        self.check_range(offset, len)?;
+        // `offset <= len <= isize::MAX` (checked above), so the addition
+        // stays inside the allocation.
+        Ok(self.inner.ptr.wrapping_add(offset as usize))
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), DataError> {
+        let src = self.host_ptr(offset, dst.len() as u64)?;
+        // SAFETY: `src..src+dst.len()` is inside the region (host_ptr checked
+        // the range) and valid per the registration contract; `dst` is a
+        // distinct Rust buffer, so the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region starting at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), DataError> {
+        let dst = self.host_ptr(offset, src.len() as u64)?;
+        // SAFETY: as in `read`, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        Ok(())
+    }
+
+    /// Fills `offset..offset+len` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), DataError> {
+        let dst = self.host_ptr(offset, len)?;
+        // SAFETY: the range is inside the region (checked by host_ptr).
+        unsafe { std::ptr::write_bytes(dst, byte, len as usize) };
+        Ok(())
+    }
+
+    /// Copies the whole region into a new vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>, DataError> {
+        let mut out = vec![0u8; self.inner.len];
+        self.read(0, &mut out)?;
+        Ok(out)
+    }
+
+    /// Copies `len` bytes from `self[src_offset..]` to `dst[dst_offset..]`.
+    /// Both ranges are checked first; nothing moves when either is bad.
+    /// Overlapping ranges (same region) are handled like `memmove`.
+    pub fn copy_to(
+        &self,
+        src_offset: u64,
+        dst: &Self,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), DataError> {
+        let src_ptr = self.host_ptr(src_offset, len)?;
+        let dst_ptr = dst.host_ptr(dst_offset, len)?;
+        // SAFETY: both ranges are inside their regions (checked above) and
+        // valid per the registration contract; `copy` allows overlap.
+        unsafe { std::ptr::copy(src_ptr, dst_ptr, len as usize) };
+        Ok(())
+    }
+
+    /// Runs `f` on the bytes `offset..offset+len` as a shared slice (for
+    /// backends that send region memory to a socket without a copy).
+    pub fn with_slice<R>(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, DataError> {
+        let ptr = self.host_ptr(offset, len)?;
+        // SAFETY: the range is inside the region and valid for reads per the
+        // registration contract; the slice does not outlive `f`.
+        let slice = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
+        Ok(f(slice))
+    }
+
+    /// Runs `f` on the bytes `offset..offset+len` as a mutable slice (for
+    /// backends that receive from a socket straight into region memory).
+    /// Concurrent transfers that target the same bytes leave them
+    /// unspecified, as with a NIC; they never reach outside the range.
+    pub fn with_slice_mut<R>(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, DataError> {
+        let ptr = self.host_ptr(offset, len)?;
+        // SAFETY: the range is inside the region and valid for writes per
+        // the registration contract; the slice does not outlive `f`.
+        let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
+        Ok(f(slice))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_is_zeroed_aligned_and_bounds_checked() {
+        let r = Region::alloc(10_000, Access::ALL).unwrap();
+        assert_eq!(r.addr() % REGION_ALIGN as u64, 0);
+        assert!(r.to_vec().unwrap().iter().all(|&b| b == 0));
+        r.write(9_990, &[7; 10]).unwrap();
+        let err = r.write(9_991, &[7; 10]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DataError::OutOfBounds {
+                    offset: 9_991,
+                    len: 10,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let mut b = [0u8; 10];
+        r.read(9_990, &mut b).unwrap();
+        assert_eq!(b, [7; 10]);
+        assert!(matches!(
+            r.check_range(u64::MAX, 2),
+            Err(DataError::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn empty_regions_are_refused() {
+        assert!(matches!(
+            Region::alloc(0, Access::ALL),
+            Err(DataError::EmptyRegion)
+        ));
+        assert!(matches!(
+            Region::from_vec(vec![], Access::ALL),
+            Err(DataError::EmptyRegion)
+        ));
+    }
+
+    #[test]
+    fn from_vec_keeps_contents_and_copy_to_moves_bytes() {
+        let a = Region::from_vec((0..=255u8).collect(), Access::ALL).unwrap();
+        let b = Region::alloc(256, Access::ALL).unwrap();
+        a.copy_to(10, &b, 20, 5).unwrap();
+        let v = b.to_vec().unwrap();
+        assert_eq!(&v[20..25], &[10, 11, 12, 13, 14]);
+        assert!(a.copy_to(250, &b, 0, 10).is_err());
+        assert_eq!(b.to_vec().unwrap(), v, "a refused copy moves nothing");
+    }
+
+    #[test]
+    fn access_flags_compose() {
+        let a = Access::REMOTE_READ | Access::LOCAL_WRITE;
+        assert!(a.contains(Access::REMOTE_READ));
+        assert!(!a.contains(Access::REMOTE_WRITE));
+        assert_eq!(format!("{a}"), "local_read|local_write|remote_read");
+    }
+}

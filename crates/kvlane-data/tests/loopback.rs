@@ -1,0 +1,145 @@
+//! The conformance suite on the loopback backend.
+
+use kvlane_data::conformance::Fixture;
+use kvlane_data::{LoopbackBackend, LoopbackConfig};
+
+struct Loopback;
+
+impl Fixture for Loopback {
+    type Backend = LoopbackBackend;
+    fn backends(&self) -> (LoopbackBackend, LoopbackBackend) {
+        let config = LoopbackConfig {
+            queue_depth: 256,
+            ..LoopbackConfig::default()
+        };
+        (
+            LoopbackBackend::new(config.clone()),
+            LoopbackBackend::new(config),
+        )
+    }
+}
+
+kvlane_data::conformance_tests!(Loopback);
+
+mod transport {
+    use kvlane_data::{
+        connect_pair, Access, Backend, DataError, Descriptor, LoopbackBackend, Op, Region,
+        RemoteDescriptor, Transfer, Transport,
+    };
+    use std::time::{Duration, Instant};
+
+    fn pair() -> (
+        Transport,
+        LoopbackBackend,
+        Region,
+        Region,
+        kvlane_data::RemoteRegion,
+        kvlane_data::PeerId,
+    ) {
+        let mut init = LoopbackBackend::default();
+        let mut target = LoopbackBackend::default();
+        let src =
+            Region::from_vec((0..=255u8).cycle().take(1 << 16).collect(), Access::ALL).unwrap();
+        let dst = Region::alloc(1 << 16, Access::ALL).unwrap();
+        let a = init.register(&src).unwrap();
+        let b = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[a], &mut target, &[b]).unwrap();
+        (Transport::new(init).unwrap(), target, src, dst, b, peer)
+    }
+
+    fn write(
+        peer: kvlane_data::PeerId,
+        src: &Region,
+        key: kvlane_data::RemoteKey,
+        off: u64,
+    ) -> Transfer {
+        Transfer::new(
+            peer,
+            Op::Write,
+            vec![Descriptor {
+                region: src.id(),
+                offset: off,
+                len: 1024,
+            }],
+            vec![RemoteDescriptor {
+                key,
+                offset: off,
+                len: 1024,
+            }],
+        )
+    }
+
+    #[test]
+    fn handle_can_be_waited_polled_and_awaited() {
+        let (t, _target, src, dst, ad, peer) = pair();
+        // Blocking wait.
+        t.submit(write(peer, &src, ad.key, 0))
+            .unwrap()
+            .wait()
+            .unwrap();
+        // Polling.
+        let mut h = t.submit(write(peer, &src, ad.key, 1024)).unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let r = loop {
+            if let Some(r) = h.try_result() {
+                break r;
+            }
+            assert!(Instant::now() < end, "polled handle never completed");
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        r.unwrap();
+        // Awaiting.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = t.submit(write(peer, &src, ad.key, 2048)).unwrap();
+        rt.block_on(h).unwrap();
+        assert_eq!(dst.to_vec().unwrap()[..3072], src.to_vec().unwrap()[..3072]);
+    }
+
+    #[test]
+    fn notifications_reach_the_target_transport() {
+        let (t, target, src, _dst, ad, peer) = pair();
+        let target = Transport::new(target).unwrap();
+        let mut rx = target.take_notifications().unwrap();
+        assert!(target.take_notifications().is_none(), "one receiver only");
+        t.submit(write(peer, &src, ad.key, 0).with_notify(&b"n1"[..]))
+            .unwrap()
+            .wait()
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let note = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(10), rx.recv()).await })
+            .expect("notification not delivered")
+            .expect("channel closed");
+        assert_eq!(&note.payload[..], b"n1");
+    }
+
+    #[test]
+    fn shutdown_fails_in_flight_and_later_submits() {
+        let (t, _target, src, _dst, ad, peer) = pair();
+        t.shutdown();
+        t.shutdown(); // idempotent
+        match t.submit(write(peer, &src, ad.key, 0)) {
+            Err(kvlane_data::SubmitError::Rejected(DataError::Shutdown(_))) => {}
+            other => panic!("submit after shutdown: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn duplicate_ids_are_rejected() {
+        let (t, _target, src, _dst, ad, peer) = pair();
+        let w = write(peer, &src, ad.key, 0).with_deadline(Instant::now() + Duration::from_secs(5));
+        let h = t.submit(w.clone()).unwrap();
+        // The first may already be done; either way the outcome is typed.
+        match t.submit(w) {
+            Err(kvlane_data::SubmitError::Rejected(DataError::DuplicateTransfer(_))) | Ok(_) => {}
+            Err(e) => panic!("{e}"),
+        }
+        h.wait().unwrap();
+    }
+}
