@@ -17,11 +17,14 @@
 //! `unsafe` is confined to this module: foreign-memory registration and
 //! posting work requests that make the NIC access memory.
 
+mod backend;
 mod device;
+mod engine;
 mod error;
 mod qp;
 mod resources;
 
+pub use backend::{QpStats, VerbsBackend, VerbsConfig};
 pub use device::{
     list_devices, pick_gid, probe, select, DeviceConfig, DeviceInfo, DeviceLimits, GidInfo,
     GidKind, GidSelector, PortInfo, PortStatus, Selection, ENV_DEVICE, ENV_GID_INDEX,

@@ -1,0 +1,781 @@
+//! The posting engine of [`VerbsBackend`]: planning, work-request chains,
+//! completion handling, queue-pair failure and deadlines.
+//!
+//! Accounting. Work request ids are `token << 32 | seq`: `token` names the
+//! queue pair (never reused, so completions of a destroyed or failed QP are
+//! recognised and dropped), `seq` counts that QP's send requests (31 bits;
+//! bit 31 marks receives). Each chain a transfer posts on one QP is cut into
+//! *batches* that end in a signaled request; a batch's completion frees its
+//! send-queue slots. A transfer completes when all of its work is posted,
+//! none of its batches is outstanding and its notification (if any) landed.
+//!
+//! Failure. A failed completion moves the QP to ERROR (flushing the rest).
+//! The transfer whose request failed gets [`DataError::Rdma`]; transfers
+//! that were only flushed are re-planned from scratch on the peer's healthy
+//! QPs (READ and WRITE are idempotent) — so one bad request fails only its
+//! own transfer. A transfer with an error completes only after its other
+//! batches drained: the NIC never touches memory of a finished transfer.
+//!
+//! Notifications. After all data of a transfer completed, one
+//! WRITE_WITH_IMM on QP 0 writes the payload into mailbox slot `k % slots`
+//! at the target; `imm = slot << 16 | len`. Payloads are at most one path
+//! MTU, so the message is a single packet and the responder checks for a
+//! posted receive before placing data: the target re-posts receive `k` only
+//! after copying slot `k % slots` out, so a slot is never overwritten early
+//! (the sender waits on RNR meanwhile).
+
+use std::collections::{HashSet, VecDeque};
+use std::time::Instant;
+
+use super::backend::{Local, Planned, VerbsBackend, SLOT_SIZE};
+use super::qp::{ConnectedQp, PreparedQp, SendWr, WrOp};
+use super::VerbsError;
+use crate::error::DataError;
+use crate::ids::{PeerId, RemoteKey, TransferId};
+use crate::memory::{Access, RemoteRegion};
+use crate::transfer::{Completion, Notification, Op, Transfer};
+
+const RECV_BIT: u32 = 1 << 31;
+const SEQ_MASK: u32 = RECV_BIT - 1;
+/// `IBV_WC_WR_FLUSH_ERR`.
+const WC_FLUSH: u32 = 5;
+
+/// One planned work request (without id and signaling).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlannedWr {
+    pub(crate) qp: usize,
+    pub(crate) local_addr: u64,
+    pub(crate) len: u32,
+    pub(crate) lkey: u32,
+    pub(crate) remote_addr: u64,
+    pub(crate) rkey: u32,
+}
+
+/// Notification progress of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotifyState {
+    None,
+    Pending,
+    Queued,
+    Posted,
+    Done,
+}
+
+/// A submitted transfer.
+pub(crate) struct Inflight {
+    pub(crate) t: Transfer,
+    plan: Vec<PlannedWr>,
+    next: usize,
+    batches: u32,
+    notify: NotifyState,
+    error: Option<DataError>,
+    _keep: Vec<Local>,
+}
+
+impl Inflight {
+    pub(crate) fn new(
+        t: Transfer,
+        plan: Vec<PlannedWr>,
+        keep: Vec<Local>,
+        notify: NotifyState,
+    ) -> Self {
+        Self {
+            t,
+            plan,
+            next: 0,
+            batches: 0,
+            notify,
+            error: None,
+            _keep: keep,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Batch {
+    last: u32,
+    wrs: u32,
+    reads: u32,
+    transfer: TransferId,
+    notify: bool,
+}
+
+/// A connected queue pair and its send-queue accounting.
+pub(crate) struct QpState {
+    qp: ConnectedQp,
+    pub(crate) token: u32,
+    pub(crate) broken: bool,
+    seq: u32,
+    pub(crate) posted: u64,
+    sq_used: u32,
+    rd_used: u32,
+    batches: VecDeque<Batch>,
+}
+
+impl QpState {
+    pub(crate) fn new(qp: ConnectedQp, token: u32) -> Self {
+        Self {
+            qp,
+            token,
+            broken: false,
+            seq: 0,
+            posted: 0,
+            sq_used: 0,
+            rd_used: 0,
+            batches: VecDeque::new(),
+        }
+    }
+
+    fn sq_free(&self) -> u32 {
+        self.qp.sq_depth().saturating_sub(self.sq_used)
+    }
+
+    fn rd_free(&self) -> u32 {
+        u32::from(self.qp.max_rd_atomic()).saturating_sub(self.rd_used)
+    }
+
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    fn wr_id(&self, seq: u32) -> u64 {
+        (u64::from(self.token) << 32) | u64::from(seq)
+    }
+}
+
+/// One connected (or prepared) peer.
+pub(crate) struct Peer {
+    // Queue pairs first: dropped before the mailbox and staging they access.
+    pub(crate) qps: Vec<QpState>,
+    pub(crate) prepared: Vec<PreparedQp>,
+    pub(crate) remote: std::collections::HashMap<RemoteKey, RemoteRegion>,
+    pub(crate) remote_mailbox: Option<(u64, u32, u32)>,
+    pub(crate) notify_max: u32,
+    pub(crate) notify_inflight: u32,
+    notify_next: u32,
+    recv_next: u32,
+    pub(crate) backlog: VecDeque<TransferId>,
+    notify_queue: VecDeque<TransferId>,
+    pub(crate) cq_share: u32,
+    pub(crate) mailbox: Local,
+    staging: Local,
+}
+
+impl Peer {
+    pub(crate) fn new(
+        prepared: Vec<PreparedQp>,
+        mailbox: Local,
+        staging: Local,
+        cq_share: u32,
+    ) -> Self {
+        Self {
+            qps: Vec::new(),
+            prepared,
+            remote: Default::default(),
+            remote_mailbox: None,
+            notify_max: 0,
+            notify_inflight: 0,
+            notify_next: 0,
+            recv_next: 0,
+            backlog: VecDeque::new(),
+            notify_queue: VecDeque::new(),
+            cq_share,
+            mailbox,
+            staging,
+        }
+    }
+
+    pub(crate) fn notify_slots(&self) -> u32 {
+        self.remote_mailbox
+            .map_or(0, |m| m.2)
+            .min(self.staging.region.len() as u32 / SLOT_SIZE)
+    }
+
+    /// No work of this peer is on the NIC or waiting.
+    pub(crate) fn idle(&self) -> bool {
+        self.backlog.is_empty()
+            && self.notify_queue.is_empty()
+            && self.qps.iter().all(|q| q.broken || q.sq_used == 0)
+    }
+
+    /// Whether `plan` fits the send queues right now.
+    pub(crate) fn fits(&self, plan: &[PlannedWr], op: Op) -> bool {
+        let mut need = vec![0u32; self.qps.len()];
+        for w in plan {
+            need[w.qp] += 1;
+        }
+        self.qps.iter().zip(&need).all(|(q, &n)| {
+            n == 0 || (!q.broken && n <= q.sq_free() && (op == Op::Write || n <= q.rd_free()))
+        })
+    }
+
+    /// Posts `n` notification receives on QP 0.
+    pub(crate) fn post_recvs(&mut self, n: u32) -> Result<(), VerbsError> {
+        let Some(q) = self.qps.first_mut() else {
+            return Ok(());
+        };
+        let token = u64::from(q.token) << 32;
+        let start = self.recv_next;
+        self.recv_next = self.recv_next.wrapping_add(n);
+        q.qp.post_recv(
+            (0..n).map(|i| token | u64::from(RECV_BIT | (start.wrapping_add(i) & SEQ_MASK))),
+        )
+    }
+}
+
+fn check_remote(
+    peer: PeerId,
+    r: &RemoteRegion,
+    op: Op,
+    offset: u64,
+    len: u64,
+) -> Result<(), DataError> {
+    let needed = match op {
+        Op::Read => Access::REMOTE_READ,
+        Op::Write => Access::REMOTE_WRITE,
+    };
+    if !r.access.contains(needed) {
+        return Err(DataError::AccessDenied {
+            op,
+            target: format!("remote {} at {peer}", r.key),
+            needed,
+            granted: r.access,
+        });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= r.len => Ok(()),
+        _ => Err(DataError::RemoteOutOfBounds {
+            peer,
+            key: r.key,
+            offset,
+            len,
+            region_len: r.len,
+        }),
+    }
+}
+
+/// Human name of an `enum ibv_wc_status`.
+fn wc_status(status: u32) -> &'static str {
+    match status {
+        0 => "success",
+        1 => "local length error",
+        2 => "local queue pair operation error",
+        4 => "local protection error",
+        5 => "flushed by a queue pair error",
+        7 => "bad response",
+        8 => "local access error",
+        9 => "remote invalid request",
+        10 => "remote access error",
+        11 => "remote operation error",
+        12 => "transport retry counter exceeded",
+        13 => "rnr retry counter exceeded",
+        15 => "remote aborted",
+        19 => "fatal error",
+        20 => "response timeout",
+        21 => "general error",
+        _ => "unknown completion error",
+    }
+}
+
+/// `a` is at or before `b` in 31-bit sequence space.
+fn seq_le(a: u32, b: u32) -> bool {
+    b.wrapping_sub(a) & SEQ_MASK < (1 << 30)
+}
+
+impl VerbsBackend {
+    /// Resolves a transfer into work requests striped over the peer's healthy
+    /// QPs, checking every span first (a refused transfer moves nothing).
+    pub(crate) fn plan(&self, t: &Transfer) -> Result<Planned, DataError> {
+        let p = self
+            .peers
+            .get(&t.peer)
+            .ok_or(DataError::UnknownPeer(t.peer))?;
+        let healthy: Vec<usize> = (0..p.qps.len()).filter(|&i| !p.qps[i].broken).collect();
+        if healthy.is_empty() {
+            return Err(DataError::PeerLost {
+                peer: t.peer,
+                reason: "every rdma queue pair to the peer failed; reconnect to rebuild them",
+                source: None,
+            });
+        }
+        if t.notify.is_some() && p.qps[0].broken {
+            return Err(DataError::PeerLost {
+                peer: t.peer,
+                reason: "the notification queue pair failed; reconnect to rebuild it",
+                source: None,
+            });
+        }
+        let mut plan = Vec::new();
+        let mut keep: Vec<Local> = Vec::new();
+        // The starting QP rotates with the transfer id.
+        let mut k = (t.id.0 % healthy.len() as u64) as usize;
+        for seg in t.segments()? {
+            let local = self
+                .regions
+                .get(&seg.region)
+                .ok_or(DataError::UnknownRegion(seg.region))?;
+            if t.op == Op::Read && !local.region.access().contains(Access::LOCAL_WRITE) {
+                return Err(DataError::AccessDenied {
+                    op: t.op,
+                    target: format!("local {}", seg.region),
+                    needed: Access::LOCAL_WRITE,
+                    granted: local.region.access(),
+                });
+            }
+            local.region.check_range(seg.local_offset, seg.len)?;
+            let remote = p.remote.get(&seg.key).ok_or(DataError::UnknownKey {
+                peer: t.peer,
+                key: seg.key,
+            })?;
+            check_remote(t.peer, remote, t.op, seg.remote_offset, seg.len)?;
+            if !keep.iter().any(|l| l.region.id() == seg.region) {
+                keep.push(local.clone());
+            }
+            let mut off = 0;
+            while off < seg.len {
+                let len = (seg.len - off).min(self.chunk);
+                plan.push(PlannedWr {
+                    qp: healthy[k % healthy.len()],
+                    local_addr: local.mr.addr() + seg.local_offset + off,
+                    len: len as u32,
+                    lkey: local.mr.lkey(),
+                    remote_addr: remote.addr + seg.remote_offset + off,
+                    rkey: remote.key.0,
+                });
+                k += 1;
+                off += len;
+            }
+        }
+        Ok((plan, keep))
+    }
+
+    /// Posts what fits: pending notifications first, then the backlog in
+    /// order. One chain (one doorbell) per QP per transfer.
+    pub(crate) fn pump(&mut self, peer: PeerId) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let mut broke: Vec<usize> = Vec::new();
+        // Notifications.
+        while let Some(&id) = p.notify_queue.front() {
+            let Some(t) = self.inflight.get_mut(&id) else {
+                p.notify_queue.pop_front();
+                continue;
+            };
+            let (Some((addr, rkey, _)), Some(payload)) = (p.remote_mailbox, t.t.notify.clone())
+            else {
+                p.notify_queue.pop_front();
+                continue;
+            };
+            let slots = p.notify_slots();
+            let q0 = &p.qps[0];
+            if q0.broken || q0.sq_free() == 0 || p.notify_inflight >= slots {
+                break;
+            }
+            let slot = p.notify_next % slots;
+            let off = u64::from(slot * SLOT_SIZE);
+            if p.staging.region.write(off, &payload).is_err() {
+                break;
+            }
+            let q = &mut p.qps[0];
+            let seq = q.seq;
+            let wr = SendWr {
+                wr_id: q.wr_id(seq),
+                op: WrOp::Write(Some((slot << 16) | payload.len() as u32)),
+                local_addr: p.staging.mr.addr() + off,
+                len: payload.len() as u32,
+                lkey: p.staging.mr.lkey(),
+                remote_addr: addr + off,
+                rkey,
+                signaled: true,
+            };
+            q.seq = (seq + 1) & SEQ_MASK;
+            q.sq_used += 1;
+            q.batches.push_back(Batch {
+                last: seq,
+                wrs: 1,
+                reads: 0,
+                transfer: id,
+                notify: true,
+            });
+            t.batches += 1;
+            t.notify = NotifyState::Posted;
+            p.notify_next = p.notify_next.wrapping_add(1);
+            p.notify_inflight += 1;
+            p.notify_queue.pop_front();
+            // SAFETY: the staging buffer is registered (lkey) and owned by the
+            // peer, which outlives its queue pairs (field order in `Peer`).
+            if unsafe { q.qp.post_send(&[wr]) }.is_err() {
+                broke.push(0);
+                break;
+            }
+        }
+        // Data.
+        let signal_every = self.config.signal_every.max(1);
+        while let Some(&id) = p.backlog.front() {
+            let Some(t) = self.inflight.get_mut(&id) else {
+                p.backlog.pop_front();
+                continue;
+            };
+            if t.error.is_some() {
+                p.backlog.pop_front();
+                continue;
+            }
+            let reads = t.t.op == Op::Read;
+            let mut chains: Vec<Vec<SendWr>> = vec![Vec::new(); p.qps.len()];
+            let mut pending = vec![0u32; p.qps.len()];
+            while let Some(w) = t.plan.get(t.next) {
+                let q = &p.qps[w.qp];
+                let n = chains[w.qp].len() as u32;
+                if q.broken || n >= q.sq_free() || (reads && n >= q.rd_free()) {
+                    break;
+                }
+                let q = &mut p.qps[w.qp];
+                let interval = if reads {
+                    signal_every.min((u32::from(q.qp.max_rd_atomic()) / 2).max(1))
+                } else {
+                    signal_every
+                };
+                let seq = q.seq;
+                q.seq = (seq + 1) & SEQ_MASK;
+                pending[w.qp] += 1;
+                let signaled = pending[w.qp] >= interval;
+                chains[w.qp].push(SendWr {
+                    wr_id: q.wr_id(seq),
+                    op: if reads { WrOp::Read } else { WrOp::Write(None) },
+                    local_addr: w.local_addr,
+                    len: w.len,
+                    lkey: w.lkey,
+                    remote_addr: w.remote_addr,
+                    rkey: w.rkey,
+                    signaled,
+                });
+                if signaled {
+                    let n = pending[w.qp];
+                    q.batches.push_back(Batch {
+                        last: seq,
+                        wrs: n,
+                        reads: if reads { n } else { 0 },
+                        transfer: id,
+                        notify: false,
+                    });
+                    t.batches += 1;
+                    pending[w.qp] = 0;
+                }
+                t.next += 1;
+            }
+            for (qi, chain) in chains.iter_mut().enumerate() {
+                let Some(last) = chain.last_mut() else {
+                    continue;
+                };
+                let q = &mut p.qps[qi];
+                if !last.signaled {
+                    // Close the batch: the chain ends in a signaled request.
+                    last.signaled = true;
+                    let n = pending[qi];
+                    q.batches.push_back(Batch {
+                        last: (last.wr_id as u32) & SEQ_MASK,
+                        wrs: n,
+                        reads: if reads { n } else { 0 },
+                        transfer: id,
+                        notify: false,
+                    });
+                    t.batches += 1;
+                }
+                q.sq_used += chain.len() as u32;
+                q.posted += chain.len() as u64;
+                if reads {
+                    q.rd_used += chain.len() as u32;
+                }
+                // SAFETY: every local range was checked against a live
+                // registration in `plan`, and the transfer keeps clones of
+                // those regions and registrations until it completes, which
+                // is after all of its batches completed or were flushed.
+                if unsafe { q.qp.post_send(chain) }.is_err() {
+                    broke.push(qi);
+                }
+            }
+            if t.next < t.plan.len() {
+                break; // queues full: continue on a later poll
+            }
+            p.backlog.pop_front();
+        }
+        for qi in broke {
+            self.break_qp(peer, qi, None, 0, 0);
+        }
+    }
+
+    /// Polls the CQ, handles completions, deadlines, and posts more.
+    pub(crate) fn progress(&mut self) {
+        let mut wcs = std::mem::take(&mut self.wcs);
+        if let Err(e) = self.cq.poll(&mut wcs) {
+            tracing::error!(device = self.ctx.name(), error = %e, "polling the completion queue failed");
+        }
+        for wc in wcs.drain(..) {
+            let token = (wc.wr_id >> 32) as u32;
+            let seq = wc.wr_id as u32;
+            let Some(&(peer, qi)) = self.tokens.get(&token) else {
+                continue;
+            };
+            if seq & RECV_BIT != 0 {
+                self.on_recv(peer, qi, wc.status, wc.imm);
+            } else if wc.status == 0 {
+                self.on_send_ok(peer, qi, seq);
+            } else {
+                let culprit = (wc.status != WC_FLUSH).then_some(seq);
+                self.break_qp(peer, qi, culprit, wc.status, wc.vendor_err);
+            }
+        }
+        self.wcs = wcs;
+        self.expire();
+        let peers: Vec<PeerId> = self.peers.keys().copied().collect();
+        for p in peers {
+            self.pump(p);
+        }
+    }
+
+    fn on_send_ok(&mut self, peer: PeerId, qi: usize, seq: u32) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let mut finished = Vec::new();
+        let q = &mut p.qps[qi];
+        while let Some(b) = q.batches.front().copied() {
+            if !seq_le(b.last, seq) {
+                break;
+            }
+            q.batches.pop_front();
+            q.sq_used = q.sq_used.saturating_sub(b.wrs);
+            q.rd_used = q.rd_used.saturating_sub(b.reads);
+            if b.notify {
+                p.notify_inflight = p.notify_inflight.saturating_sub(1);
+            }
+            if let Some(t) = self.inflight.get_mut(&b.transfer) {
+                t.batches = t.batches.saturating_sub(1);
+                if b.notify {
+                    t.notify = NotifyState::Done;
+                }
+                finished.push(b.transfer);
+            }
+        }
+        for id in finished {
+            self.try_finish(id);
+        }
+    }
+
+    fn on_recv(&mut self, peer: PeerId, qi: usize, status: u32, imm: u32) {
+        if status != 0 {
+            self.break_qp(peer, qi, None, status, 0);
+            return;
+        }
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let (slot, len) = (imm >> 16, imm & 0xffff);
+        let slots = p.mailbox.region.len() as u32 / SLOT_SIZE;
+        if slot < slots && len <= SLOT_SIZE {
+            let mut buf = vec![0u8; len as usize];
+            if p.mailbox
+                .region
+                .read(u64::from(slot * SLOT_SIZE), &mut buf)
+                .is_ok()
+            {
+                self.notes.push_back(Notification {
+                    payload: buf.into(),
+                });
+            }
+        } else {
+            tracing::warn!(%peer, imm, "dropped a malformed rdma notification");
+        }
+        // The slot is copied out: only now may the peer reuse it.
+        if let Err(e) = p.post_recvs(1) {
+            tracing::error!(%peer, error = %e, "re-posting a notification receive failed");
+            self.break_qp(peer, 0, None, 0, 0);
+        }
+    }
+
+    /// Moves QP `qi` of `peer` to ERROR, fails the transfer whose request
+    /// `culprit` failed and re-plans the ones that were only flushed.
+    pub(crate) fn break_qp(
+        &mut self,
+        peer: PeerId,
+        qi: usize,
+        culprit: Option<u32>,
+        status: u32,
+        vendor_err: u32,
+    ) {
+        let device = self.ctx.name().to_owned();
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let q = &mut p.qps[qi];
+        if q.broken {
+            return;
+        }
+        q.broken = true;
+        if let Err(e) = q.qp.fail() {
+            tracing::warn!(%peer, error = %e, "moving a failed queue pair to ERROR failed");
+        }
+        let qpn = q.qp.qpn();
+        self.tokens.remove(&q.token);
+        tracing::warn!(%peer, qpn, status = wc_status(status), "rdma queue pair failed");
+        let batches = std::mem::take(&mut q.batches);
+        q.sq_used = 0;
+        q.rd_used = 0;
+        let culprit_id = culprit.and_then(|s| {
+            batches
+                .iter()
+                .find(|b| seq_le(s, b.last))
+                .map(|b| b.transfer)
+        });
+        let mut affected = HashSet::new();
+        for b in &batches {
+            if b.notify {
+                p.notify_inflight = p.notify_inflight.saturating_sub(1);
+            }
+            let Some(t) = self.inflight.get_mut(&b.transfer) else {
+                continue;
+            };
+            t.batches = t.batches.saturating_sub(1);
+            if Some(b.transfer) == culprit_id {
+                t.error.get_or_insert(DataError::Rdma {
+                    peer,
+                    op: t.t.op,
+                    device: device.clone(),
+                    qpn,
+                    status: wc_status(status),
+                    vendor_err,
+                });
+            } else if b.notify {
+                // The notification may or may not have landed: never send it twice.
+                t.error.get_or_insert(DataError::PeerLost {
+                    peer,
+                    reason: "the notification queue pair failed before the notification was acknowledged",
+                    source: None,
+                });
+            }
+            affected.insert(b.transfer);
+        }
+        // Transfers still planning onto the broken QP need a new plan too.
+        for id in &p.backlog {
+            if let Some(t) = self.inflight.get(id) {
+                if t.plan[t.next..].iter().any(|w| w.qp == qi) {
+                    affected.insert(*id);
+                }
+            }
+        }
+        for id in affected {
+            self.replan(id);
+            self.try_finish(id);
+        }
+    }
+
+    /// Starts a transfer over on the healthy QPs (or fails it).
+    fn replan(&mut self, id: TransferId) {
+        let Some(t) = self.inflight.get(&id) else {
+            return;
+        };
+        if t.error.is_some() || t.notify == NotifyState::Done {
+            return;
+        }
+        let peer = t.t.peer;
+        match self.plan(&t.t) {
+            Ok((plan, _)) => {
+                let t = self.inflight.get_mut(&id).expect("checked above");
+                t.plan = plan;
+                t.next = 0;
+                t.notify = match t.notify {
+                    NotifyState::None => NotifyState::None,
+                    _ => NotifyState::Pending,
+                };
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.notify_queue.retain(|x| *x != id);
+                    if !p.backlog.contains(&id) {
+                        p.backlog.push_front(id);
+                    }
+                }
+            }
+            Err(e) => {
+                if let Some(t) = self.inflight.get_mut(&id) {
+                    t.error = Some(e);
+                }
+            }
+        }
+    }
+
+    /// Completes a transfer if nothing of it is on the NIC and nothing is
+    /// left to do; queues its notification once its data landed.
+    pub(crate) fn try_finish(&mut self, id: TransferId) {
+        let Some(t) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        if t.batches > 0 {
+            return;
+        }
+        if t.error.is_none() {
+            if t.next < t.plan.len() {
+                return;
+            }
+            if t.notify == NotifyState::Pending {
+                t.notify = NotifyState::Queued;
+                if let Some(p) = self.peers.get_mut(&t.t.peer) {
+                    p.notify_queue.push_back(id);
+                }
+                return;
+            }
+            if matches!(t.notify, NotifyState::Queued | NotifyState::Posted) {
+                return;
+            }
+        }
+        let Some(t) = self.inflight.remove(&id) else {
+            return;
+        };
+        let result = t.error.map_or(Ok(()), Err);
+        self.done.push(Completion {
+            id,
+            peer: t.t.peer,
+            result,
+        });
+    }
+
+    /// Fails transfers past their deadline. Work already on the NIC cannot be
+    /// recalled: the QPs carrying it are failed (their other transfers are
+    /// re-planned) and the transfer completes once the flush drained.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        match self.earliest_deadline {
+            Some(d) if now >= d => {}
+            _ => return,
+        }
+        let mut earliest: Option<Instant> = None;
+        let mut expired = Vec::new();
+        for (id, t) in &self.inflight {
+            if t.error.is_none() && now > t.t.deadline {
+                expired.push(*id);
+            } else if t.error.is_none() {
+                earliest = Some(earliest.map_or(t.t.deadline, |e| e.min(t.t.deadline)));
+            }
+        }
+        self.earliest_deadline = earliest;
+        for id in expired {
+            let Some(t) = self.inflight.get_mut(&id) else {
+                continue;
+            };
+            let peer = t.t.peer;
+            t.error = Some(DataError::Timeout {
+                id,
+                peer,
+                overdue: now - t.t.deadline,
+            });
+            let carrying: Vec<usize> = self.peers.get(&peer).map_or(Vec::new(), |p| {
+                (0..p.qps.len())
+                    .filter(|&i| p.qps[i].batches.iter().any(|b| b.transfer == id))
+                    .collect()
+            });
+            for qi in carrying {
+                self.break_qp(peer, qi, None, 0, 0);
+            }
+            self.try_finish(id);
+        }
+    }
+}
