@@ -185,10 +185,15 @@ impl Peer {
         }
     }
 
+    /// Notifications that may be unacknowledged at once.
     pub(crate) fn notify_slots(&self) -> u32 {
         self.remote_mailbox
             .map_or(0, |m| m.2)
-            .min(self.staging.region.len() as u32 / SLOT_SIZE)
+            .min(self.staging_slots())
+    }
+
+    fn staging_slots(&self) -> u32 {
+        (self.staging.region.len() as u32 / SLOT_SIZE).max(1)
     }
 
     /// No work of this peer is on the NIC or waiting.
@@ -362,7 +367,8 @@ impl VerbsBackend {
                 p.notify_queue.pop_front();
                 continue;
             };
-            let (Some((addr, rkey, _)), Some(payload)) = (p.remote_mailbox, t.t.notify.clone())
+            let (Some((addr, rkey, remote_slots)), Some(payload)) =
+                (p.remote_mailbox, t.t.notify.clone())
             else {
                 p.notify_queue.pop_front();
                 continue;
@@ -372,9 +378,13 @@ impl VerbsBackend {
             if q0.broken || q0.sq_free() == 0 || p.notify_inflight >= slots {
                 break;
             }
-            let slot = p.notify_next % slots;
+            // The remote slot follows the receiver's slot count (its receive
+            // k frees slot k % remote_slots); the staging slot our own count
+            // (at most `slots` notifications are unacknowledged).
+            let slot = p.notify_next % remote_slots.max(1);
             let off = u64::from(slot * SLOT_SIZE);
-            if p.staging.region.write(off, &payload).is_err() {
+            let staging_off = u64::from((p.notify_next % p.staging_slots()) * SLOT_SIZE);
+            if p.staging.region.write(staging_off, &payload).is_err() {
                 break;
             }
             let q = &mut p.qps[0];
@@ -382,7 +392,7 @@ impl VerbsBackend {
             let wr = SendWr {
                 wr_id: q.wr_id(seq),
                 op: WrOp::Write(Some((slot << 16) | payload.len() as u32)),
-                local_addr: p.staging.mr.addr() + off,
+                local_addr: p.staging.mr.addr() + staging_off,
                 len: payload.len() as u32,
                 lkey: p.staging.mr.lkey(),
                 remote_addr: addr + off,

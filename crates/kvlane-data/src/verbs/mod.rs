@@ -10,6 +10,23 @@
 //!   [`PreparedQp`] (its [`QpEndpoint`] goes into the handshake) →
 //!   [`ConnectedQp`].
 //!
+//! * Data path: [`VerbsBackend`] implements [`Backend`](crate::Backend):
+//!   several RC QPs per peer, transfers split at the port's max message
+//!   size and striped over the QPs (start QP rotates by transfer id), one
+//!   work-request chain and doorbell per QP per transfer, selective
+//!   signaling, send-queue depth and `max_rd_atomic` respected (a full queue
+//!   hands the transfer back as [`SubmitError::QueueFull`](crate::SubmitError)),
+//!   notifications as WRITE_WITH_IMM once all data landed (also for READ),
+//!   non-blocking CQ polling. A failed work request fails only its transfer
+//!   ([`DataError::Rdma`](crate::DataError) names peer, op, device, QP and
+//!   status); the failed QP is retired until the next handshake.
+//!
+//! # Testing without hardware
+//!
+//! `ci/softroce.sh` boots a throw-away QEMU guest with Soft-RoCE (`rxe0`);
+//! `ci/verbs.sh` builds with `--features verbs`, runs `tests/verbs.rs` in it
+//! and compares `examples/verbs_bench.rs` with perftest in the same VM.
+//!
 //! A host without RDMA gets one [`VerbsError::Unsupported`] whose
 //! [`Unsupported`] reason says which piece is missing (library, kernel
 //! support, device, active port), never a panic.
