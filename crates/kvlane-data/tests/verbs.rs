@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 use kvlane_data::conformance::{self, Fixture};
 use kvlane_data::verbs::{
     CompletionQueue, ConnectedQp, Context, DeviceConfig, MrAccess, ProtectionDomain, QpBuilder,
-    QpOptions, SendWr, VerbsBackend, VerbsConfig, WorkCompletion, WrOp,
+    QpOptions, SendWr, Unsupported, VerbsBackend, VerbsConfig, VerbsError, WorkCompletion, WrOp,
 };
 use kvlane_data::{
-    connect_pair, Access, Backend, Completion, DataError, Descriptor, Op, PeerId, Region,
-    RemoteDescriptor, RemoteRegion, SubmitError, Transfer, TransferId,
+    connect_pair, Access, Backend, Completion, DataError, Descriptor, MemoryKind, Op, PeerId,
+    Region, RemoteDescriptor, RemoteRegion, SubmitError, Transfer, TransferId,
 };
 
 /// The device under test; panics loudly when unset.
@@ -523,11 +523,44 @@ fn remote_access_error_fails_only_its_transfer() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
+fn device_memory_is_registered_as_dmabuf_or_refused_clearly() {
+    let mut b = backend(config(1));
+    let mut host = vec![0u8; 4096];
+    let kind = MemoryKind::Device {
+        dmabuf_fd: -1,
+        offset: 0,
+        device: 0,
+    };
+    // SAFETY: `host` outlives the region, which is only handed to `register`.
+    let region =
+        unsafe { Region::from_raw(host.as_mut_ptr(), host.len(), kind, Access::ALL, None) }
+            .expect("region");
+    match b.register(&region) {
+        // Soft-RoCE: no dma-buf support in the provider.
+        Err(DataError::Verbs(VerbsError::Unsupported(u @ Unsupported::Operation { .. }))) => {
+            let msg = u.to_string();
+            assert!(msg.contains("dma-buf") && msg.contains(&device()), "{msg}");
+            eprintln!("as expected: {msg}");
+        }
+        // A NIC with dma-buf support refuses the invalid fd.
+        Err(DataError::Verbs(
+            e @ VerbsError::RegisterMemory {
+                kind: "dma-buf", ..
+            },
+        )) => {
+            eprintln!("as expected: {e}");
+        }
+        other => panic!("registering a bogus dma-buf: {other:?}"),
+    }
+}
+
+#[test]
 fn probe_reports_a_reason_or_devices() {
     // Runs everywhere: without RDMA this must be a clean Unsupported, never a panic.
     match kvlane_data::verbs::probe() {
         Ok(devs) => assert!(!devs.is_empty()),
-        Err(kvlane_data::verbs::VerbsError::Unsupported(reason)) => eprintln!("no rdma: {reason}"),
+        Err(VerbsError::Unsupported(reason)) => eprintln!("no rdma: {reason}"),
         Err(e) => panic!("probe failed with an unexpected error: {e}"),
     }
 }

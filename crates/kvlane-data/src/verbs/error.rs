@@ -170,8 +170,10 @@ pub enum VerbsError {
     },
 }
 
-/// Finds the `io::Error` in a sideway error's source chain (sideway wraps every
-/// errno in its own kind enums) and returns an equivalent owned one.
+/// Finds the errno behind a sideway error and returns it as an owned
+/// `io::Error`. sideway wraps every errno in kind enums marked
+/// `#[error(transparent)]`, which hide the `io::Error` from `source()`
+/// chains; their `Display` is the io error's, which ends in `(os error N)`.
 pub(crate) fn io_cause(err: &(dyn StdError + 'static)) -> io::Error {
     let mut cur: Option<&(dyn StdError + 'static)> = Some(err);
     while let Some(e) = cur {
@@ -181,9 +183,18 @@ pub(crate) fn io_cause(err: &(dyn StdError + 'static)) -> io::Error {
                 None => io::Error::new(io.kind(), io.to_string()),
             };
         }
+        if let Some(code) = os_error_code(&e.to_string()) {
+            return io::Error::from_raw_os_error(code);
+        }
         cur = e.source();
     }
     io::Error::other(err.to_string())
+}
+
+/// Parses the `(os error N)` suffix `io::Error`'s `Display` ends with.
+fn os_error_code(msg: &str) -> Option<i32> {
+    let rest = &msg[msg.rfind("(os error ")? + "(os error ".len()..];
+    rest.strip_suffix(')')?.parse().ok()
 }
 
 /// `true` when the errno says "not supported by this provider / kernel".
@@ -200,4 +211,32 @@ pub(crate) mod libc_errno {
     pub(crate) const ENOSYS: i32 = 38;
     /// Operation not supported (Linux).
     pub(crate) const EOPNOTSUPP: i32 = 95;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error(transparent)]
+    enum Kind {
+        Ibverbs(#[from] io::Error),
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("failed to get device list")]
+    struct Outer(#[from] Kind);
+
+    #[test]
+    fn errno_is_found_behind_transparent_wrappers() {
+        let e = Outer(Kind::Ibverbs(io::Error::from_raw_os_error(
+            libc_errno::EOPNOTSUPP,
+        )));
+        assert_eq!(io_cause(&e).raw_os_error(), Some(libc_errno::EOPNOTSUPP));
+        assert!(is_unsupported(&io_cause(&e)));
+        let plain = io::Error::from_raw_os_error(libc_errno::ENOSYS);
+        assert_eq!(io_cause(&plain).raw_os_error(), Some(libc_errno::ENOSYS));
+        assert_eq!(os_error_code("x (os error 12)"), Some(12));
+        assert_eq!(os_error_code("no code"), None);
+    }
 }
