@@ -231,10 +231,20 @@ impl KvLayout {
             .checked_add(u64::from(block).checked_mul(self.block_stride)?)
     }
 
-    /// Whether consecutive layers of one block are adjacent in memory, so
-    /// that walking layers innermost keeps runs contiguous.
-    fn layers_inner(&self) -> bool {
-        self.layer_stride < self.block_stride
+    /// Whether blocks are the outermost dimension in memory (block-major),
+    /// so that walking layers and parts innermost keeps runs contiguous.
+    fn blocks_outer(&self) -> bool {
+        let layer = if self.num_layers > 1 {
+            self.layer_stride
+        } else {
+            0
+        };
+        let kv = if self.parts == KvParts::Separate {
+            self.kv_stride
+        } else {
+            0
+        };
+        self.block_stride > layer.max(kv)
     }
 
     fn check_ids(&self, side: &'static str, ids: &[u32]) -> Result<(), LayoutError> {
@@ -335,7 +345,7 @@ pub fn plan_into(
             + part * layout.kv_stride
             + u64::from(block) * layout.block_stride
     };
-    if local.layers_inner() {
+    if local.blocks_outer() {
         for (&lb, &rb) in local_ids.iter().zip(remote_ids) {
             for layer in layers.clone() {
                 for part in 0..parts {

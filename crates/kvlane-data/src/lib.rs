@@ -61,6 +61,7 @@ mod ids;
 pub mod layout;
 pub mod loopback;
 mod memory;
+pub mod tcp;
 mod transfer;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -72,6 +73,7 @@ pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};
 pub use memory::{Access, MemoryKind, Region, RemoteRegion, REGION_ALIGN};
+pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};
 pub use transfer::{
     BackendKind, Completion, Descriptor, Endpoint, Notification, Op, RemoteDescriptor, Segment,
     Segments, Transfer, DEFAULT_DEADLINE,

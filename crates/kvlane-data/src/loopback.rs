@@ -70,6 +70,8 @@ pub struct LoopbackBackend {
     peers: HashMap<PeerId, PeerState>,
     queue: VecDeque<Transfer>,
     failed: VecDeque<Completion>,
+    /// Resolved segments of the transfer being executed (reused).
+    scratch: Vec<(Region, Region, Segment)>,
 }
 
 impl std::fmt::Debug for LoopbackBackend {
@@ -111,10 +113,23 @@ impl LoopbackBackend {
             peers: HashMap::new(),
             queue: VecDeque::new(),
             failed: VecDeque::new(),
+            scratch: Vec::new(),
         }
     }
 
-    fn execute(&self, t: &Transfer) -> Result<(), DataError> {
+    fn execute(&mut self, t: &Transfer) -> Result<(), DataError> {
+        let mut plan = std::mem::take(&mut self.scratch);
+        let r = self.execute_with(t, &mut plan);
+        plan.clear();
+        self.scratch = plan;
+        r
+    }
+
+    fn execute_with(
+        &self,
+        t: &Transfer,
+        plan: &mut Vec<(Region, Region, Segment)>,
+    ) -> Result<(), DataError> {
         let now = Instant::now();
         if now > t.deadline {
             return Err(DataError::Timeout {
@@ -125,7 +140,6 @@ impl LoopbackBackend {
         }
         let target = self.target(t.peer)?;
         // Resolve and check every segment before touching any byte.
-        let mut plan: Vec<(Region, Region, Segment)> = Vec::new();
         {
             let remote_regions = lock(&target.regions);
             for seg in t.segments()? {
@@ -139,7 +153,7 @@ impl LoopbackBackend {
                 plan.push((local.clone(), remote.clone(), seg));
             }
         }
-        for (local, remote, seg) in &plan {
+        for (local, remote, seg) in plan.iter() {
             match t.op {
                 Op::Write => local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?,
                 Op::Read => remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?,

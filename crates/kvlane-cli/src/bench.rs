@@ -1,0 +1,496 @@
+//! `kvlane bench`: throughput and latency of batched one-sided transfers,
+//! with same-run baselines (`memcpy`, `raw-tcp`).
+//!
+//! Each point posts `batch` transfers of one block each, then polls until
+//! all completed, and repeats for `--duration`. Reported per point: payload
+//! GB/s (10^9 bytes/s), average and p99 latency of a transfer from post to
+//! completion, and the average cost of preparing (building descriptors) and
+//! posting (`submit`) one transfer.
+
+use crate::units::fmt_size;
+use kvlane_data::{
+    connect_pair, Access, Backend, BackendKind, Completion, Descriptor, Op, Region,
+    RemoteDescriptor, SubmitError, Transfer, TransferId,
+};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+/// Upper bound of the memory one side of a point uses; larger batches
+/// reuse blocks cyclically (16 MiB x 128 would otherwise need 2 GiB a side).
+const POOL_CAP: u64 = 512 << 20;
+/// Every point runs at least this many batches, however short `--duration`.
+const MIN_BATCHES: u32 = 3;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub(crate) struct BenchPlan {
+    pub(crate) backends: Vec<BackendKind>,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) block_sizes: Vec<u64>,
+    pub(crate) batches: Vec<usize>,
+    pub(crate) duration: Duration,
+    pub(crate) baselines: bool,
+}
+
+/// One measured point; also the JSON schema of `--json` (one per line).
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Row {
+    pub(crate) backend: String,
+    pub(crate) op: String,
+    pub(crate) block_size: u64,
+    pub(crate) batch: usize,
+    pub(crate) gbps: f64,
+    pub(crate) lat_avg_us: f64,
+    pub(crate) lat_p99_us: f64,
+    pub(crate) prepare_avg_us: f64,
+    pub(crate) post_avg_us: f64,
+    pub(crate) transfers: u64,
+    pub(crate) seconds: f64,
+}
+
+/// Why a point could not be measured.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BenchError {
+    #[error("{backend} backend: {source}")]
+    Data {
+        backend: String,
+        #[source]
+        source: kvlane_data::DataError,
+    },
+    #[error("{backend}: {what}")]
+    Failed { backend: String, what: String },
+    #[error("raw-tcp baseline: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Creates one backend of `kind`.
+pub(crate) type Factory = dyn Fn(BackendKind) -> Result<Box<dyn Backend>, BenchError>;
+
+/// Runs the whole plan, calling `emit` for each row as soon as it is measured.
+pub(crate) fn run(
+    plan: &BenchPlan,
+    factory: &Factory,
+    mut progress: impl FnMut(&str),
+    mut emit: impl FnMut(&Row),
+) -> Result<(), BenchError> {
+    let max_batch = plan.batches.iter().copied().max().unwrap_or(1);
+    for &block in &plan.block_sizes {
+        let pool = pool_blocks(block, max_batch);
+        if plan.baselines {
+            for &batch in &plan.batches {
+                progress(&format!("memcpy {} x{batch}", fmt_size(block)));
+                emit(&memcpy_point(block, batch, pool, plan.duration));
+            }
+        }
+        if plan.baselines && plan.backends.contains(&BackendKind::Tcp) {
+            for &batch in &plan.batches {
+                progress(&format!("raw-tcp {} x{batch}", fmt_size(block)));
+                emit(&raw_tcp_point(block, batch, plan.duration)?);
+            }
+        }
+        for &kind in &plan.backends {
+            let mut pair = Pair::new(factory, kind, block, pool)?;
+            for &op in &plan.ops {
+                for &batch in &plan.batches {
+                    progress(&format!("{kind} {op} {} x{batch}", fmt_size(block)));
+                    emit(&pair.point(op, batch, plan.duration)?);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pool_blocks(block: u64, batch: usize) -> u64 {
+    (POOL_CAP / block).clamp(1, batch as u64)
+}
+
+struct Pair {
+    kind: BackendKind,
+    init: Box<dyn Backend>,
+    target: Box<dyn Backend>,
+    peer: kvlane_data::PeerId,
+    local: Region,
+    key: kvlane_data::RemoteKey,
+    block: u64,
+    pool: u64,
+    next_id: u64,
+    _remote: Region,
+}
+
+impl Pair {
+    fn new(
+        factory: &Factory,
+        kind: BackendKind,
+        block: u64,
+        pool: u64,
+    ) -> Result<Self, BenchError> {
+        let data = |source| BenchError::Data {
+            backend: kind.to_string(),
+            source,
+        };
+        let mut init = factory(kind)?;
+        let mut target = factory(kind)?;
+        let len = (block * pool) as usize;
+        let local = Region::alloc(len, Access::ALL).map_err(data)?;
+        let remote = Region::alloc(len, Access::ALL).map_err(data)?;
+        // Touch every page so first-use faults stay out of the timings.
+        local.fill(0, len as u64, 0xa5).map_err(data)?;
+        remote.fill(0, len as u64, 0x5a).map_err(data)?;
+        let l = init.register(&local).map_err(data)?;
+        let r = target.register(&remote).map_err(data)?;
+        let (peer, _) = connect_pair(&mut *init, &[l], &mut *target, &[r]).map_err(data)?;
+        Ok(Self {
+            kind,
+            init,
+            target,
+            peer,
+            local,
+            key: r.key,
+            block,
+            pool,
+            next_id: 1,
+            _remote: remote,
+        })
+    }
+
+    fn point(&mut self, op: Op, batch: usize, duration: Duration) -> Result<Row, BenchError> {
+        let mut lat = Vec::new();
+        let (mut prepare, mut post) = (Duration::ZERO, Duration::ZERO);
+        let (mut p0, mut p1) = (Duration::ZERO, Duration::ZERO);
+        self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?; // warm-up
+        let start = Instant::now();
+        let mut batches = 0;
+        while batches < MIN_BATCHES || start.elapsed() < duration {
+            self.batch(op, batch, &mut lat, &mut prepare, &mut post)?;
+            batches += 1;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let n = lat.len() as u64;
+        Ok(Row {
+            backend: self.kind.to_string(),
+            op: op_name(op).into(),
+            block_size: self.block,
+            batch,
+            gbps: (n * self.block) as f64 / secs / 1e9,
+            prepare_avg_us: prepare.as_secs_f64() * 1e6 / n as f64,
+            post_avg_us: post.as_secs_f64() * 1e6 / n as f64,
+            transfers: n,
+            seconds: secs,
+            ..latency(&mut lat)
+        })
+    }
+
+    /// Posts one batch and polls until every transfer completed.
+    fn batch(
+        &mut self,
+        op: Op,
+        batch: usize,
+        lat: &mut Vec<Duration>,
+        prepare: &mut Duration,
+        post: &mut Duration,
+    ) -> Result<(), BenchError> {
+        // Ids are `base + i`, so the post time of a completion is an index.
+        let base = self.next_id;
+        self.next_id += batch as u64;
+        let mut posted: Vec<Option<Instant>> = vec![None; batch];
+        let mut done: Vec<Completion> = Vec::with_capacity(batch);
+        let mut finished = 0;
+        for i in 0..batch {
+            let t0 = Instant::now();
+            let off = (i as u64 % self.pool) * self.block;
+            let mut t = Transfer::new(
+                self.peer,
+                op,
+                vec![Descriptor {
+                    region: self.local.id(),
+                    offset: off,
+                    len: self.block,
+                }],
+                vec![RemoteDescriptor {
+                    key: self.key,
+                    offset: off,
+                    len: self.block,
+                }],
+            )
+            .with_id(TransferId(base + i as u64));
+            let t1 = Instant::now();
+            *prepare += t1 - t0;
+            loop {
+                let id = t.id;
+                match self.init.submit(t) {
+                    Ok(()) => {
+                        let t2 = Instant::now();
+                        *post += t2 - t1;
+                        posted[(id.0 - base) as usize] = Some(t2);
+                        break;
+                    }
+                    Err(SubmitError::QueueFull { transfer, .. }) => {
+                        t = *transfer;
+                        finished += self.collect(&mut done, base, &mut posted, lat)?;
+                    }
+                    Err(e) => return Err(self.failed(format!("submit: {e}"))),
+                }
+            }
+        }
+        let end = Instant::now() + Duration::from_secs(120);
+        while finished < batch {
+            finished += self.collect(&mut done, base, &mut posted, lat)?;
+            if Instant::now() > end {
+                return Err(self.failed(format!("{} transfers did not complete", batch - finished)));
+            }
+        }
+        Ok(())
+    }
+
+    fn collect(
+        &mut self,
+        done: &mut Vec<Completion>,
+        base: u64,
+        posted: &mut [Option<Instant>],
+        lat: &mut Vec<Duration>,
+    ) -> Result<usize, BenchError> {
+        done.clear();
+        let n = self.init.poll(done);
+        self.target.poll(&mut Vec::new());
+        let now = Instant::now();
+        for c in done.drain(..) {
+            if let Err(e) = c.result {
+                return Err(self.failed(format!("{}: {e}", c.id)));
+            }
+            let slot =
+                c.id.0
+                    .checked_sub(base)
+                    .and_then(|i| posted.get_mut(i as usize));
+            if let Some(t) = slot.and_then(Option::take) {
+                lat.push(now - t);
+            }
+        }
+        if n == 0 {
+            std::hint::spin_loop();
+        }
+        Ok(n)
+    }
+
+    fn failed(&self, what: String) -> BenchError {
+        BenchError::Failed {
+            backend: self.kind.to_string(),
+            what,
+        }
+    }
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Read => "read",
+        Op::Write => "write",
+    }
+}
+
+/// Average and p99 of `lat`, as the latency fields of a row.
+fn latency(lat: &mut [Duration]) -> Row {
+    lat.sort_unstable();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let avg = if lat.is_empty() {
+        0.0
+    } else {
+        lat.iter().map(|&d| us(d)).sum::<f64>() / lat.len() as f64
+    };
+    let p99 = lat
+        .get((lat.len() * 99 / 100).min(lat.len().saturating_sub(1)))
+        .map_or(0.0, |&d| us(d));
+    Row {
+        backend: String::new(),
+        op: String::new(),
+        block_size: 0,
+        batch: 0,
+        gbps: 0.0,
+        lat_avg_us: avg,
+        lat_p99_us: p99,
+        prepare_avg_us: 0.0,
+        post_avg_us: 0.0,
+        transfers: 0,
+        seconds: 0.0,
+    }
+}
+
+/// Single-thread `memcpy` of the same blocks: the loopback ceiling.
+fn memcpy_point(block: u64, batch: usize, pool: u64, duration: Duration) -> Row {
+    let len = (block * pool) as usize;
+    let src = vec![0xa5u8; len];
+    let mut dst = vec![0x5au8; len];
+    let b = block as usize;
+    let mut lat = Vec::new();
+    let mut copy_batch = |lat: &mut Vec<Duration>| {
+        let t0 = Instant::now();
+        for i in 0..batch {
+            let off = (i % pool as usize) * b;
+            dst[off..off + b].copy_from_slice(&src[off..off + b]);
+            lat.push(t0.elapsed());
+        }
+        std::hint::black_box(&mut dst);
+    };
+    copy_batch(&mut Vec::new());
+    let start = Instant::now();
+    let mut batches = 0;
+    while batches < MIN_BATCHES || start.elapsed() < duration {
+        copy_batch(&mut lat);
+        batches += 1;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let n = lat.len() as u64;
+    Row {
+        backend: "memcpy".into(),
+        op: "copy".into(),
+        block_size: block,
+        batch,
+        gbps: (n * block) as f64 / secs / 1e9,
+        transfers: n,
+        seconds: secs,
+        ..latency(&mut lat)
+    }
+}
+
+/// One plain TCP stream on 127.0.0.1 between two threads pushing
+/// `batch` blocks at a time: the tcp backend's ceiling.
+fn raw_tcp_point(block: u64, batch: usize, duration: Duration) -> Result<Row, BenchError> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let receiver = std::thread::spawn(move || -> std::io::Result<u64> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; block.min(4 << 20) as usize];
+        let mut total = 0u64;
+        loop {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                return Ok(total);
+            }
+            total += n as u64;
+        }
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let buf = vec![0xa5u8; block as usize];
+    let mut lat = Vec::new();
+    let send_batch = |s: &mut TcpStream, lat: &mut Vec<Duration>| -> std::io::Result<()> {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            s.write_all(&buf)?;
+            lat.push(t0.elapsed());
+        }
+        Ok(())
+    };
+    send_batch(&mut s, &mut Vec::new())?;
+    let start = Instant::now();
+    let mut batches = 0;
+    while batches < MIN_BATCHES || start.elapsed() < duration {
+        send_batch(&mut s, &mut lat)?;
+        batches += 1;
+    }
+    s.shutdown(std::net::Shutdown::Write)?;
+    let received = receiver
+        .join()
+        .map_err(|_| std::io::Error::other("receiver panicked"))??;
+    // Time until the receiver has everything, not just until the last write.
+    let secs = start.elapsed().as_secs_f64();
+    let n = lat.len() as u64;
+    debug_assert!(received >= n * block);
+    Ok(Row {
+        backend: "raw-tcp".into(),
+        op: "write".into(),
+        block_size: block,
+        batch,
+        gbps: (n * block) as f64 / secs / 1e9,
+        transfers: n,
+        seconds: secs,
+        ..latency(&mut lat)
+    })
+}
+
+/// Prints rows as an aligned table.
+pub(crate) fn table_header() -> String {
+    format!(
+        "{:<9} {:<5} {:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "backend", "op", "block", "batch", "GB/s", "lat avg us", "lat p99 us", "prep us", "post us"
+    )
+}
+
+/// One table line.
+pub(crate) fn table_line(r: &Row) -> String {
+    format!(
+        "{:<9} {:<5} {:>6} {:>5} {:>8.2} {:>10.1} {:>10.1} {:>10.3} {:>10.3}",
+        r.backend,
+        r.op,
+        fmt_size(r.block_size),
+        r.batch,
+        r.gbps,
+        r.lat_avg_us,
+        r.lat_p99_us,
+        r.prepare_avg_us,
+        r.post_avg_us
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvlane_data::LoopbackBackend;
+
+    fn loopback(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
+        assert_eq!(kind, BackendKind::Loopback);
+        Ok(Box::new(LoopbackBackend::default()))
+    }
+
+    #[test]
+    fn a_tiny_plan_measures_every_point() {
+        let plan = BenchPlan {
+            backends: vec![BackendKind::Loopback],
+            ops: vec![Op::Read, Op::Write],
+            block_sizes: vec![4096, 65536],
+            batches: vec![4],
+            duration: Duration::from_millis(5),
+            baselines: true,
+        };
+        let mut rows = Vec::new();
+        run(&plan, &loopback, |_| {}, |r| rows.push(r.clone())).unwrap();
+        let keys: Vec<_> = rows
+            .iter()
+            .map(|r| (r.backend.as_str(), r.op.as_str(), r.block_size))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![
+                ("memcpy", "copy", 4096),
+                ("loopback", "read", 4096),
+                ("loopback", "write", 4096),
+                ("memcpy", "copy", 65536),
+                ("loopback", "read", 65536),
+                ("loopback", "write", 65536),
+            ]
+        );
+        for r in &rows {
+            assert!(r.gbps > 0.0 && r.transfers >= 12, "{r:?}");
+            assert!(
+                r.lat_p99_us >= r.lat_avg_us * 0.0 && r.lat_avg_us > 0.0,
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn raw_tcp_baseline_moves_bytes() {
+        let r = raw_tcp_point(65536, 8, Duration::from_millis(5)).unwrap();
+        assert_eq!((r.backend.as_str(), r.op.as_str()), ("raw-tcp", "write"));
+        assert!(r.gbps > 0.0 && r.transfers >= 24);
+    }
+
+    #[test]
+    fn latency_percentiles() {
+        let mut lat: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        let r = latency(&mut lat);
+        assert!((r.lat_avg_us - 50.5).abs() < 1e-6);
+        assert!((r.lat_p99_us - 100.0).abs() < 1e-6);
+    }
+}

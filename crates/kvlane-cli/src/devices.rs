@@ -1,0 +1,54 @@
+//! `kvlane devices`: RDMA devices, or the plain reason there are none.
+
+use std::path::Path;
+
+/// Prints what this machine offers; returns false when there is no RDMA.
+pub(crate) fn run() -> bool {
+    let sysfs = Path::new("/sys/class/infiniband");
+    let names: Vec<String> = std::fs::read_dir(sysfs)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    if !cfg!(feature = "verbs") {
+        println!("no RDMA: this kvlane was built without the `verbs` feature (cargo build --features verbs)");
+        if names.is_empty() {
+            println!(
+                "(and the kernel exposes no RDMA devices: {} is missing or empty)",
+                sysfs.display()
+            );
+        } else {
+            println!("the kernel has RDMA devices: {}", names.join(", "));
+        }
+        println!("available backends: tcp, loopback");
+        return false;
+    }
+    verbs_devices()
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_devices() -> bool {
+    match kvlane_data::verbs::list_devices() {
+        Ok(devs) if !devs.is_empty() => {
+            for d in devs {
+                println!("{d}");
+            }
+            true
+        }
+        Ok(_) => {
+            println!("no RDMA: libibverbs found no devices; available backends: tcp, loopback");
+            false
+        }
+        Err(e) => {
+            println!("no RDMA: {e}; available backends: tcp, loopback");
+            false
+        }
+    }
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_devices() -> bool {
+    false
+}

@@ -1,0 +1,319 @@
+//! End to end: `kvlane serve` in a child process, an agent here, ZMQ
+//! control plane and tcp data plane on 127.0.0.1.
+
+use kvlane::control::Config;
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
+use kvlane::{Agent, BackendChoice, PeerEventKind};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const LAYERS: u32 = 2;
+const BLOCKS: u32 = 32;
+const BLOCK: u64 = 64 << 10;
+
+fn layout() -> KvLayout {
+    KvLayout::new(
+        LAYERS,
+        BLOCKS,
+        BLOCK,
+        KvParts::Separate,
+        LayoutOrder::LayerMajor,
+    )
+    .unwrap()
+}
+
+/// What `kvlane serve --seed` fills its cache with.
+fn pattern_byte(seed: u8, i: u64) -> u8 {
+    (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8)
+}
+
+struct Served {
+    child: Child,
+    addr: String,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Served {
+    fn start(listen: &str, seed: u8, psk: Option<&str>) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlane"));
+        cmd.args(["serve", "--listen", listen, "--engine-id", "decode"])
+            .args([
+                "--layers",
+                &LAYERS.to_string(),
+                "--blocks",
+                &BLOCKS.to_string(),
+            ])
+            .args([
+                "--block-size",
+                &BLOCK.to_string(),
+                "--seed",
+                &seed.to_string(),
+            ])
+            .env_remove("KVLANE_PSK")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(k) = psk {
+            cmd.args(["--psk", k]);
+        }
+        let mut child = cmd.spawn().expect("spawn kvlane serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("serve printed nothing");
+        let addr = first
+            .strip_prefix("listening ")
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("unexpected first line: {first}"))
+            .to_owned();
+        Self { child, addr, lines }
+    }
+
+    fn wait_line(&self, needle: &str) -> String {
+        loop {
+            let l = self
+                .lines
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("serve never printed {needle:?}"));
+            if l.contains(needle) {
+                return l;
+            }
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn initiator(psk: Option<&str>) -> (Agent, Region) {
+    let len = layout().required_len().unwrap() as usize;
+    let region = Region::from_vec(
+        (0..len as u64).map(|i| pattern_byte(200, i)).collect(),
+        Access::ALL,
+    )
+    .unwrap();
+    let mut config = Config::default();
+    config.keepalive_interval = Duration::from_millis(100);
+    config.liveness_budget = 3;
+    config.handshake_timeout = Duration::from_secs(3);
+    config.backoff_max = Duration::from_millis(200);
+    let mut b = Agent::builder()
+        .engine_id("prefill")
+        .backend(BackendChoice::Tcp)
+        .control_config(config)
+        .register_kv(layout(), region.clone());
+    if let Some(k) = psk {
+        b = b.psk(k.as_bytes().to_vec());
+    }
+    (b.build().await.unwrap(), region)
+}
+
+fn block(r: &Region, layer: u32, part: u64, id: u32) -> Vec<u8> {
+    let mut out = vec![0; BLOCK as usize];
+    r.read(layout().offset(layer, part, id).unwrap(), &mut out)
+        .unwrap();
+    out
+}
+
+fn served_block(seed: u8, layer: u32, part: u64, id: u32) -> Vec<u8> {
+    let off = layout().offset(layer, part, id).unwrap();
+    (off..off + BLOCK).map(|i| pattern_byte(seed, i)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_read_and_write_verified() {
+    let served = Served::start("127.0.0.1:0", 5, None);
+    let (agent, local) = initiator(None).await;
+    let peer = agent.connect(&served.addr).await.unwrap();
+    assert_eq!(peer.engine_id(), "decode");
+
+    // READ: remote blocks 1..4 land in local blocks 10..13, byte for byte.
+    peer.read_blocks(0..LAYERS, &[10, 11, 12], &[1, 2, 3], None)
+        .unwrap()
+        .await
+        .unwrap();
+    for (l, r) in [(10, 1), (11, 2), (12, 3)] {
+        for layer in 0..LAYERS {
+            for part in 0..2 {
+                assert!(
+                    block(&local, layer, part, l) == served_block(5, layer, part, r),
+                    "READ block {r} layer {layer}"
+                );
+            }
+        }
+    }
+    // WRITE with a notification, then READ it back into other blocks.
+    peer.write_blocks(0..LAYERS, &[4, 5], &[20, 21], Some(b"req-1 done"))
+        .unwrap()
+        .await
+        .unwrap();
+    let line = served.wait_line("notification");
+    assert!(
+        line.contains("from=prefill") && line.contains("req-1 done"),
+        "{line}"
+    );
+    peer.read_blocks(0..LAYERS, &[30, 31], &[20, 21], None)
+        .unwrap()
+        .await
+        .unwrap();
+    for (a, b) in [(4, 30), (5, 31)] {
+        for layer in 0..LAYERS {
+            for part in 0..2 {
+                assert!(
+                    block(&local, layer, part, a) == block(&local, layer, part, b),
+                    "WRITE/READ block {a} layer {layer}"
+                );
+            }
+        }
+    }
+    agent.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_target_fails_transfers_then_restart_recovers() {
+    let mut served = Served::start("127.0.0.1:0", 5, None);
+    let addr = served.addr.clone();
+    let (agent, local) = initiator(None).await;
+    let mut events = agent.events();
+    let peer = agent.connect(&addr).await.unwrap();
+    let old = peer.incarnation().unwrap();
+
+    // Keep the data plane busy, then kill the target mid-transfer.
+    let ids: Vec<u32> = (0..BLOCKS).collect();
+    let mut handles = Vec::new();
+    for _ in 0..40 {
+        handles.push(peer.write_blocks(0..LAYERS, &ids, &ids, None).unwrap());
+    }
+    served.child.kill().unwrap();
+    served.child.wait().unwrap();
+    let mut lost = 0;
+    for h in handles {
+        // Each transfer has a 30 s deadline; a dead peer must end them sooner.
+        match tokio::time::timeout(Duration::from_secs(15), h)
+            .await
+            .expect("transfer hung after the target died")
+        {
+            Ok(()) => {}
+            Err(e) => {
+                assert!(e.is_peer_lost(), "expected PeerLost, got {e}");
+                lost += 1;
+            }
+        }
+    }
+    assert!(
+        lost > 0,
+        "killing the target mid-transfer failed no transfer"
+    );
+    let dead = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            if let PeerEventKind::Dead { .. } = events.recv().await.unwrap().kind {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(dead.is_ok(), "no Dead event after the target was killed");
+
+    // Start it again on the same address: restarted, then transfers work.
+    let _served2 = Served::start(&addr, 7, None);
+    let (o, n) = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let PeerEventKind::Restarted { old, new } = events.recv().await.unwrap().kind {
+                break (old, new);
+            }
+        }
+    })
+    .await
+    .expect("no Restarted event");
+    assert_eq!(o, old);
+    assert_ne!(n, old);
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while peer.incarnation() != Some(n)
+            || peer
+                .prepare(kvlane::data::Op::Read, 0..1, &[0], &[0], None)
+                .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("peer never came back");
+    peer.read_blocks(0..LAYERS, &[9], &[3], None)
+        .unwrap()
+        .await
+        .unwrap();
+    for layer in 0..LAYERS {
+        assert!(
+            block(&local, layer, 1, 9) == served_block(7, layer, 1, 3),
+            "READ after restart"
+        );
+    }
+    agent.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_pre_shared_key_is_refused() {
+    let served = Served::start("127.0.0.1:0", 5, Some("right-key"));
+    let (agent, _) = initiator(Some("wrong-key")).await;
+    let e = agent
+        .connect(&served.addr)
+        .await
+        .expect_err("wrong key accepted");
+    assert!(
+        e.is_refused(),
+        "expected a refusal, got {e} ({:?})",
+        e.kind()
+    );
+    agent.close().await;
+    let (agent, _) = initiator(Some("right-key")).await;
+    let peer = agent
+        .connect(&served.addr)
+        .await
+        .expect("right key refused");
+    peer.read_blocks(0..1, &[0], &[0], None)
+        .unwrap()
+        .await
+        .unwrap();
+    agent.close().await;
+}
+
+#[test]
+fn ping_unreachable_fails_fast_naming_the_address() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["ping", "127.0.0.1:1", "--timeout", "2s"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("127.0.0.1:1"), "{err}");
+}
+
+#[test]
+fn ping_measures_round_trips() {
+    let served = Served::start("127.0.0.1:0", 1, None);
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["ping", &served.addr, "--count", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(text.matches("pong from").count(), 3, "{text}");
+    assert!(text.contains("engine=decode"), "{text}");
+}

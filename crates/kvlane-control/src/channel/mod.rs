@@ -1,0 +1,53 @@
+//! The driver's I/O abstraction and its implementations.
+//!
+//! A channel never blocks the driver: `open`, `send` and `disconnect` queue
+//! work and return at once; failures come back as [`ChannelEvent::Failed`]
+//! from [`Channel::recv`], which the driver keeps in flight at all times.
+
+use std::future::Future;
+
+use bytes::Bytes;
+
+use crate::registry::Link;
+use crate::ConnectionId;
+
+pub mod mem;
+pub mod zmq;
+
+pub use mem::{MemChannel, MemNetwork};
+pub use zmq::ZmqChannel;
+
+/// Something the channel observed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChannelEvent {
+    /// A frame arrived on a link.
+    Frame {
+        /// Where it came from.
+        link: Link,
+        /// The frame.
+        bytes: Bytes,
+    },
+    /// A dialed connection failed (connect refused, send failed).
+    Failed {
+        /// The connection.
+        id: ConnectionId,
+        /// OS or transport reason.
+        reason: String,
+    },
+}
+
+/// Transport of frames between nodes.
+pub trait Channel: Send + 'static {
+    /// The address peers dial to reach this node (`host:port`, real port).
+    fn local_addr(&self) -> String;
+    /// Opens a fresh connection `id` to `addr`, dropping nothing else.
+    fn open(&mut self, id: ConnectionId, addr: &str);
+    /// Queues a frame on a link (frames to unknown links are dropped).
+    fn send(&mut self, link: &Link, frame: Bytes);
+    /// Flushes queued frames of `id`, then closes and releases it.
+    fn disconnect(&mut self, id: ConnectionId);
+    /// Next event; cancel-safe. `None` once the channel is closed.
+    fn recv(&mut self) -> impl Future<Output = Option<ChannelEvent>> + Send;
+    /// Releases every socket and task (bounded wait).
+    fn close(&mut self) -> impl Future<Output = ()> + Send;
+}

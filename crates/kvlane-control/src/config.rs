@@ -1,0 +1,202 @@
+//! Configuration, engine identity and the rank → port plan.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::PlanError;
+
+/// Tunables of the control plane. Every field has a documented default.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Interval between keep-alive pings. Default 1 s.
+    pub keepalive_interval: Duration,
+    /// Number of consecutive unanswered pings before a peer is dead. After the
+    /// first unanswered ping the peer is `Suspect`. Default 3.
+    pub liveness_budget: u32,
+    /// Deadline for a handshake (all connect attempts of one round). Default 5 s.
+    pub handshake_timeout: Duration,
+    /// First reconnect backoff. Default 100 ms.
+    pub backoff_min: Duration,
+    /// Backoff cap. Default 5 s.
+    pub backoff_max: Duration,
+    /// Whether an initiator keeps reconnecting after its peer died. Default true.
+    pub reconnect: bool,
+    /// Largest accepted frame in bytes. Default 16 MiB.
+    pub frame_cap: usize,
+    /// Largest number of peers (inbound + outbound). Default 1024.
+    pub peer_cap: usize,
+    /// How long `close` waits for the remote `bye` that proves our last
+    /// frames were delivered. Default 200 ms.
+    pub close_linger: Duration,
+    /// Optional pre-shared key; when set the handshake is authenticated
+    /// (HMAC-SHA256 over both nonces) and no data-plane blob is sent before
+    /// the other side has proven the key. Default none.
+    pub psk: Option<Vec<u8>>,
+    /// Seed of the jitter RNG (deterministic simulations). Default: random.
+    pub rng_seed: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            keepalive_interval: Duration::from_secs(1),
+            liveness_budget: 3,
+            handshake_timeout: Duration::from_secs(5),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            reconnect: true,
+            frame_cap: 16 << 20,
+            peer_cap: 1024,
+            close_linger: Duration::from_millis(200),
+            psk: None,
+            rng_seed: rand::random(),
+        }
+    }
+}
+
+impl Config {
+    /// Upper bound between the last frame heard from a peer and its `Dead`
+    /// event: `keepalive_interval * (liveness_budget + 1)`.
+    pub fn death_bound(&self) -> Duration {
+        self.keepalive_interval * (self.liveness_budget.max(1) + 1)
+    }
+}
+
+/// Ranks of one engine worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct Ranks {
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// Tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Tensor-parallel group size.
+    pub tp_size: u32,
+}
+
+/// What this process tells its peers in the handshake.
+#[derive(Debug, Clone)]
+pub struct LocalInfo {
+    /// Engine id.
+    pub engine_id: String,
+    /// Random per process start.
+    pub incarnation: u64,
+    /// Ranks of this worker.
+    pub ranks: Ranks,
+    /// Configuration fingerprint; peers with a different one are refused.
+    pub fingerprint: String,
+    /// Opaque data-plane blob (endpoints and regions, msgpack).
+    pub data_plane: Vec<u8>,
+    /// Capability names.
+    pub capabilities: Vec<String>,
+}
+
+impl LocalInfo {
+    /// A new identity with a fresh random incarnation.
+    pub fn new(engine_id: impl Into<String>, ranks: Ranks, fingerprint: impl Into<String>) -> Self {
+        Self {
+            engine_id: engine_id.into(),
+            incarnation: rand::random(),
+            ranks,
+            fingerprint: fingerprint.into(),
+            data_plane: Vec::new(),
+            capabilities: Vec::new(),
+        }
+    }
+
+    /// Sets the data-plane blob.
+    pub fn with_data_plane(mut self, blob: Vec<u8>) -> Self {
+        self.data_plane = blob;
+        self
+    }
+}
+
+/// What a peer told us in the handshake.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteInfo {
+    /// Remote engine id.
+    pub engine_id: String,
+    /// Remote incarnation.
+    pub incarnation: u64,
+    /// Remote ranks.
+    pub ranks: Ranks,
+    /// Remote configuration fingerprint.
+    pub fingerprint: String,
+    /// Remote data-plane blob (uninterpreted).
+    pub data_plane: Vec<u8>,
+    /// Remote capabilities.
+    pub capabilities: Vec<String>,
+}
+
+/// Port layout of an engine: `base + dp_rank * tp_size + tp_rank`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortPlan {
+    base: u16,
+    tp_size: u32,
+    dp_ranks: Vec<u32>,
+}
+
+impl PortPlan {
+    /// Builds the plan for the given data-parallel ranks, rejecting a zero
+    /// group size, overflowing ports and collisions. `base == 0` means every
+    /// rank binds any port and advertises the real one.
+    pub fn new(base: u16, dp_ranks: &[u32], tp_size: u32) -> Result<Self, PlanError> {
+        if tp_size == 0 {
+            return Err(PlanError::ZeroTpSize);
+        }
+        let plan = Self {
+            base,
+            tp_size,
+            dp_ranks: dp_ranks.to_vec(),
+        };
+        if base != 0 {
+            let mut seen: HashMap<u16, String> = HashMap::new();
+            for ranks in plan.ranks() {
+                let port = plan.port(ranks)?;
+                let name = format!("{}/{}", ranks.dp_rank, ranks.tp_rank);
+                if let Some(first) = seen.insert(port, name.clone()) {
+                    return Err(PlanError::Collision {
+                        port,
+                        first,
+                        second: name,
+                    });
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    /// All ranks of the plan, dp-major.
+    pub fn ranks(&self) -> impl Iterator<Item = Ranks> + '_ {
+        let tp_size = self.tp_size;
+        self.dp_ranks.iter().flat_map(move |&dp| {
+            (0..tp_size).map(move |tp| Ranks {
+                dp_rank: dp,
+                tp_rank: tp,
+                tp_size,
+            })
+        })
+    }
+
+    /// Port of one rank (0 when the plan binds any port).
+    pub fn port(&self, ranks: Ranks) -> Result<u16, PlanError> {
+        if ranks.tp_rank >= self.tp_size {
+            return Err(PlanError::RankOutOfRange {
+                tp_rank: ranks.tp_rank,
+                tp_size: self.tp_size,
+            });
+        }
+        if self.base == 0 {
+            return Ok(0);
+        }
+        let overflow = PlanError::Overflow {
+            dp_rank: ranks.dp_rank,
+            tp_rank: ranks.tp_rank,
+            base: self.base,
+        };
+        let offset = u64::from(ranks.dp_rank) * u64::from(self.tp_size) + u64::from(ranks.tp_rank);
+        let port = u64::from(self.base) + offset;
+        u16::try_from(port).map_err(|_| overflow)
+    }
+}

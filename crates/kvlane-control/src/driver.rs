@@ -1,0 +1,574 @@
+//! Thin tokio driver: owns a [`Registry`] and a [`Channel`], reads the clock
+//! in one place ([`now`]) and never blocks on I/O.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tracing::{error, info_span, Instrument};
+
+use crate::channel::{Channel, ChannelEvent, ZmqChannel};
+use crate::config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo};
+use crate::error::{ControlError, GroupError, PeerError};
+use crate::group::{GroupHandshake, GroupMember};
+use crate::peer::{Event, State, Stats, Transmit};
+use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
+use crate::ConnectionId;
+
+/// Extra time granted on top of the handshake deadline before a caller gives
+/// up on the driver itself (the machine already bounds the handshake).
+const DRIVER_GRACE: Duration = Duration::from_secs(1);
+/// Capacity of the event broadcast; slow subscribers lag instead of blocking the driver.
+const EVENT_CAPACITY: usize = 4096;
+
+/// The one place the driver reads the clock (tokio's clock, so paused-time
+/// tests control it).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// A peer as seen by [`ControlNode::peers`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSnapshot {
+    /// Connection id.
+    pub id: ConnectionId,
+    /// Peer address.
+    pub addr: String,
+    /// State.
+    pub state: State,
+    /// What it told us in its last handshake.
+    pub remote: Option<RemoteInfo>,
+}
+
+type ConnectReply = oneshot::Sender<Result<(ConnectionId, RemoteInfo), ControlError>>;
+
+enum Command {
+    Connect {
+        addr: String,
+        reply: ConnectReply,
+    },
+    Notify {
+        id: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
+    Disconnect {
+        id: ConnectionId,
+        reply: oneshot::Sender<()>,
+    },
+    Ping {
+        id: ConnectionId,
+        reply: oneshot::Sender<Result<Duration, ControlError>>,
+    },
+    Snapshot {
+        reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)>,
+    },
+    Close {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+/// A control-plane node driven by tokio.
+///
+/// Cleanup: [`close`](Self::close) says `bye` to every peer, waits (bounded by
+/// `close_linger`) for the acknowledgements, then releases every socket and
+/// task; it is idempotent. Dropping the node closes it in the background.
+#[derive(Debug)]
+pub struct ControlNode {
+    config: Arc<Config>,
+    local_addr: String,
+    cmds: mpsc::Sender<Command>,
+    events: broadcast::Sender<PeerEvent>,
+    first_events: Mutex<Option<broadcast::Receiver<PeerEvent>>>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl ControlNode {
+    /// Binds a ZeroMQ ROUTER on `listen_addr` (`host:port`; port 0 binds any
+    /// port and [`local_addr`](Self::local_addr) tells the real one).
+    pub async fn bind(
+        config: Config,
+        local: LocalInfo,
+        listen_addr: &str,
+    ) -> Result<Self, ControlError> {
+        let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
+        Ok(Self::with_channel(config, local, chan))
+    }
+
+    /// A node over any channel (e.g. [`crate::channel::MemChannel`]).
+    pub fn with_channel<C: Channel>(config: Config, local: LocalInfo, channel: C) -> Self {
+        let config = Arc::new(config);
+        let local_addr = channel.local_addr();
+        let registry = Registry::new(Arc::clone(&config), Arc::new(local));
+        let (cmds, cmd_rx) = mpsc::channel(1024);
+        let (events, first) = broadcast::channel(EVENT_CAPACITY);
+        let span = info_span!("control_node", addr = %local_addr);
+        let driver = tokio::spawn(run(registry, channel, cmd_rx, events.clone()).instrument(span));
+        let watch_events = events.clone();
+        let watch_addr = local_addr.clone();
+        // Supervisor: a driver that dies is logged and reported, never silent.
+        let task = tokio::spawn(async move {
+            if let Err(e) = driver.await {
+                error!(addr = %watch_addr, error = %e, "control driver task died");
+                let _ = watch_events.send(PeerEvent {
+                    id: ConnectionId(0),
+                    addr: watch_addr,
+                    event: Event::Closed,
+                });
+            }
+        });
+        Self {
+            config,
+            local_addr,
+            cmds,
+            events,
+            first_events: Mutex::new(Some(first)),
+            task: Mutex::new(Some(task)),
+        }
+    }
+
+    /// The address peers dial (real port when bound to port 0).
+    pub fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    /// Event stream. The first call gets every event since the node was
+    /// created (so inbound `Ready` events are never missed); later calls see
+    /// events from the call on.
+    pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
+        let first = self
+            .first_events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        first.unwrap_or_else(|| self.events.subscribe())
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+        bound: Duration,
+    ) -> Result<T, ControlError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(make(tx))
+            .await
+            .map_err(|_| ControlError::Closed)?;
+        match tokio::time::timeout(bound, rx).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(_)) | Err(_) => Err(ControlError::Closed),
+        }
+    }
+
+    /// Dials `addr` and awaits the handshake (bounded by the handshake
+    /// deadline). A live connection to `addr` is returned as is.
+    pub async fn connect(&self, addr: &str) -> Result<(ConnectionId, RemoteInfo), ControlError> {
+        let bound = self.config.handshake_timeout + DRIVER_GRACE;
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(Command::Connect {
+                addr: addr.to_owned(),
+                reply: tx,
+            })
+            .await
+            .map_err(|_| ControlError::Closed)?;
+        match tokio::time::timeout(bound, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ControlError::Closed),
+            Err(_) => Err(ControlError::ConnectTimeout {
+                addr: addr.to_owned(),
+                after: bound,
+            }),
+        }
+    }
+
+    /// Connects to every tensor-parallel rank of data-parallel rank `dp_rank`
+    /// of a remote engine at once (ports `base + dp_rank * tp_size + tp_rank`).
+    /// All ranks ready, or an error naming every failing rank with its own
+    /// cause, within one deadline; on failure no rank stays connected.
+    pub async fn connect_group(
+        &self,
+        host: &str,
+        base_port: u16,
+        dp_rank: u32,
+        tp_size: u32,
+    ) -> Result<Vec<GroupMember>, GroupError> {
+        let plan = PortPlan::new(base_port, &[dp_rank], tp_size)?;
+        let deadline = now() + self.config.handshake_timeout + DRIVER_GRACE;
+        let mut pending = Vec::new();
+        for ranks in plan.ranks() {
+            let addr = format!("{host}:{}", plan.port(ranks)?);
+            let (tx, rx) = oneshot::channel();
+            let sent = self
+                .cmds
+                .send(Command::Connect {
+                    addr: addr.clone(),
+                    reply: tx,
+                })
+                .await
+                .is_ok();
+            pending.push((ranks, addr, sent.then_some(rx)));
+        }
+        let mut group = GroupHandshake::new(host, deadline);
+        for (ranks, addr, rx) in pending {
+            let result = match rx {
+                None => Err(ControlError::Closed),
+                Some(rx) => match tokio::time::timeout_at(deadline.into(), rx).await {
+                    Ok(Ok(r)) => r,
+                    Ok(Err(_)) => Err(ControlError::Closed),
+                    Err(_) => Err(ControlError::ConnectTimeout {
+                        addr: addr.clone(),
+                        after: self.config.handshake_timeout + DRIVER_GRACE,
+                    }),
+                },
+            };
+            record(&mut group, ranks, addr, result);
+        }
+        group.handle_timeout(now().max(deadline));
+        let outcome = group
+            .poll_outcome()
+            .unwrap_or_else(|| unreachable_outcome(host));
+        if outcome.is_err() {
+            for id in group.ids() {
+                let _ = self.disconnect(id).await;
+            }
+        }
+        outcome
+    }
+
+    /// Sends a notification to a ready peer.
+    pub async fn notify(
+        &self,
+        peer: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+    ) -> Result<(), ControlError> {
+        self.call(
+            |reply| Command::Notify {
+                id: peer,
+                transfer_id,
+                payload,
+                reply,
+            },
+            DRIVER_GRACE,
+        )
+        .await?
+    }
+
+    /// Measures one control-plane round trip (ping → pong) to a ready peer,
+    /// bounded by the liveness bound.
+    pub async fn ping(&self, peer: ConnectionId) -> Result<Duration, ControlError> {
+        self.call(
+            |reply| Command::Ping { id: peer, reply },
+            self.config.death_bound() + DRIVER_GRACE,
+        )
+        .await?
+    }
+
+    /// Closes one connection (`bye`, then release). Idempotent.
+    pub async fn disconnect(&self, peer: ConnectionId) -> Result<(), ControlError> {
+        self.call(
+            |reply| Command::Disconnect { id: peer, reply },
+            DRIVER_GRACE,
+        )
+        .await
+    }
+
+    /// Current peers.
+    pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
+        Ok(self
+            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .await?
+            .0)
+    }
+
+    /// Counters of dropped frames (malformed, oversized, unknown type).
+    pub async fn stats(&self) -> Result<Stats, ControlError> {
+        Ok(self
+            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .await?
+            .1)
+    }
+
+    /// Closes every connection, flushing pending frames (bounded by
+    /// `close_linger`), then releases every socket and task. Idempotent.
+    pub async fn close(&self) {
+        let task = self
+            .task
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(mut task) = task else { return };
+        let bound = self.config.close_linger + Duration::from_secs(5);
+        let _ = self.call(|reply| Command::Close { reply }, bound).await;
+        if tokio::time::timeout(bound, &mut task).await.is_err() {
+            error!(addr = %self.local_addr, "control driver did not stop in time; aborting it");
+            task.abort();
+        }
+    }
+}
+
+fn record(
+    group: &mut GroupHandshake,
+    ranks: Ranks,
+    addr: String,
+    result: Result<(ConnectionId, RemoteInfo), ControlError>,
+) {
+    match result {
+        Ok((id, info)) => {
+            group.expect(ranks, addr, Ok(id));
+            group.handle_event(id, &Event::Ready(info));
+        }
+        Err(e) => group.expect(ranks, addr, Err(e.to_string())),
+    }
+}
+
+fn unreachable_outcome(host: &str) -> Result<Vec<GroupMember>, GroupError> {
+    Err(GroupError::RanksFailed {
+        host: host.to_owned(),
+        total: 0,
+        failures: Vec::new(),
+    })
+}
+
+struct Waiter {
+    addr: String,
+    reply: ConnectReply,
+}
+
+struct Driver<C> {
+    reg: Registry,
+    chan: C,
+    events: broadcast::Sender<PeerEvent>,
+    waiters: HashMap<ConnectionId, Vec<Waiter>>,
+    pings: HashMap<(ConnectionId, u64), oneshot::Sender<Result<Duration, ControlError>>>,
+}
+
+async fn run<C: Channel>(
+    reg: Registry,
+    chan: C,
+    mut cmds: mpsc::Receiver<Command>,
+    events: broadcast::Sender<PeerEvent>,
+) {
+    let mut d = Driver {
+        reg,
+        chan,
+        events,
+        waiters: HashMap::new(),
+        pings: HashMap::new(),
+    };
+    let mut closing: Option<Vec<oneshot::Sender<()>>> = None;
+    loop {
+        let deadline = d.reg.poll_timeout();
+        let sleep = async move {
+            match deadline {
+                Some(t) => tokio::time::sleep_until(t.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            ev = d.chan.recv() => match ev {
+                Some(ChannelEvent::Frame { link, bytes }) => d.reg.handle_frame(now(), link, &bytes),
+                Some(ChannelEvent::Failed { id, reason }) => d.reg.handle_channel_error(now(), id, reason),
+                None => {
+                    error!("channel ended; closing the node");
+                    d.reg.close(now());
+                    closing.get_or_insert_with(Vec::new);
+                }
+            },
+            cmd = cmds.recv(), if closing.is_none() => match cmd {
+                Some(Command::Close { reply }) => {
+                    d.reg.close(now());
+                    closing = Some(vec![reply]);
+                }
+                Some(cmd) => d.command(cmd),
+                None => {
+                    d.reg.close(now());
+                    closing = Some(Vec::new());
+                }
+            },
+            () = sleep => d.reg.handle_timeout(now()),
+        }
+        d.flush();
+        if closing.is_some() && d.reg.is_empty() {
+            break;
+        }
+    }
+    d.chan.close().await;
+    for (_, ws) in d.waiters.drain() {
+        for w in ws {
+            let _ = w.reply.send(Err(ControlError::Closed));
+        }
+    }
+    // Commands that raced with close get a `Closed` answer by dropping them.
+    cmds.close();
+    while let Ok(cmd) = cmds.try_recv() {
+        if let Command::Close { reply } = cmd {
+            let _ = reply.send(());
+        }
+    }
+    for r in closing.unwrap_or_default() {
+        let _ = r.send(());
+    }
+}
+
+impl<C: Channel> Driver<C> {
+    fn command(&mut self, cmd: Command) {
+        let t = now();
+        match cmd {
+            Command::Connect { addr, reply } => match self.reg.connect(t, &addr) {
+                Ok(id) => self
+                    .waiters
+                    .entry(id)
+                    .or_default()
+                    .push(Waiter { addr, reply }),
+                Err(ConnectRefused::Duplicate { existing, .. }) => {
+                    let ready = self
+                        .reg
+                        .peer(existing)
+                        .filter(|p| matches!(p.state(), State::Ready | State::Suspect))
+                        .and_then(|p| p.remote().cloned());
+                    match ready {
+                        Some(info) => {
+                            let _ = reply.send(Ok((existing, info)));
+                        }
+                        None => self
+                            .waiters
+                            .entry(existing)
+                            .or_default()
+                            .push(Waiter { addr, reply }),
+                    }
+                }
+                Err(ConnectRefused::PeerCap { cap, addr }) => {
+                    let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
+                }
+            },
+            Command::Notify {
+                id,
+                transfer_id,
+                payload,
+                reply,
+            } => {
+                let r = match self.reg.notify(id, transfer_id, payload) {
+                    Ok(()) => Ok(()),
+                    Err(_) => Err(match self.reg.peer(id) {
+                        None => ControlError::UnknownPeer(id),
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
+                    }),
+                };
+                let _ = reply.send(r);
+            }
+            Command::Ping { id, reply } => match self.reg.ping(t, id) {
+                Some(seq) => {
+                    self.pings.insert((id, seq), reply);
+                }
+                None => {
+                    let err = match self.reg.peer(id) {
+                        None => ControlError::UnknownPeer(id),
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
+                    };
+                    let _ = reply.send(Err(err));
+                }
+            },
+            Command::Disconnect { id, reply } => {
+                self.reg.disconnect(t, id);
+                let _ = reply.send(());
+            }
+            Command::Snapshot { reply } => {
+                let mut peers: Vec<_> = self
+                    .reg
+                    .ids()
+                    .into_iter()
+                    .filter_map(|id| {
+                        self.reg.peer(id).map(|p| PeerSnapshot {
+                            id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                            remote: p.remote().cloned(),
+                        })
+                    })
+                    .collect();
+                peers.sort_by_key(|p| p.id);
+                let _ = reply.send((peers, self.reg.stats()));
+            }
+            Command::Close { reply } => {
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        while let Some((id, link, t)) = self.reg.poll_transmit() {
+            match t {
+                Transmit::Connect => {
+                    if let Some(addr) = self.reg.peer(id).map(|p| p.addr().to_owned()) {
+                        self.chan.open(id, &addr);
+                    }
+                }
+                Transmit::Frame(f) => self.chan.send(&link, Bytes::from(f)),
+                Transmit::Disconnect => {
+                    if let Link::Dial(id) = link {
+                        self.chan.disconnect(id);
+                    }
+                }
+            }
+        }
+        while let Some(ev) = self.reg.poll_event() {
+            self.resolve(&ev);
+            let _ = self.events.send(ev);
+        }
+    }
+
+    fn resolve(&mut self, ev: &PeerEvent) {
+        let failure = match &ev.event {
+            Event::Ready(info) => {
+                for w in self.waiters.remove(&ev.id).unwrap_or_default() {
+                    let _ = w.reply.send(Ok((ev.id, info.clone())));
+                }
+                return;
+            }
+            Event::Pong { seq, rtt } => {
+                if let Some(reply) = self.pings.remove(&(ev.id, *seq)) {
+                    let _ = reply.send(Ok(*rtt));
+                }
+                return;
+            }
+            Event::Refused { refusal, .. } => (1, PeerError::Refused(refusal.clone())),
+            Event::Dead {
+                attempts,
+                last_error,
+                ..
+            } => (*attempts, last_error.clone()),
+            Event::Closed => (
+                0,
+                PeerError::Channel("closed before the handshake finished".into()),
+            ),
+            _ => return,
+        };
+        self.pings.retain(|(id, _), _| *id != ev.id);
+        let Some(ws) = self.waiters.remove(&ev.id) else {
+            return;
+        };
+        for w in ws {
+            let _ = w.reply.send(Err(ControlError::Connect {
+                addr: w.addr,
+                attempts: failure.0,
+                last_error: failure.1.clone(),
+            }));
+        }
+        // A connect that failed does not keep dialing in the background.
+        self.reg.disconnect(now(), ev.id);
+    }
+}

@@ -1,0 +1,489 @@
+//! The sans-IO node: owns every peer machine, routes frames, enforces the
+//! peer cap and the one-live-connection-per-peer rule.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use tracing::{debug, info_span, warn};
+
+use crate::config::{Config, LocalInfo, Ranks};
+use crate::error::{Refusal, WireError};
+use crate::peer::{Event, Peer, Role, State, Stats, Transmit};
+use crate::wire::Message;
+use crate::ConnectionId;
+
+/// How a frame reaches a connection on the channel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Link {
+    /// A connection we dialed (the channel keyed it by its id).
+    Dial(ConnectionId),
+    /// A connection the peer dialed; the channel's routing id for it.
+    Accepted(Bytes),
+}
+
+/// An event of one peer, tagged with its id and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerEvent {
+    /// Connection id.
+    pub id: ConnectionId,
+    /// Peer address (`host:port` for peers we dialed, `inbound:<routing id>` otherwise).
+    pub addr: String,
+    /// What happened.
+    pub event: Event,
+}
+
+/// Why [`Registry::connect`] did not create a connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectRefused {
+    /// A live connection to this address exists; here is its id.
+    #[error("a live connection {existing} to {addr} exists")]
+    Duplicate {
+        /// The existing live connection.
+        existing: ConnectionId,
+        /// The address.
+        addr: String,
+    },
+    /// The peer cap is reached.
+    #[error("peer cap of {cap} reached; refusing {addr}")]
+    PeerCap {
+        /// The cap.
+        cap: usize,
+        /// The refused address.
+        addr: String,
+    },
+}
+
+#[derive(Debug)]
+struct Entry {
+    peer: Peer,
+    link: Link,
+    span: tracing::Span,
+}
+
+/// Owns all peers of a node. Same calling order as [`Peer`]: inputs, then
+/// drain [`poll_transmit`](Self::poll_transmit), [`poll_event`](Self::poll_event),
+/// then sleep until [`poll_timeout`](Self::poll_timeout).
+#[derive(Debug)]
+pub struct Registry {
+    config: Arc<Config>,
+    local: Arc<LocalInfo>,
+    next_id: u64,
+    peers: HashMap<ConnectionId, Entry>,
+    by_addr: HashMap<String, ConnectionId>,
+    by_link: HashMap<Bytes, ConnectionId>,
+    by_engine: HashMap<(String, Ranks), ConnectionId>,
+    incarnations: HashMap<(String, Ranks), u64>,
+    transmits: VecDeque<(ConnectionId, Link, Transmit)>,
+    events: VecDeque<PeerEvent>,
+    stats: Stats,
+    refused_at_cap: u64,
+    closed: bool,
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new(config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
+        Self {
+            config,
+            local,
+            next_id: 1,
+            peers: HashMap::new(),
+            by_addr: HashMap::new(),
+            by_link: HashMap::new(),
+            by_engine: HashMap::new(),
+            incarnations: HashMap::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: Stats::default(),
+            refused_at_cap: 0,
+            closed: false,
+        }
+    }
+
+    /// Number of tracked (not yet released) connections.
+    pub fn len(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Whether no connection is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    /// Frames dropped at the node level plus those of current peers.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats;
+        for e in self.peers.values() {
+            let p = e.peer.stats();
+            s.oversized += p.oversized;
+            s.malformed += p.malformed;
+            s.unknown_type += p.unknown_type;
+            s.unexpected += p.unexpected;
+        }
+        s
+    }
+
+    /// Peers refused because of the cap.
+    pub fn refused_at_cap(&self) -> u64 {
+        self.refused_at_cap
+    }
+
+    /// A peer machine by id.
+    pub fn peer(&self, id: ConnectionId) -> Option<&Peer> {
+        self.peers.get(&id).map(|e| &e.peer)
+    }
+
+    /// Ids of all tracked connections.
+    pub fn ids(&self) -> Vec<ConnectionId> {
+        self.peers.keys().copied().collect()
+    }
+
+    /// The connection currently registered for `addr`, if any.
+    pub fn by_addr(&self, addr: &str) -> Option<ConnectionId> {
+        self.by_addr.get(addr).copied()
+    }
+
+    /// Dials `addr`. A dead connection to the same address is retired first;
+    /// a live one is handed back as [`ConnectRefused::Duplicate`].
+    pub fn connect(&mut self, now: Instant, addr: &str) -> Result<ConnectionId, ConnectRefused> {
+        if let Some(&existing) = self.by_addr.get(addr) {
+            let dead = self
+                .peers
+                .get(&existing)
+                .is_none_or(|e| e.peer.state() == State::Dead);
+            if !dead {
+                return Err(ConnectRefused::Duplicate {
+                    existing,
+                    addr: addr.to_owned(),
+                });
+            }
+            self.release(existing);
+        }
+        if self.closed || self.peers.len() >= self.config.peer_cap {
+            self.refused_at_cap += 1;
+            return Err(ConnectRefused::PeerCap {
+                cap: self.config.peer_cap,
+                addr: addr.to_owned(),
+            });
+        }
+        let id = self.alloc();
+        let span = info_span!("peer", %id, %addr);
+        let peer = span.in_scope(|| {
+            Peer::initiator(
+                now,
+                addr.to_owned(),
+                Arc::clone(&self.config),
+                Arc::clone(&self.local),
+            )
+        });
+        self.by_addr.insert(addr.to_owned(), id);
+        self.peers.insert(
+            id,
+            Entry {
+                peer,
+                link: Link::Dial(id),
+                span,
+            },
+        );
+        self.collect(id);
+        Ok(id)
+    }
+
+    /// Routes one inbound frame. Dead accepted connections are reaped first,
+    /// so a reconnecting peer's first frame always finds a fresh entry.
+    pub fn handle_frame(&mut self, now: Instant, link: Link, bytes: &[u8]) {
+        self.reap_dead();
+        let rid = match link {
+            Link::Dial(id) => {
+                if let Some(e) = self.peers.get_mut(&id) {
+                    let _g = e.span.enter();
+                    e.peer.handle_frame(now, bytes);
+                    drop(_g);
+                    self.collect(id);
+                } else {
+                    self.stats.unexpected += 1;
+                }
+                return;
+            }
+            Link::Accepted(rid) => rid,
+        };
+        let decoded = Message::decode(bytes, self.config.frame_cap);
+        let known = self.by_link.get(&rid).copied();
+        match (decoded, known) {
+            // A hello always starts a new connection, even on a routing id we
+            // know (a restarted peer reusing its identity): the old entry is
+            // retired first, the hello is never dropped.
+            (Ok(Message::Hello(hello)), known) => {
+                if let Some(old) = known {
+                    self.release(old);
+                }
+                self.accept(now, rid, hello);
+            }
+            (msg, Some(id)) => {
+                if let Some(e) = self.peers.get_mut(&id) {
+                    let _g = e.span.enter();
+                    match msg {
+                        Ok(m) => e.peer.handle_message(now, m),
+                        Err(err) => e.peer.handle_decode_error(now, err),
+                    }
+                    drop(_g);
+                    self.collect(id);
+                }
+            }
+            (Ok(_), None) => {
+                // Traffic for a connection we already released: drop it.
+                self.stats.unexpected += 1;
+            }
+            (Err(WireError::VersionMismatch { local, remote }), None) => {
+                let frame = Peer::refusal_frame(&Refusal::Version { local, remote });
+                self.transmits.push_back((
+                    ConnectionId(0),
+                    Link::Accepted(rid),
+                    Transmit::Frame(frame),
+                ));
+            }
+            (Err(e), None) => {
+                debug!(error = %e, "dropped inbound frame");
+                self.stats.count(&e);
+            }
+        }
+    }
+
+    fn accept(&mut self, now: Instant, rid: Bytes, hello: crate::wire::Hello) {
+        if self.closed {
+            return;
+        }
+        let key = (
+            hello.engine_id.clone(),
+            Ranks {
+                dp_rank: hello.dp_rank,
+                tp_rank: hello.tp_rank,
+                tp_size: hello.tp_size,
+            },
+        );
+        // At most one live connection per peer: a newer connection from the
+        // same engine rank replaces the older one.
+        if let Some(&old) = self.by_engine.get(&key) {
+            if let Some(e) = self.peers.get_mut(&old) {
+                e.peer.retire();
+            }
+            self.collect(old);
+        }
+        if self.peers.len() >= self.config.peer_cap {
+            self.refused_at_cap += 1;
+            warn!(
+                cap = self.config.peer_cap,
+                "peer cap reached; refusing inbound peer"
+            );
+            let frame = Peer::refusal_frame(&Refusal::PeerCap {
+                cap: self.config.peer_cap,
+            });
+            self.transmits.push_back((
+                ConnectionId(0),
+                Link::Accepted(rid),
+                Transmit::Frame(frame),
+            ));
+            return;
+        }
+        let id = self.alloc();
+        let addr = format!("inbound:{}", hex(&rid));
+        let span = info_span!("peer", %id, %addr);
+        let known = self.incarnations.get(&key).copied();
+        let peer = span.in_scope(|| {
+            Peer::acceptor(
+                now,
+                addr,
+                Arc::clone(&self.config),
+                Arc::clone(&self.local),
+                hello,
+                known,
+            )
+        });
+        self.by_link.insert(rid.clone(), id);
+        self.by_engine.insert(key, id);
+        self.peers.insert(
+            id,
+            Entry {
+                peer,
+                link: Link::Accepted(rid),
+                span,
+            },
+        );
+        self.collect(id);
+    }
+
+    /// The channel reported a failure on a dialed connection.
+    pub fn handle_channel_error(&mut self, now: Instant, id: ConnectionId, reason: String) {
+        if let Some(e) = self.peers.get_mut(&id) {
+            let _g = e.span.enter();
+            e.peer.handle_channel_error(now, reason);
+            drop(_g);
+            self.collect(id);
+        }
+    }
+
+    /// Fires expired timers of every peer.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<_> = self
+            .peers
+            .iter()
+            .filter(|(_, e)| e.peer.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            if let Some(e) = self.peers.get_mut(&id) {
+                let _g = e.span.enter();
+                e.peer.handle_timeout(now);
+                drop(_g);
+                self.collect(id);
+            }
+        }
+    }
+
+    /// Sends a notification; the payload is handed back if the peer is unknown or not up.
+    pub fn notify(
+        &mut self,
+        id: ConnectionId,
+        transfer_id: u64,
+        payload: Vec<u8>,
+    ) -> Result<(), Vec<u8>> {
+        let Some(e) = self.peers.get_mut(&id) else {
+            return Err(payload);
+        };
+        e.peer.notify(transfer_id, payload)?;
+        self.collect(id);
+        Ok(())
+    }
+
+    /// Sends an explicit ping probe (see [`Peer::ping`]).
+    pub fn ping(&mut self, now: Instant, id: ConnectionId) -> Option<u64> {
+        let seq = self.peers.get_mut(&id)?.peer.ping(now)?;
+        self.collect(id);
+        Some(seq)
+    }
+
+    /// Closes one connection (idempotent, also after `Dead`).
+    pub fn disconnect(&mut self, now: Instant, id: ConnectionId) {
+        if let Some(e) = self.peers.get_mut(&id) {
+            // A closing connection is no longer "the" connection to its
+            // address: a new connect dials afresh while this one lingers.
+            if self.by_addr.get(e.peer.addr()) == Some(&id) {
+                self.by_addr.remove(e.peer.addr());
+            }
+            e.peer.close(now);
+            self.collect(id);
+        }
+    }
+
+    /// Closes every connection; new connections are refused afterwards.
+    pub fn close(&mut self, now: Instant) {
+        self.closed = true;
+        for id in self.ids() {
+            self.disconnect(now, id);
+        }
+    }
+
+    /// Earliest timer of any peer.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.peers
+            .values()
+            .filter_map(|e| e.peer.poll_timeout())
+            .min()
+    }
+
+    /// Next channel action.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<(ConnectionId, Link, Transmit)> {
+        self.transmits.pop_front()
+    }
+
+    /// Next peer event.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<PeerEvent> {
+        self.events.pop_front()
+    }
+
+    fn alloc(&mut self) -> ConnectionId {
+        let id = ConnectionId(self.next_id);
+        self.next_id += 1;
+        id
+    }
+
+    /// Moves a peer's outputs into the node queues; forgets it once closed.
+    fn collect(&mut self, id: ConnectionId) {
+        let Some(e) = self.peers.get_mut(&id) else {
+            return;
+        };
+        while let Some(t) = e.peer.poll_transmit() {
+            self.transmits.push_back((id, e.link.clone(), t));
+        }
+        while let Some(ev) = e.peer.poll_event() {
+            if let Event::Ready(info) = &ev {
+                self.incarnations
+                    .insert((info.engine_id.clone(), info.ranks), info.incarnation);
+                if e.peer.role() == Role::Acceptor {
+                    self.by_engine
+                        .insert((info.engine_id.clone(), info.ranks), id);
+                }
+            }
+            self.events.push_back(PeerEvent {
+                id,
+                addr: e.peer.addr().to_owned(),
+                event: ev,
+            });
+        }
+        if e.peer.is_closed() {
+            self.forget(id);
+        }
+    }
+
+    /// Closes and forgets at once (a dead connection being replaced).
+    fn release(&mut self, id: ConnectionId) {
+        if let Some(e) = self.peers.get_mut(&id) {
+            e.peer.retire();
+        }
+        self.collect(id);
+        self.forget(id);
+    }
+
+    fn forget(&mut self, id: ConnectionId) {
+        let Some(e) = self.peers.remove(&id) else {
+            return;
+        };
+        match &e.link {
+            Link::Dial(_) => {
+                if self.by_addr.get(e.peer.addr()) == Some(&id) {
+                    self.by_addr.remove(e.peer.addr());
+                }
+            }
+            Link::Accepted(rid) => {
+                if self.by_link.get(rid) == Some(&id) {
+                    self.by_link.remove(rid);
+                }
+            }
+        }
+        self.by_engine.retain(|_, v| *v != id);
+    }
+
+    /// Releases accepted connections that are dead (they never reconnect by
+    /// themselves: the remote initiator dials a new one).
+    fn reap_dead(&mut self) {
+        let dead: Vec<_> = self
+            .peers
+            .iter()
+            .filter(|(_, e)| e.peer.role() == Role::Acceptor && e.peer.state() == State::Dead)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in dead {
+            self.release(id);
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -1,0 +1,70 @@
+//! The tokio driver over the in-memory channel, in paused (virtual) time.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{fast_config, local, wait_for};
+use kvlane_control::{ControlNode, Event, MemNetwork, State};
+
+#[tokio::test(start_paused = true)]
+async fn mem_driver_connect_keepalive_notify_close() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    let mut b_events = b.events();
+    let (id, info) = a.connect("b:1").await.expect("connect");
+    assert_eq!(info.engine_id, "b");
+    wait_for(&mut b_events, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Ready(_))
+    })
+    .await;
+    // 20 death bounds of virtual time: keep-alive holds.
+    tokio::time::sleep(fast_config().death_bound() * 20).await;
+    assert_eq!(a.peers().await.expect("peers")[0].state, State::Ready);
+    a.notify(id, 5, b"x".to_vec()).await.expect("notify");
+    let ev = wait_for(&mut b_events, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Notification { .. })
+    })
+    .await;
+    assert_eq!(
+        ev.event,
+        Event::Notification {
+            transfer_id: 5,
+            payload: b"x".to_vec()
+        }
+    );
+    a.close().await;
+    a.close().await;
+    assert!(matches!(
+        a.connect("b:1").await,
+        Err(kvlane_control::ControlError::Closed)
+    ));
+    let ev = wait_for(&mut b_events, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Dead { .. })
+    })
+    .await;
+    assert!(matches!(ev.event, Event::Dead { .. }));
+    b.close().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn mem_driver_peer_dropped_is_dead_within_bound_and_notify_refused() {
+    let net = MemNetwork::new();
+    let cfg = fast_config();
+    let a = ControlNode::with_channel(cfg.clone(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(cfg.clone(), local("b"), net.bind("b:1"));
+    let mut events = a.events();
+    let (id, _) = a.connect("b:1").await.expect("connect");
+    // b is dropped: it says bye in the background.
+    drop(b);
+    let start = tokio::time::Instant::now();
+    wait_for(&mut events, cfg.death_bound() * 2, |e| {
+        matches!(e.event, Event::Dead { .. })
+    })
+    .await;
+    assert!(start.elapsed() <= cfg.death_bound());
+    let err = a.notify(id, 1, vec![]).await.expect_err("dead peer");
+    assert!(err.to_string().contains("b:1"), "{err}");
+    a.close().await;
+}

@@ -1,0 +1,597 @@
+//! The tcp backend: software one-sided RDMA between processes and hosts.
+//!
+//! Each [`TcpBackend`] is both a target and an initiator.
+//!
+//! - **Target.** A listener (bound to [`TcpConfig::listen`]) serves READ,
+//!   WRITE and NOTIFY requests on the regions registered with the backend.
+//!   A connection must first present the backend's random 128-bit token
+//!   (carried in its [`Endpoint`], which the control plane only hands to
+//!   peers that completed the handshake); anything else is dropped before
+//!   a request is read. Every request is checked against key, bounds and
+//!   the region's remote rights before memory is touched; refusals are
+//!   answered with a status and counted ([`TcpBackend::counters`]).
+//! - **Initiator.** A connected peer gets [`TcpConfig::streams`] TCP
+//!   connections. Transfers are checked locally against the regions the
+//!   peer advertised, split into chunks of at most
+//!   [`TcpConfig::chunk_bytes`] and striped over the streams; small
+//!   requests are coalesced into few `write` calls. A notification is sent
+//!   only after every chunk of its transfer was acknowledged.
+//!
+//! I/O uses plain threads and blocking sockets (two per initiator stream,
+//! one per served connection) rather than an async runtime: every stream
+//! is a strictly ordered pipeline, blocking `read`/`write` move bytes
+//! straight between the socket and region memory, and no executor sits
+//! between the kernel and the copy.
+//!
+//! Failures: a broken stream fails every transfer in flight to that peer
+//! with [`DataError::PeerLost`] as soon as the socket reports it; deadlines
+//! are enforced by [`poll`](Backend::poll).
+
+mod initiator;
+mod server;
+#[doc(hidden)]
+pub mod wire;
+
+#[doc(hidden)]
+pub use server::fuzz_request;
+pub use server::TcpCounters;
+
+use crate::backend::Backend;
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
+use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
+use bytes::Bytes;
+use initiator::{ConnectConfig, Job, PeerConn, XferState};
+use serde::{Deserialize, Serialize};
+use server::{Counters, RegionTable, Server, ServerConfig};
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
+
+/// Buffer size of the buffered socket readers and writers.
+pub(crate) const SOCKET_IO_BUF: usize = 256 << 10;
+
+/// Settings of a [`TcpBackend`].
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Address the target side listens on. Default `127.0.0.1:0` (any free
+    /// port; the real port is advertised in the endpoint).
+    pub listen: SocketAddr,
+    /// Host advertised to peers when `listen` is a wildcard address
+    /// (`0.0.0.0`, `::`). Default: none, which advertises loopback.
+    pub advertise: Option<IpAddr>,
+    /// TCP connections per peer. Default 4.
+    pub streams: usize,
+    /// Largest request; longer contiguous spans are split into chunks of
+    /// this size and striped over the streams. Default 512 KiB. Capped at
+    /// 64 MiB.
+    pub chunk_bytes: u64,
+    /// Transfers in flight (submitted, not yet returned by `poll`) before
+    /// `submit` hands transfers back. Default 4096.
+    pub queue_depth: usize,
+    /// Timeout of connecting and authenticating one stream. Default 5 s.
+    pub connect_timeout: Duration,
+    /// `SO_SNDBUF`/`SO_RCVBUF` of every socket; `None` (the default) keeps
+    /// the kernel's auto-tuning.
+    pub socket_buffer: Option<usize>,
+    /// Connections the target side serves at once. Default 1024.
+    pub max_connections: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            advertise: None,
+            streams: 4,
+            chunk_bytes: 512 << 10,
+            queue_depth: 4096,
+            connect_timeout: Duration::from_secs(5),
+            socket_buffer: None,
+            max_connections: 1024,
+        }
+    }
+}
+
+/// What a tcp [`Endpoint`] carries: where the target listens and the token
+/// its connections must present.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct TcpEndpoint {
+    /// The target's `host:port`.
+    pub addr: SocketAddr,
+    /// The per-backend secret every connection presents first.
+    pub token: [u8; TOKEN_LEN],
+}
+
+impl std::fmt::Debug for TcpEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The token is a secret: never logged.
+        f.debug_struct("TcpEndpoint")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct EndpointWire {
+    addr: String,
+    token: String,
+}
+
+impl TcpEndpoint {
+    /// Encodes as an [`Endpoint`] (msgpack map `{addr, token}`).
+    pub fn to_endpoint(&self) -> Endpoint {
+        let wire = EndpointWire {
+            addr: self.addr.to_string(),
+            token: self.token.iter().map(|b| format!("{b:02x}")).collect(),
+        };
+        Endpoint {
+            backend: BackendKind::Tcp,
+            // Serializing a struct of two strings cannot fail.
+            data: rmp_serde::to_vec_named(&wire).unwrap_or_default(),
+        }
+    }
+
+    /// Decodes a peer's [`Endpoint`].
+    pub fn from_endpoint(e: &Endpoint) -> Result<Self, DataError> {
+        let bad = |reason: String| DataError::BadEndpoint {
+            backend: "tcp",
+            reason,
+        };
+        if e.backend != BackendKind::Tcp {
+            return Err(bad(format!("endpoint is for the {} backend", e.backend)));
+        }
+        let wire: EndpointWire =
+            rmp_serde::from_slice(&e.data).map_err(|err| bad(err.to_string()))?;
+        let addr = wire
+            .addr
+            .parse()
+            .map_err(|_| bad(format!("bad address {:?}", wire.addr)))?;
+        let hex = wire.token.as_bytes();
+        if hex.len() != 2 * TOKEN_LEN {
+            return Err(bad(format!("token of {} hex digits", hex.len())));
+        }
+        let mut token = [0u8; TOKEN_LEN];
+        for (i, pair) in hex.chunks_exact(2).enumerate() {
+            let s = std::str::from_utf8(pair).map_err(|_| bad("token is not hex".into()))?;
+            token[i] = u8::from_str_radix(s, 16).map_err(|_| bad("token is not hex".into()))?;
+        }
+        Ok(Self { addr, token })
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Tables behind these locks stay consistent if a holder panicked.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// State shared by the backend and its I/O threads.
+#[derive(Default)]
+pub(crate) struct Shared {
+    pub(crate) completions: Mutex<Vec<Completion>>,
+    pub(crate) notifications: Mutex<VecDeque<Bytes>>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Shared {
+    pub(crate) fn wake(&self) {
+        if let Some(w) = lock(&self.waker).as_ref() {
+            w.wake_by_ref();
+        }
+    }
+}
+
+struct PeerSlot {
+    conn: Option<Arc<PeerConn>>,
+    regions: HashMap<RemoteKey, RemoteRegion>,
+}
+
+/// Software one-sided RDMA over TCP (see the [module docs](self)).
+pub struct TcpBackend {
+    config: TcpConfig,
+    endpoint: TcpEndpoint,
+    regions: Arc<RegionTable>,
+    counters: Arc<Counters>,
+    shared: Arc<Shared>,
+    local: HashMap<RegionId, Region>,
+    keys: HashMap<RegionId, RemoteKey>,
+    next_key: u32,
+    next_peer: u64,
+    peers: HashMap<PeerId, PeerSlot>,
+    in_flight: HashMap<TransferId, Arc<XferState>>,
+    ready: Vec<Completion>,
+    next_deadline: Option<Instant>,
+    drained: Vec<Completion>,
+    // Last field: dropped after the peers are failed in `Drop`.
+    _server: Server,
+}
+
+impl std::fmt::Debug for TcpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpBackend")
+            .field("addr", &self.endpoint.addr)
+            .field("regions", &self.local.len())
+            .field("peers", &self.peers.len())
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl TcpBackend {
+    /// Starts the listener and returns the backend.
+    pub fn new(config: TcpConfig) -> Result<Self, DataError> {
+        let token: [u8; TOKEN_LEN] = rand::random();
+        let regions = Arc::new(RegionTable::default());
+        let counters = Arc::new(Counters::default());
+        let shared = Arc::new(Shared::default());
+        let server = Server::start(
+            ServerConfig {
+                listen: config.listen,
+                token,
+                max_connections: config.max_connections.max(1),
+                socket_buffer: config.socket_buffer,
+            },
+            regions.clone(),
+            shared.clone(),
+            counters.clone(),
+        )?;
+        let mut addr = server.local_addr();
+        if addr.ip().is_unspecified() {
+            let host = config.advertise.unwrap_or_else(|| {
+                tracing::warn!(%addr, "listening on a wildcard address without `advertise`; advertising loopback");
+                match addr {
+                    SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                    SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                }
+            });
+            addr.set_ip(host);
+        }
+        Ok(Self {
+            config,
+            endpoint: TcpEndpoint { addr, token },
+            regions,
+            counters,
+            shared,
+            local: HashMap::new(),
+            keys: HashMap::new(),
+            next_key: 1,
+            next_peer: 1,
+            peers: HashMap::new(),
+            in_flight: HashMap::new(),
+            ready: Vec::new(),
+            next_deadline: None,
+            drained: Vec::new(),
+            _server: server,
+        })
+    }
+
+    /// The `host:port` advertised to peers.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint.addr
+    }
+
+    /// Counters of the target side (requests served and refused,
+    /// authentication and framing failures).
+    pub fn counters(&self) -> TcpCounters {
+        self.counters.snapshot()
+    }
+
+    fn check_local(
+        &self,
+        id: RegionId,
+        op: Op,
+        offset: u64,
+        len: u64,
+    ) -> Result<&Region, DataError> {
+        let region = self.local.get(&id).ok_or(DataError::UnknownRegion(id))?;
+        if op == Op::Read && !region.access().contains(Access::LOCAL_WRITE) {
+            return Err(DataError::AccessDenied {
+                op,
+                target: format!("local {id}"),
+                needed: Access::LOCAL_WRITE,
+                granted: region.access(),
+            });
+        }
+        region.check_range(offset, len)?;
+        Ok(region)
+    }
+
+    /// Everything checkable before sending: deadline, connection, local
+    /// regions, and the remote spans against what the peer advertised
+    /// (the target checks again).
+    fn validate(&self, t: &Transfer) -> Result<Arc<PeerConn>, DataError> {
+        let now = Instant::now();
+        if now >= t.deadline {
+            return Err(DataError::Timeout {
+                id: t.id,
+                peer: t.peer,
+                overdue: now - t.deadline,
+            });
+        }
+        let slot = self
+            .peers
+            .get(&t.peer)
+            .ok_or(DataError::UnknownPeer(t.peer))?;
+        let conn = slot.conn.clone().ok_or(DataError::PeerLost {
+            peer: t.peer,
+            reason: "prepared but never connected",
+            source: None,
+        })?;
+        for seg in t.segments()? {
+            self.check_local(seg.region, t.op, seg.local_offset, seg.len)?;
+            let ad = slot.regions.get(&seg.key).ok_or(DataError::UnknownKey {
+                peer: t.peer,
+                key: seg.key,
+            })?;
+            let needed = match t.op {
+                Op::Read => Access::REMOTE_READ,
+                Op::Write => Access::REMOTE_WRITE,
+            };
+            if !ad.access.contains(needed) {
+                return Err(DataError::AccessDenied {
+                    op: t.op,
+                    target: format!("remote {} at {} ({})", seg.key, t.peer, conn.addr()),
+                    needed,
+                    granted: ad.access,
+                });
+            }
+            if seg
+                .remote_offset
+                .checked_add(seg.len)
+                .is_none_or(|end| end > ad.len)
+            {
+                return Err(DataError::RemoteOutOfBounds {
+                    peer: t.peer,
+                    key: seg.key,
+                    offset: seg.remote_offset,
+                    len: seg.len,
+                    region_len: ad.len,
+                });
+            }
+        }
+        Ok(conn)
+    }
+
+    fn fail_now(&mut self, t: &Transfer, e: DataError) {
+        self.ready.push(Completion {
+            id: t.id,
+            peer: t.peer,
+            result: Err(e),
+        });
+    }
+
+    fn expire(&mut self, now: Instant, out: &mut Vec<Completion>) {
+        if self.next_deadline.is_none_or(|d| now < d) {
+            return;
+        }
+        let mut next: Option<Instant> = None;
+        let peers = &self.peers;
+        self.in_flight.retain(|id, x| {
+            if x.deadline > now || !x.take_done() {
+                // Still running, or finished by an I/O thread an instant
+                // ago: its completion is drained by the next `poll`.
+                next = Some(next.map_or(x.deadline, |n| n.min(x.deadline)));
+                return true;
+            }
+            if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
+                conn.forget(*id);
+            }
+            out.push(Completion {
+                id: *id,
+                peer: x.peer,
+                result: Err(DataError::Timeout {
+                    id: *id,
+                    peer: x.peer,
+                    overdue: now - x.deadline,
+                }),
+            });
+            false
+        });
+        self.next_deadline = next;
+    }
+}
+
+impl Backend for TcpBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Tcp
+    }
+
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        if region.kind() != MemoryKind::Host {
+            return Err(DataError::Unsupported {
+                backend: "tcp",
+                what: "device (dma-buf) memory; use the verbs backend",
+            });
+        }
+        let key = match self.keys.get(&region.id()) {
+            Some(key) => *key,
+            None => {
+                let key = RemoteKey(self.next_key);
+                self.next_key = self.next_key.wrapping_add(1).max(1);
+                key
+            }
+        };
+        self.local.insert(region.id(), region.clone());
+        self.keys.insert(region.id(), key);
+        self.regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, region.clone());
+        Ok(RemoteRegion {
+            key,
+            addr: region.addr(),
+            len: region.len(),
+            access: region.access(),
+        })
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        self.local
+            .remove(&region)
+            .ok_or(DataError::UnknownRegion(region))?;
+        if let Some(key) = self.keys.remove(&region) {
+            self.regions
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+        }
+        Ok(())
+    }
+
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        let peer = PeerId(self.next_peer);
+        self.next_peer += 1;
+        self.peers.insert(
+            peer,
+            PeerSlot {
+                conn: None,
+                regions: HashMap::new(),
+            },
+        );
+        Ok((peer, self.endpoint.to_endpoint()))
+    }
+
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        if !self.peers.contains_key(&peer) {
+            return Err(DataError::UnknownPeer(peer));
+        }
+        let ep = TcpEndpoint::from_endpoint(remote)?;
+        let cfg = ConnectConfig {
+            streams: self.config.streams,
+            timeout: self.config.connect_timeout,
+            socket_buffer: self.config.socket_buffer,
+        };
+        let conn = PeerConn::connect(peer, ep.addr, &ep.token, &cfg, self.shared.clone())?;
+        let slot = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(DataError::UnknownPeer(peer))?;
+        if let Some(old) = slot.conn.replace(conn) {
+            old.fail("peer reconnected", None);
+        }
+        slot.regions = regions.iter().map(|r| (r.key, *r)).collect();
+        Ok(())
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        if let Some(slot) = self.peers.remove(&peer) {
+            if let Some(conn) = slot.conn {
+                conn.fail("peer removed", None);
+            }
+        }
+    }
+
+    fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
+        if !self.peers.contains_key(&t.peer) {
+            return Err(SubmitError::Rejected(DataError::UnknownPeer(t.peer)));
+        }
+        if let Err(e) = t.check_lengths() {
+            return Err(SubmitError::Rejected(e));
+        }
+        if let Some(n) = &t.notify {
+            if n.len() as u64 > MAX_NOTIFY {
+                return Err(SubmitError::Rejected(DataError::NotificationTooLarge {
+                    len: n.len(),
+                    max: MAX_NOTIFY as usize,
+                }));
+            }
+        }
+        if self.in_flight.contains_key(&t.id) {
+            return Err(SubmitError::Rejected(DataError::DuplicateTransfer(t.id)));
+        }
+        let in_flight = self.in_flight();
+        if in_flight >= self.config.queue_depth {
+            return Err(SubmitError::QueueFull {
+                transfer: Box::new(t),
+                in_flight,
+            });
+        }
+        let conn = match self.validate(&t) {
+            Ok(conn) => conn,
+            Err(e) => {
+                self.fail_now(&t, e);
+                return Ok(());
+            }
+        };
+        let x = Arc::new(XferState::new(t.id, t.peer, t.deadline, t.notify.clone()));
+        if let Err(e) = conn.start(&x) {
+            self.fail_now(&t, e);
+            return Ok(());
+        }
+        self.in_flight.insert(t.id, x.clone());
+        self.next_deadline = Some(self.next_deadline.map_or(t.deadline, |d| d.min(t.deadline)));
+        let chunk = self.config.chunk_bytes.clamp(1, MAX_CHUNK);
+        let kind = match t.op {
+            Op::Read => RequestKind::Read,
+            Op::Write => RequestKind::Write,
+        };
+        // `validate` resolved every segment, so `segments` succeeds.
+        for seg in t.segments().into_iter().flatten() {
+            let Some(region) = self.local.get(&seg.region) else {
+                continue;
+            };
+            let mut done = 0;
+            while done < seg.len {
+                let len = chunk.min(seg.len - done);
+                conn.send_chunk(Job {
+                    kind,
+                    key: seg.key,
+                    remote_offset: seg.remote_offset + done,
+                    len,
+                    local: Some(region.clone()),
+                    local_offset: seg.local_offset + done,
+                    xfer: x.clone(),
+                });
+                done += len;
+            }
+        }
+        conn.release(&x, false);
+        Ok(())
+    }
+
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        let before = completions.len();
+        completions.append(&mut self.ready);
+        std::mem::swap(&mut self.drained, &mut lock(&self.shared.completions));
+        for c in self.drained.drain(..) {
+            self.in_flight.remove(&c.id);
+            completions.push(c);
+        }
+        self.expire(Instant::now(), completions);
+        completions.len() - before
+    }
+
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        let mut q = lock(&self.shared.notifications);
+        let n = q.len();
+        out.extend(q.drain(..).map(|payload| Notification { payload }));
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.len() + self.ready.len()
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        *lock(&self.shared.waker) = Some(waker);
+    }
+}
+
+impl Drop for TcpBackend {
+    fn drop(&mut self) {
+        for slot in self.peers.values() {
+            if let Some(conn) = &slot.conn {
+                conn.fail("backend dropped", None);
+            }
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! [`Peer`]: a connected remote agent, and the transfers to it.
+
+use crate::agent::{lock, Inner, KvAdvert, NotifyFrame};
+use crate::error::{Error, ErrorKind};
+use kvlane_control::ConnectionId;
+use kvlane_data::{plan, Descriptor, Op, PeerId, RemoteDescriptor, Transfer};
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// What the agent knows of one connection.
+pub(crate) struct PeerEntry {
+    pub(crate) engine_id: String,
+    pub(crate) incarnation: u64,
+    /// Data-plane peer of the current incarnation; `None` while dead.
+    pub(crate) data_peer: Option<PeerId>,
+    pub(crate) kv: Vec<KvAdvert>,
+}
+
+impl PeerEntry {
+    pub(crate) fn new() -> Self {
+        Self {
+            engine_id: String::new(),
+            incarnation: 0,
+            data_peer: None,
+            kv: Vec::new(),
+        }
+    }
+}
+
+/// A block transfer planned against one incarnation of a peer, ready to
+/// [`post`](Peer::post). Posting it after the peer restarted fails with
+/// [`ErrorKind::Stale`]: it never writes through the old keys.
+#[derive(Debug)]
+pub struct PreparedTransfer {
+    conn: ConnectionId,
+    incarnation: u64,
+    data_peer: PeerId,
+    transfer: Transfer,
+    notify_after_read: Option<Vec<u8>>,
+}
+
+impl PreparedTransfer {
+    /// Number of descriptors after merging contiguous runs.
+    pub fn descriptors(&self) -> usize {
+        self.transfer.local.len()
+    }
+
+    /// Payload bytes.
+    pub fn bytes(&self) -> u64 {
+        self.transfer.total_len()
+    }
+
+    /// The peer incarnation it was planned against.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+}
+
+/// A connected remote agent. Cheap to clone; follows the peer across
+/// restarts (new transfers use the new incarnation's keys).
+#[derive(Clone)]
+pub struct Peer {
+    inner: Arc<Inner>,
+    conn: ConnectionId,
+    addr: String,
+}
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer")
+            .field("conn", &self.conn)
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+/// Default deadline of block transfers.
+pub const DEFAULT_TRANSFER_DEADLINE: Duration = Duration::from_secs(30);
+
+impl Peer {
+    pub(crate) fn new(inner: Arc<Inner>, conn: ConnectionId, addr: String) -> Self {
+        Self { inner, conn, addr }
+    }
+
+    /// The control connection id.
+    pub fn id(&self) -> ConnectionId {
+        self.conn
+    }
+
+    /// The address dialed.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The peer's engine id (empty until the first handshake completed).
+    pub fn engine_id(&self) -> String {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .map(|e| e.engine_id.clone())
+            .unwrap_or_default()
+    }
+
+    /// The peer's current incarnation.
+    pub fn incarnation(&self) -> Option<u64> {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .map(|e| e.incarnation)
+    }
+
+    /// Plans a transfer of `layers` of the blocks `local_ids[i]` ↔
+    /// `remote_ids[i]` against the peer's current incarnation.
+    pub fn prepare(
+        &self,
+        op: Op,
+        layers: Range<u32>,
+        local_ids: &[u32],
+        remote_ids: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<PreparedTransfer, Error> {
+        let local = self.inner.kv.first().ok_or_else(|| {
+            Error::msg(ErrorKind::InvalidInput, "this agent registered no KV cache")
+        })?;
+        let peers = lock(&self.inner.peers);
+        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
+        let data_peer = entry
+            .data_peer
+            .ok_or_else(|| self.lost("dead or restarting"))?;
+        let remote = entry.kv.first().ok_or_else(|| {
+            Error::msg(
+                ErrorKind::InvalidInput,
+                format!(
+                    "peer {} at {} advertised no KV cache",
+                    entry.engine_id, self.addr
+                ),
+            )
+        })?;
+        let copies = plan(&local.layout, local_ids, &remote.layout, remote_ids, layers)?;
+        let (l, r) = copies
+            .iter()
+            .map(|c| {
+                (
+                    Descriptor {
+                        region: local.region.id(),
+                        offset: c.local,
+                        len: c.len,
+                    },
+                    RemoteDescriptor {
+                        key: remote.region.key,
+                        offset: c.remote,
+                        len: c.len,
+                    },
+                )
+            })
+            .unzip();
+        let mut transfer = Transfer::new(data_peer, op, l, r)
+            .with_deadline(Instant::now() + DEFAULT_TRANSFER_DEADLINE);
+        let frame = notify.map(|p| {
+            rmp_serde::to_vec_named(&NotifyFrame {
+                from: self.inner.engine_id.clone(),
+                payload: p.to_vec(),
+            })
+            .unwrap_or_default()
+        });
+        let mut notify_after_read = None;
+        match (op, frame) {
+            (Op::Write, Some(f)) => transfer = transfer.with_notify(f),
+            (Op::Read, Some(f)) => notify_after_read = Some(f),
+            (_, None) => {}
+        }
+        Ok(PreparedTransfer {
+            conn: self.conn,
+            incarnation: entry.incarnation,
+            data_peer,
+            transfer,
+            notify_after_read,
+        })
+    }
+
+    /// Posts a prepared transfer. Fails with [`ErrorKind::Stale`] when the
+    /// peer restarted since it was prepared.
+    pub fn post(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
+        {
+            let peers = lock(&self.inner.peers);
+            let entry = peers
+                .get(&prepared.conn)
+                .ok_or_else(|| self.lost("closed"))?;
+            if entry.incarnation != prepared.incarnation
+                || entry.data_peer != Some(prepared.data_peer)
+            {
+                return Err(Error::msg(
+                    ErrorKind::Stale,
+                    format!(
+                        "transfer was prepared for incarnation {:#x} of {} at {}, which is now \
+                         {:#x}{}; prepare it again",
+                        prepared.incarnation,
+                        entry.engine_id,
+                        self.addr,
+                        entry.incarnation,
+                        if entry.data_peer.is_none() {
+                            " (not ready)"
+                        } else {
+                            ""
+                        }
+                    ),
+                ));
+            }
+        }
+        let data = self.inner.transport.submit_wait(prepared.transfer)?;
+        let Some(frame) = prepared.notify_after_read else {
+            return Ok(TransferHandle {
+                inner: HandleInner::Data(data),
+            });
+        };
+        // READ notifications go through the control plane, after the data.
+        let (tx, rx) = oneshot::channel();
+        let inner = self.inner.clone();
+        let conn = self.conn;
+        tokio::spawn(async move {
+            let r = match data.await {
+                Ok(()) => inner
+                    .control
+                    .notify(conn, 0, frame)
+                    .await
+                    .map_err(Error::from),
+                Err(e) => Err(Error::from(e)),
+            };
+            let _ = tx.send(r);
+        });
+        Ok(TransferHandle {
+            inner: HandleInner::Task(rx),
+        })
+    }
+
+    /// Prepares and posts a WRITE of local blocks into remote blocks; the
+    /// notification (if any) reaches the peer after every byte landed.
+    pub fn write_blocks(
+        &self,
+        layers: Range<u32>,
+        local_ids: &[u32],
+        remote_ids: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<TransferHandle, Error> {
+        self.post(self.prepare(Op::Write, layers, local_ids, remote_ids, notify)?)
+    }
+
+    /// Prepares and posts a READ of remote blocks into local blocks; the
+    /// notification (if any) is sent to the peer once the data is here.
+    pub fn read_blocks(
+        &self,
+        layers: Range<u32>,
+        local_ids: &[u32],
+        remote_ids: &[u32],
+        notify: Option<&[u8]>,
+    ) -> Result<TransferHandle, Error> {
+        self.post(self.prepare(Op::Read, layers, local_ids, remote_ids, notify)?)
+    }
+
+    /// Sends a notification through the control plane.
+    pub async fn notify(&self, payload: &[u8]) -> Result<(), Error> {
+        let frame = rmp_serde::to_vec_named(&NotifyFrame {
+            from: self.inner.engine_id.clone(),
+            payload: payload.to_vec(),
+        })
+        .map_err(|e| Error::msg(ErrorKind::InvalidInput, format!("encode notification: {e}")))?;
+        Ok(self.inner.control.notify(self.conn, 0, frame).await?)
+    }
+
+    /// One control-plane round trip.
+    pub async fn ping(&self) -> Result<Duration, Error> {
+        Ok(self.inner.control.ping(self.conn).await?)
+    }
+
+    /// Closes this connection (`bye`); in-flight transfers fail with
+    /// `PeerLost`. Idempotent.
+    pub async fn disconnect(&self) -> Result<(), Error> {
+        self.inner.detach(self.conn, "disconnected");
+        Ok(self.inner.control.disconnect(self.conn).await?)
+    }
+
+    fn lost(&self, what: &str) -> Error {
+        Error::msg(
+            ErrorKind::PeerLost,
+            format!("peer {} ({}) is {what}", self.addr, self.conn),
+        )
+    }
+}
+
+enum HandleInner {
+    Data(kvlane_data::TransferHandle),
+    Task(oneshot::Receiver<Result<(), Error>>),
+}
+
+/// The pending result of a block transfer: `.await` it or
+/// [`wait`](Self::wait) for it. Every transfer ends by its deadline.
+#[must_use = "a transfer's result reports whether its bytes landed"]
+pub struct TransferHandle {
+    inner: HandleInner,
+}
+
+impl std::fmt::Debug for TransferHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TransferHandle")
+    }
+}
+
+impl TransferHandle {
+    /// Blocks the thread until the transfer ends (not from async code).
+    pub fn wait(self) -> Result<(), Error> {
+        match self.inner {
+            HandleInner::Data(h) => Ok(h.wait()?),
+            HandleInner::Task(rx) => rx
+                .blocking_recv()
+                .unwrap_or_else(|_| Err(Error::msg(ErrorKind::Closed, "agent closed"))),
+        }
+    }
+}
+
+impl Future for TransferHandle {
+    type Output = Result<(), Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.inner {
+            HandleInner::Data(h) => Pin::new(h).poll(cx).map(|r| r.map_err(Error::from)),
+            HandleInner::Task(rx) => Pin::new(rx)
+                .poll(cx)
+                .map(|r| r.unwrap_or_else(|_| Err(Error::msg(ErrorKind::Closed, "agent closed")))),
+        }
+    }
+}

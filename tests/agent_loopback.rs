@@ -1,0 +1,170 @@
+//! Two agents in one process over the loopback backend and real ZMQ.
+
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
+use kvlane::{Agent, BackendChoice, ErrorKind, PeerEventKind};
+use std::time::Duration;
+
+fn layout() -> KvLayout {
+    KvLayout::new(4, 32, 1024, KvParts::Separate, LayoutOrder::LayerMajor).unwrap()
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+async fn agent(name: &str, listen: &str, seed: u8) -> (Agent, Region) {
+    let len = layout().required_len().unwrap() as usize;
+    let region = Region::from_vec(pattern(seed, len), Access::ALL).unwrap();
+    let a = Agent::builder()
+        .engine_id(name)
+        .listen(listen)
+        .backend(BackendChoice::Loopback)
+        .register_kv(layout(), region.clone())
+        .build()
+        .await
+        .unwrap();
+    (a, region)
+}
+
+fn block_bytes(r: &Region, l: &KvLayout, layer: u32, part: u64, block: u32) -> Vec<u8> {
+    let mut out = vec![0u8; l.block_bytes as usize];
+    r.read(l.offset(layer, part, block).unwrap(), &mut out)
+        .unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_with_notification_then_read_back() {
+    let (prefill, pre_kv) = agent("prefill", "127.0.0.1:0", 1).await;
+    let (decode, dec_kv) = agent("decode", "127.0.0.1:0", 2).await;
+    let mut notes = decode.notifications().unwrap();
+    let peer = prefill.connect(decode.local_addr()).await.unwrap();
+    assert_eq!(peer.engine_id(), "decode");
+
+    let (src, dst) = ([3u32, 4, 5, 20], [10u32, 11, 12, 0]);
+    peer.write_blocks(1..3, &src, &dst, Some(b"req-7"))
+        .unwrap()
+        .await
+        .unwrap();
+    let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (note.from.as_str(), &note.payload[..]),
+        ("prefill", &b"req-7"[..])
+    );
+    let l = layout();
+    for (&s, &d) in src.iter().zip(&dst) {
+        for layer in 0..4 {
+            for part in 0..2 {
+                let moved = (1..3).contains(&layer);
+                let want = if moved {
+                    block_bytes(&pre_kv, &l, layer, part, s)
+                } else {
+                    pattern(2, dec_kv.len() as usize)[l.offset(layer, part, d).unwrap() as usize..]
+                        [..1024]
+                        .to_vec()
+                };
+                assert_eq!(
+                    block_bytes(&dec_kv, &l, layer, part, d),
+                    want,
+                    "layer {layer} part {part} block {d}"
+                );
+            }
+        }
+    }
+
+    // READ decode's blocks back into other prefill blocks; the READ
+    // notification travels over the control plane.
+    let h = peer
+        .read_blocks(0..4, &[30, 31], &[10, 11], Some(b"read-done"))
+        .unwrap();
+    tokio::task::spawn_blocking(move || h.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    for (&local, &remote) in [30u32, 31].iter().zip(&[10u32, 11]) {
+        for layer in 0..4 {
+            assert_eq!(
+                block_bytes(&pre_kv, &l, layer, 0, local),
+                block_bytes(&dec_kv, &l, layer, 0, remote)
+            );
+        }
+    }
+    let note = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&note.payload[..], b"read-done");
+
+    // Bad input is a typed error naming what is wrong.
+    let e = peer.write_blocks(0..4, &[1, 2], &[1], None).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let e = peer.write_blocks(0..4, &[99], &[1], None).unwrap_err();
+    assert!(e.to_string().contains("block id 99"), "{e}");
+    prefill.close().await;
+    prefill.close().await; // idempotent
+    decode.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_peer_makes_prepared_transfers_stale() {
+    let (prefill, _pre_kv) = agent("prefill", "127.0.0.1:0", 1).await;
+    let (decode, _) = agent("decode", "127.0.0.1:0", 2).await;
+    let addr = decode.local_addr().to_owned();
+    let mut events = prefill.events();
+    let peer = prefill.connect(&addr).await.unwrap();
+    let old_incarnation = peer.incarnation().unwrap();
+    let prepared = peer
+        .prepare(kvlane::data::Op::Write, 0..4, &[1], &[1], None)
+        .unwrap();
+
+    // Decode restarts on the same address: new process start, new keys.
+    decode.close().await;
+    drop(decode);
+    let (decode2, dec2_kv) = agent("decode", &addr, 9).await;
+    let restarted = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let ev = events.recv().await.unwrap();
+            if let PeerEventKind::Restarted { old, new } = ev.kind {
+                break (old, new);
+            }
+        }
+    })
+    .await
+    .expect("no Restarted event");
+    assert_eq!(restarted.0, old_incarnation);
+    assert_eq!(restarted.1, decode2.incarnation());
+    // Wait until the data plane is attached to the new incarnation.
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while peer.incarnation() != Some(decode2.incarnation())
+            || peer
+                .prepare(kvlane::data::Op::Write, 0..1, &[0], &[0], None)
+                .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("peer never re-attached");
+
+    let before = dec2_kv.to_vec().unwrap();
+    let e = peer.post(prepared).unwrap_err();
+    assert!(e.is_stale() && e.is_peer_lost(), "{e}");
+    assert_eq!(
+        dec2_kv.to_vec().unwrap(),
+        before,
+        "a stale transfer touched memory"
+    );
+    // New transfers use the new incarnation.
+    peer.write_blocks(0..4, &[1], &[1], None)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_ne!(dec2_kv.to_vec().unwrap(), before);
+    prefill.close().await;
+    decode2.close().await;
+}
