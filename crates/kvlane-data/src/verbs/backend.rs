@@ -457,15 +457,15 @@ impl Backend for VerbsBackend {
                 return Ok(());
             }
         };
-        // Room check: everything must fit now, unless the peer is idle (then a
-        // transfer bigger than the queues is accepted and posted piecewise).
+        // Room check: everything must fit the send queues (with what the
+        // backlog already claims), unless the peer is idle: then a transfer
+        // bigger than the queues is accepted and posted piecewise.
         let p = self
             .peers
             .get(&peer)
             .ok_or(SubmitError::Rejected(DataError::UnknownPeer(peer)))?;
-        let fits = p.backlog.is_empty() && p.fits(&plan, transfer.op);
         let notify_room = transfer.notify.is_none() || p.notify_inflight < p.notify_slots();
-        if !notify_room || !(fits || p.idle()) {
+        if !notify_room || !(p.fits(plan.len(), transfer.op) || p.idle()) {
             let in_flight = self.inflight.len();
             return Err(SubmitError::QueueFull {
                 transfer: Box::new(transfer),
@@ -478,13 +478,16 @@ impl Backend for VerbsBackend {
             NotifyState::None
         };
         let deadline = transfer.deadline;
+        let wrs = plan.len() as u64;
         self.inflight
             .insert(id, Inflight::new(transfer, plan, keep, notify));
         self.earliest_deadline = Some(self.earliest_deadline.map_or(deadline, |d| d.min(deadline)));
         if let Some(p) = self.peers.get_mut(&peer) {
             p.backlog.push_back(id);
+            p.backlog_wrs += wrs;
         }
-        self.pump(peer);
+        // Posting happens in `poll`: everything submitted in between goes
+        // out as one chain (one doorbell) per queue pair.
         self.try_finish(id);
         Ok(())
     }

@@ -155,6 +155,8 @@ pub(crate) struct Peer {
     notify_next: u32,
     recv_next: u32,
     pub(crate) backlog: VecDeque<TransferId>,
+    /// Work requests of backlog transfers not posted yet.
+    pub(crate) backlog_wrs: u64,
     notify_queue: VecDeque<TransferId>,
     pub(crate) cq_share: u32,
     pub(crate) mailbox: Local,
@@ -178,6 +180,7 @@ impl Peer {
             notify_next: 0,
             recv_next: 0,
             backlog: VecDeque::new(),
+            backlog_wrs: 0,
             notify_queue: VecDeque::new(),
             cq_share,
             mailbox,
@@ -203,15 +206,23 @@ impl Peer {
             && self.qps.iter().all(|q| q.broken || q.sq_used == 0)
     }
 
-    /// Whether `plan` fits the send queues right now.
-    pub(crate) fn fits(&self, plan: &[PlannedWr], op: Op) -> bool {
-        let mut need = vec![0u32; self.qps.len()];
-        for w in plan {
-            need[w.qp] += 1;
-        }
-        self.qps.iter().zip(&need).all(|(q, &n)| {
-            n == 0 || (!q.broken && n <= q.sq_free() && (op == Op::Write || n <= q.rd_free()))
-        })
+    /// Whether `need` more work requests fit the send queues, counting what
+    /// the backlog already claims (summed over healthy QPs: a slight
+    /// over-acceptance only leaves work in the backlog a little longer).
+    pub(crate) fn fits(&self, need: usize, op: Op) -> bool {
+        let free: u64 = self
+            .qps
+            .iter()
+            .filter(|q| !q.broken)
+            .map(|q| {
+                u64::from(if op == Op::Read {
+                    q.sq_free().min(q.rd_free())
+                } else {
+                    q.sq_free()
+                })
+            })
+            .sum();
+        self.backlog_wrs + need as u64 <= free
     }
 
     /// Posts `n` notification receives on QP 0.
@@ -355,13 +366,18 @@ impl VerbsBackend {
     }
 
     /// Posts what fits: pending notifications first, then the backlog in
-    /// order. One chain (one doorbell) per QP per transfer.
+    /// order. Everything posted in one call goes out as one chain per QP: one
+    /// `ibv_post_send`, one doorbell.
     pub(crate) fn pump(&mut self, peer: PeerId) {
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
-        let mut broke: Vec<usize> = Vec::new();
-        // Notifications.
+        if p.qps.is_empty() {
+            return;
+        }
+        let mut chains: Vec<Vec<SendWr>> = vec![Vec::new(); p.qps.len()];
+        let mut reads_in_chain = vec![0u32; p.qps.len()];
+        // Notifications (QP 0).
         while let Some(&id) = p.notify_queue.front() {
             let Some(t) = self.inflight.get_mut(&id) else {
                 p.notify_queue.pop_front();
@@ -375,7 +391,7 @@ impl VerbsBackend {
             };
             let slots = p.notify_slots();
             let q0 = &p.qps[0];
-            if q0.broken || q0.sq_free() == 0 || p.notify_inflight >= slots {
+            if q0.broken || chains[0].len() as u32 >= q0.sq_free() || p.notify_inflight >= slots {
                 break;
             }
             // The remote slot follows the receiver's slot count (its receive
@@ -389,7 +405,7 @@ impl VerbsBackend {
             }
             let q = &mut p.qps[0];
             let seq = q.seq;
-            let wr = SendWr {
+            chains[0].push(SendWr {
                 wr_id: q.wr_id(seq),
                 op: WrOp::Write(Some((slot << 16) | payload.len() as u32)),
                 local_addr: p.staging.mr.addr() + staging_off,
@@ -398,9 +414,8 @@ impl VerbsBackend {
                 remote_addr: addr + off,
                 rkey,
                 signaled: true,
-            };
+            });
             q.seq = (seq + 1) & SEQ_MASK;
-            q.sq_used += 1;
             q.batches.push_back(Batch {
                 last: seq,
                 wrs: 1,
@@ -413,12 +428,6 @@ impl VerbsBackend {
             p.notify_next = p.notify_next.wrapping_add(1);
             p.notify_inflight += 1;
             p.notify_queue.pop_front();
-            // SAFETY: the staging buffer is registered (lkey) and owned by the
-            // peer, which outlives its queue pairs (field order in `Peer`).
-            if unsafe { q.qp.post_send(&[wr]) }.is_err() {
-                broke.push(0);
-                break;
-            }
         }
         // Data.
         let signal_every = self.config.signal_every.max(1);
@@ -428,16 +437,17 @@ impl VerbsBackend {
                 continue;
             };
             if t.error.is_some() {
+                p.backlog_wrs -= (t.plan.len() - t.next) as u64;
+                t.next = t.plan.len();
                 p.backlog.pop_front();
                 continue;
             }
             let reads = t.t.op == Op::Read;
-            let mut chains: Vec<Vec<SendWr>> = vec![Vec::new(); p.qps.len()];
             let mut pending = vec![0u32; p.qps.len()];
             while let Some(w) = t.plan.get(t.next) {
                 let q = &p.qps[w.qp];
                 let n = chains[w.qp].len() as u32;
-                if q.broken || n >= q.sq_free() || (reads && n >= q.rd_free()) {
+                if q.broken || n >= q.sq_free() || (reads && reads_in_chain[w.qp] >= q.rd_free()) {
                     break;
                 }
                 let q = &mut p.qps[w.qp];
@@ -460,6 +470,9 @@ impl VerbsBackend {
                     rkey: w.rkey,
                     signaled,
                 });
+                if reads {
+                    reads_in_chain[w.qp] += 1;
+                }
                 if signaled {
                     let n = pending[w.qp];
                     q.batches.push_back(Batch {
@@ -473,42 +486,52 @@ impl VerbsBackend {
                     pending[w.qp] = 0;
                 }
                 t.next += 1;
+                p.backlog_wrs -= 1;
             }
-            for (qi, chain) in chains.iter_mut().enumerate() {
-                let Some(last) = chain.last_mut() else {
+            // Close this transfer's batches: its last request on each QP is signaled.
+            for (qi, &n) in pending.iter().enumerate() {
+                if n == 0 {
+                    continue;
+                }
+                let Some(last) = chains[qi].last_mut() else {
                     continue;
                 };
-                let q = &mut p.qps[qi];
-                if !last.signaled {
-                    // Close the batch: the chain ends in a signaled request.
-                    last.signaled = true;
-                    let n = pending[qi];
-                    q.batches.push_back(Batch {
-                        last: (last.wr_id as u32) & SEQ_MASK,
-                        wrs: n,
-                        reads: if reads { n } else { 0 },
-                        transfer: id,
-                        notify: false,
-                    });
-                    t.batches += 1;
-                }
-                q.sq_used += chain.len() as u32;
-                q.posted += chain.len() as u64;
-                if reads {
-                    q.rd_used += chain.len() as u32;
-                }
-                // SAFETY: every local range was checked against a live
-                // registration in `plan`, and the transfer keeps clones of
-                // those regions and registrations until it completes, which
-                // is after all of its batches completed or were flushed.
-                if unsafe { q.qp.post_send(chain) }.is_err() {
-                    broke.push(qi);
-                }
+                last.signaled = true;
+                p.qps[qi].batches.push_back(Batch {
+                    last: (last.wr_id as u32) & SEQ_MASK,
+                    wrs: n,
+                    reads: if reads { n } else { 0 },
+                    transfer: id,
+                    notify: false,
+                });
+                t.batches += 1;
             }
             if t.next < t.plan.len() {
                 break; // queues full: continue on a later poll
             }
             p.backlog.pop_front();
+        }
+        let mut broke = Vec::new();
+        for (qi, chain) in chains.iter().enumerate() {
+            if chain.is_empty() {
+                continue;
+            }
+            let q = &mut p.qps[qi];
+            q.sq_used += chain.len() as u32;
+            q.rd_used += reads_in_chain[qi];
+            q.posted += chain
+                .iter()
+                .filter(|w| !matches!(w.op, WrOp::Write(Some(_))))
+                .count() as u64;
+            // SAFETY: every local range was checked against a live registration
+            // in `plan` (or is the peer's staging buffer), and the transfer keeps
+            // clones of those regions and registrations until it completes,
+            // which is after all of its batches completed or were flushed; the
+            // staging buffer lives in the peer, which drops its QPs first.
+            if let Err(e) = unsafe { q.qp.post_send(chain) } {
+                tracing::error!(%peer, error = %e, "posting a work-request chain failed");
+                broke.push(qi);
+            }
         }
         for qi in broke {
             self.break_qp(peer, qi, None, 0, 0);
@@ -691,7 +714,11 @@ impl VerbsBackend {
         let peer = t.t.peer;
         match self.plan(&t.t) {
             Ok((plan, _)) => {
-                let t = self.inflight.get_mut(&id).expect("checked above");
+                let Some(t) = self.inflight.get_mut(&id) else {
+                    return;
+                };
+                let unposted = (t.plan.len() - t.next) as u64;
+                let new_len = plan.len() as u64;
                 t.plan = plan;
                 t.next = 0;
                 t.notify = match t.notify {
@@ -700,9 +727,12 @@ impl VerbsBackend {
                 };
                 if let Some(p) = self.peers.get_mut(&peer) {
                     p.notify_queue.retain(|x| *x != id);
-                    if !p.backlog.contains(&id) {
+                    if p.backlog.contains(&id) {
+                        p.backlog_wrs -= unposted;
+                    } else {
                         p.backlog.push_front(id);
                     }
+                    p.backlog_wrs += new_len;
                 }
             }
             Err(e) => {
@@ -740,6 +770,12 @@ impl VerbsBackend {
         let Some(t) = self.inflight.remove(&id) else {
             return;
         };
+        if t.next < t.plan.len() {
+            // Failed with work never posted: release the backlog's claim.
+            if let Some(p) = self.peers.get_mut(&t.t.peer) {
+                p.backlog_wrs -= (t.plan.len() - t.next) as u64;
+            }
+        }
         let result = t.error.map_or(Ok(()), Err);
         self.done.push(Completion {
             id,
