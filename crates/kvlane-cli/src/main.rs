@@ -86,9 +86,20 @@ fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
                 backend: "tcp".into(),
                 source,
             }),
+        #[cfg(feature = "verbs")]
+        BackendKind::Verbs => {
+            // Device: KVLANE_IB_DEVICE, else the first ACTIVE port.
+            kvlane_data::verbs::VerbsBackend::new(kvlane_data::verbs::VerbsConfig::default())
+                .map(|b| Box::new(b) as Box<dyn Backend>)
+                .map_err(|e| BenchError::Data {
+                    backend: "verbs".into(),
+                    source: e.into(),
+                })
+        }
+        #[cfg(not(feature = "verbs"))]
         other => Err(BenchError::Failed {
             backend: other.to_string(),
-            what: "not available in this build".into(),
+            what: "not available in this build (cargo build --features verbs)".into(),
         }),
     }
 }
