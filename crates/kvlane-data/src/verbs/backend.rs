@@ -144,7 +144,9 @@ impl VerbsBackend {
     pub fn new(config: VerbsConfig) -> Result<Self, VerbsError> {
         let ctx = Context::open(&config.device)?;
         let pd = ctx.alloc_pd()?;
-        // One CQ for every QP's sends and receives; peers reserve their share.
+        // One CQ for every QP's sends and receives; peers reserve their share
+        // (64 Ki entries: ~56 peers at the default depths, 28 on rxe whose
+        // max_cqe is 32767).
         let cq = ctx.create_cq(ctx.limits().max_cqe.min(1 << 16))?;
         let max_msg = u64::from(ctx.port().max_msg_size.max(4096));
         let chunk = config.stripe_chunk.clamp(4096, max_msg);

@@ -1,5 +1,6 @@
-//! The posting engine of [`VerbsBackend`]: planning, work-request chains,
-//! completion handling, queue-pair failure and deadlines.
+//! The posting engine of [`VerbsBackend`]: work-request chains and
+//! completion handling (planning is in `plan.rs`, queue-pair failure and
+//! deadlines in `failure.rs`).
 //!
 //! Accounting. Work request ids are `token << 32 | seq`: `token` names the
 //! queue pair (never reused, so completions of a destroyed or failed QP are
@@ -24,15 +25,14 @@
 //! after copying slot `k % slots` out, so a slot is never overwritten early
 //! (the sender waits on RNR meanwhile).
 
-use std::collections::{HashSet, VecDeque};
-use std::time::Instant;
+use std::collections::VecDeque;
 
-use super::backend::{Local, Planned, VerbsBackend, SLOT_SIZE};
+use super::backend::{Local, VerbsBackend, SLOT_SIZE};
 use super::qp::{ConnectedQp, PreparedQp, SendWr, WrOp};
 use super::VerbsError;
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
-use crate::memory::{Access, RemoteRegion};
+use crate::memory::RemoteRegion;
 use crate::transfer::{Completion, Notification, Op, Transfer};
 
 const RECV_BIT: u32 = 1 << 31;
@@ -64,11 +64,11 @@ pub(crate) enum NotifyState {
 /// A submitted transfer.
 pub(crate) struct Inflight {
     pub(crate) t: Transfer,
-    plan: Vec<PlannedWr>,
-    next: usize,
-    batches: u32,
-    notify: NotifyState,
-    error: Option<DataError>,
+    pub(super) plan: Vec<PlannedWr>,
+    pub(super) next: usize,
+    pub(super) batches: u32,
+    pub(super) notify: NotifyState,
+    pub(super) error: Option<DataError>,
     _keep: Vec<Local>,
 }
 
@@ -92,24 +92,24 @@ impl Inflight {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Batch {
-    last: u32,
-    wrs: u32,
-    reads: u32,
-    transfer: TransferId,
-    notify: bool,
+pub(super) struct Batch {
+    pub(super) last: u32,
+    pub(super) wrs: u32,
+    pub(super) reads: u32,
+    pub(super) transfer: TransferId,
+    pub(super) notify: bool,
 }
 
 /// A connected queue pair and its send-queue accounting.
 pub(crate) struct QpState {
-    qp: ConnectedQp,
+    pub(super) qp: ConnectedQp,
     pub(crate) token: u32,
     pub(crate) broken: bool,
-    seq: u32,
+    pub(super) seq: u32,
     pub(crate) posted: u64,
-    sq_used: u32,
-    rd_used: u32,
-    batches: VecDeque<Batch>,
+    pub(super) sq_used: u32,
+    pub(super) rd_used: u32,
+    pub(super) batches: VecDeque<Batch>,
 }
 
 impl QpState {
@@ -126,11 +126,11 @@ impl QpState {
         }
     }
 
-    fn sq_free(&self) -> u32 {
+    pub(super) fn sq_free(&self) -> u32 {
         self.qp.sq_depth().saturating_sub(self.sq_used)
     }
 
-    fn rd_free(&self) -> u32 {
+    pub(super) fn rd_free(&self) -> u32 {
         u32::from(self.qp.max_rd_atomic()).saturating_sub(self.rd_used)
     }
 
@@ -157,7 +157,7 @@ pub(crate) struct Peer {
     pub(crate) backlog: VecDeque<TransferId>,
     /// Work requests of backlog transfers not posted yet.
     pub(crate) backlog_wrs: u64,
-    notify_queue: VecDeque<TransferId>,
+    pub(super) notify_queue: VecDeque<TransferId>,
     pub(crate) cq_share: u32,
     pub(crate) mailbox: Local,
     staging: Local,
@@ -239,132 +239,12 @@ impl Peer {
     }
 }
 
-fn check_remote(
-    peer: PeerId,
-    r: &RemoteRegion,
-    op: Op,
-    offset: u64,
-    len: u64,
-) -> Result<(), DataError> {
-    let needed = match op {
-        Op::Read => Access::REMOTE_READ,
-        Op::Write => Access::REMOTE_WRITE,
-    };
-    if !r.access.contains(needed) {
-        return Err(DataError::AccessDenied {
-            op,
-            target: format!("remote {} at {peer}", r.key),
-            needed,
-            granted: r.access,
-        });
-    }
-    match offset.checked_add(len) {
-        Some(end) if end <= r.len => Ok(()),
-        _ => Err(DataError::RemoteOutOfBounds {
-            peer,
-            key: r.key,
-            offset,
-            len,
-            region_len: r.len,
-        }),
-    }
-}
-
-/// Human name of an `enum ibv_wc_status`.
-fn wc_status(status: u32) -> &'static str {
-    match status {
-        0 => "success",
-        1 => "local length error",
-        2 => "local queue pair operation error",
-        4 => "local protection error",
-        5 => "flushed by a queue pair error",
-        7 => "bad response",
-        8 => "local access error",
-        9 => "remote invalid request",
-        10 => "remote access error",
-        11 => "remote operation error",
-        12 => "transport retry counter exceeded",
-        13 => "rnr retry counter exceeded",
-        15 => "remote aborted",
-        19 => "fatal error",
-        20 => "response timeout",
-        21 => "general error",
-        _ => "unknown completion error",
-    }
-}
-
 /// `a` is at or before `b` in 31-bit sequence space.
-fn seq_le(a: u32, b: u32) -> bool {
+pub(super) fn seq_le(a: u32, b: u32) -> bool {
     b.wrapping_sub(a) & SEQ_MASK < (1 << 30)
 }
 
 impl VerbsBackend {
-    /// Resolves a transfer into work requests striped over the peer's healthy
-    /// QPs, checking every span first (a refused transfer moves nothing).
-    pub(crate) fn plan(&self, t: &Transfer) -> Result<Planned, DataError> {
-        let p = self
-            .peers
-            .get(&t.peer)
-            .ok_or(DataError::UnknownPeer(t.peer))?;
-        let healthy: Vec<usize> = (0..p.qps.len()).filter(|&i| !p.qps[i].broken).collect();
-        if healthy.is_empty() {
-            return Err(DataError::PeerLost {
-                peer: t.peer,
-                reason: "every rdma queue pair to the peer failed; reconnect to rebuild them",
-                source: None,
-            });
-        }
-        if t.notify.is_some() && p.qps[0].broken {
-            return Err(DataError::PeerLost {
-                peer: t.peer,
-                reason: "the notification queue pair failed; reconnect to rebuild it",
-                source: None,
-            });
-        }
-        let mut plan = Vec::new();
-        let mut keep: Vec<Local> = Vec::new();
-        // The starting QP rotates with the transfer id.
-        let mut k = (t.id.0 % healthy.len() as u64) as usize;
-        for seg in t.segments()? {
-            let local = self
-                .regions
-                .get(&seg.region)
-                .ok_or(DataError::UnknownRegion(seg.region))?;
-            if t.op == Op::Read && !local.region.access().contains(Access::LOCAL_WRITE) {
-                return Err(DataError::AccessDenied {
-                    op: t.op,
-                    target: format!("local {}", seg.region),
-                    needed: Access::LOCAL_WRITE,
-                    granted: local.region.access(),
-                });
-            }
-            local.region.check_range(seg.local_offset, seg.len)?;
-            let remote = p.remote.get(&seg.key).ok_or(DataError::UnknownKey {
-                peer: t.peer,
-                key: seg.key,
-            })?;
-            check_remote(t.peer, remote, t.op, seg.remote_offset, seg.len)?;
-            if !keep.iter().any(|l| l.region.id() == seg.region) {
-                keep.push(local.clone());
-            }
-            let mut off = 0;
-            while off < seg.len {
-                let len = (seg.len - off).min(self.chunk);
-                plan.push(PlannedWr {
-                    qp: healthy[k % healthy.len()],
-                    local_addr: local.mr.addr() + seg.local_offset + off,
-                    len: len as u32,
-                    lkey: local.mr.lkey(),
-                    remote_addr: remote.addr + seg.remote_offset + off,
-                    rkey: remote.key.0,
-                });
-                k += 1;
-                off += len;
-            }
-        }
-        Ok((plan, keep))
-    }
-
     /// Posts what fits: pending notifications first, then the backlog in
     /// order. Everything posted in one call goes out as one chain per QP: one
     /// `ibv_post_send`, one doorbell.
@@ -627,122 +507,6 @@ impl VerbsBackend {
         }
     }
 
-    /// Moves QP `qi` of `peer` to ERROR, fails the transfer whose request
-    /// `culprit` failed and re-plans the ones that were only flushed.
-    pub(crate) fn break_qp(
-        &mut self,
-        peer: PeerId,
-        qi: usize,
-        culprit: Option<u32>,
-        status: u32,
-        vendor_err: u32,
-    ) {
-        let device = self.ctx.name().to_owned();
-        let Some(p) = self.peers.get_mut(&peer) else {
-            return;
-        };
-        let q = &mut p.qps[qi];
-        if q.broken {
-            return;
-        }
-        q.broken = true;
-        if let Err(e) = q.qp.fail() {
-            tracing::warn!(%peer, error = %e, "moving a failed queue pair to ERROR failed");
-        }
-        let qpn = q.qp.qpn();
-        self.tokens.remove(&q.token);
-        tracing::warn!(%peer, qpn, status = wc_status(status), "rdma queue pair failed");
-        let batches = std::mem::take(&mut q.batches);
-        q.sq_used = 0;
-        q.rd_used = 0;
-        let culprit_id = culprit.and_then(|s| {
-            batches
-                .iter()
-                .find(|b| seq_le(s, b.last))
-                .map(|b| b.transfer)
-        });
-        let mut affected = HashSet::new();
-        for b in &batches {
-            if b.notify {
-                p.notify_inflight = p.notify_inflight.saturating_sub(1);
-            }
-            let Some(t) = self.inflight.get_mut(&b.transfer) else {
-                continue;
-            };
-            t.batches = t.batches.saturating_sub(1);
-            if Some(b.transfer) == culprit_id {
-                t.error.get_or_insert(DataError::Rdma {
-                    peer,
-                    op: t.t.op,
-                    device: device.clone(),
-                    qpn,
-                    status: wc_status(status),
-                    vendor_err,
-                });
-            } else if b.notify {
-                // The notification may or may not have landed: never send it twice.
-                t.error.get_or_insert(DataError::PeerLost {
-                    peer,
-                    reason: "the notification queue pair failed before the notification was acknowledged",
-                    source: None,
-                });
-            }
-            affected.insert(b.transfer);
-        }
-        // Transfers still planning onto the broken QP need a new plan too.
-        for id in &p.backlog {
-            if let Some(t) = self.inflight.get(id) {
-                if t.plan[t.next..].iter().any(|w| w.qp == qi) {
-                    affected.insert(*id);
-                }
-            }
-        }
-        for id in affected {
-            self.replan(id);
-            self.try_finish(id);
-        }
-    }
-
-    /// Starts a transfer over on the healthy QPs (or fails it).
-    fn replan(&mut self, id: TransferId) {
-        let Some(t) = self.inflight.get(&id) else {
-            return;
-        };
-        if t.error.is_some() || t.notify == NotifyState::Done {
-            return;
-        }
-        let peer = t.t.peer;
-        match self.plan(&t.t) {
-            Ok((plan, _)) => {
-                let Some(t) = self.inflight.get_mut(&id) else {
-                    return;
-                };
-                let unposted = (t.plan.len() - t.next) as u64;
-                let new_len = plan.len() as u64;
-                t.plan = plan;
-                t.next = 0;
-                t.notify = match t.notify {
-                    NotifyState::None => NotifyState::None,
-                    _ => NotifyState::Pending,
-                };
-                if let Some(p) = self.peers.get_mut(&peer) {
-                    p.notify_queue.retain(|x| *x != id);
-                    if p.backlog.contains(&id) {
-                        p.backlog_wrs -= unposted;
-                    } else {
-                        p.backlog.push_front(id);
-                    }
-                    p.backlog_wrs += new_len;
-                }
-            }
-            Err(e) => {
-                if let Some(t) = self.inflight.get_mut(&id) {
-                    t.error = Some(e);
-                }
-            }
-        }
-    }
-
     /// Completes a transfer if nothing of it is on the NIC and nothing is
     /// left to do; queues its notification once its data landed.
     pub(crate) fn try_finish(&mut self, id: TransferId) {
@@ -782,46 +546,5 @@ impl VerbsBackend {
             peer: t.t.peer,
             result,
         });
-    }
-
-    /// Fails transfers past their deadline. Work already on the NIC cannot be
-    /// recalled: the QPs carrying it are failed (their other transfers are
-    /// re-planned) and the transfer completes once the flush drained.
-    fn expire(&mut self) {
-        let now = Instant::now();
-        match self.earliest_deadline {
-            Some(d) if now >= d => {}
-            _ => return,
-        }
-        let mut earliest: Option<Instant> = None;
-        let mut expired = Vec::new();
-        for (id, t) in &self.inflight {
-            if t.error.is_none() && now > t.t.deadline {
-                expired.push(*id);
-            } else if t.error.is_none() {
-                earliest = Some(earliest.map_or(t.t.deadline, |e| e.min(t.t.deadline)));
-            }
-        }
-        self.earliest_deadline = earliest;
-        for id in expired {
-            let Some(t) = self.inflight.get_mut(&id) else {
-                continue;
-            };
-            let peer = t.t.peer;
-            t.error = Some(DataError::Timeout {
-                id,
-                peer,
-                overdue: now - t.t.deadline,
-            });
-            let carrying: Vec<usize> = self.peers.get(&peer).map_or(Vec::new(), |p| {
-                (0..p.qps.len())
-                    .filter(|&i| p.qps[i].batches.iter().any(|b| b.transfer == id))
-                    .collect()
-            });
-            for qi in carrying {
-                self.break_qp(peer, qi, None, 0, 0);
-            }
-            self.try_finish(id);
-        }
     }
 }

@@ -38,6 +38,8 @@ mod backend;
 mod device;
 mod engine;
 mod error;
+mod failure;
+mod plan;
 mod qp;
 mod resources;
 

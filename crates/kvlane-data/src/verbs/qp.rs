@@ -52,6 +52,9 @@ pub struct QpOptions {
     pub min_rnr_timer: u8,
 }
 
+/// Depths are not tuned on hardware: 512 send requests keep a 100 Gb/s link
+/// busy with 64 KiB messages (≈2.7 ms of data in flight, far above a
+/// fabric RTT); 128 receives bound the notifications in flight per peer.
 impl Default for QpOptions {
     fn default() -> Self {
         Self {
