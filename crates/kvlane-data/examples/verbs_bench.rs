@@ -5,8 +5,12 @@
 //! ```text
 //! KVLANE_IB_DEVICE=rxe0 cargo run --release -p kvlane-data --features verbs \
 //!     --example verbs_bench -- [--op write|read|both] [--size 65536] [--iters 2000] \
-//!     [--depth 128] [--qps 1] [--warmup 200]
+//!     [--depth 128] [--qps 1] [--warmup 200] [--slots 1]
 //! ```
+//!
+//! `--slots 1` (the default) makes every transfer use the same 64 KiB on
+//! both sides, as perftest does for messages above half a page; more slots
+//! spread transfers over `slots * size` bytes (a cache-cold working set).
 //!
 //! Prints one `RESULT` line per op (machine-readable) after a human line.
 
@@ -26,6 +30,10 @@ struct Args {
     depth: u64,
     qps: usize,
     warmup: u64,
+    slots: u64,
+    signal_every: u32,
+    sq_depth: u32,
+    post_each: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -36,6 +44,10 @@ fn parse() -> Result<Args, String> {
         depth: 128,
         qps: 1,
         warmup: 200,
+        slots: 1,
+        signal_every: VerbsConfig::default().signal_every,
+        sq_depth: VerbsConfig::default().qp.max_send_wr,
+        post_each: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -55,9 +67,13 @@ fn parse() -> Result<Args, String> {
             "--depth" => a.depth = num(val()?)?.max(1),
             "--qps" => a.qps = num(val()?)?.max(1) as usize,
             "--warmup" => a.warmup = num(val()?)?,
+            "--slots" => a.slots = num(val()?)?.max(1),
+            "--signal-every" => a.signal_every = num(val()?)?.max(1) as u32,
+            "--sq-depth" => a.sq_depth = num(val()?)?.max(1) as u32,
+            "--post-each" => a.post_each = true,
             "-h" | "--help" => {
                 return Err("usage: verbs_bench [--op write|read|both] [--size N] \
-                     [--iters N] [--depth N] [--qps N] [--warmup N]"
+                     [--iters N] [--depth N] [--qps N] [--warmup N] [--slots N] [--signal-every N] [--sq-depth N]"
                     .into())
             }
             o => return Err(format!("unknown argument {o}")),
@@ -98,9 +114,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         init.context().gid().gid,
         init.context().port().active_mtu
     );
-    // One buffer slot per outstanding transfer on each side, like perftest's
-    // per-WR buffers.
-    let len = (args.size * args.depth) as usize;
+    let len = (args.size * args.slots) as usize;
     let local = Region::alloc(len, Access::ALL)?;
     let remote = Region::alloc(len, Access::ALL)?;
     let local_ad = init.register(&local)?;
@@ -109,7 +123,7 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
 
     for &op in &args.ops {
         let mk = |i: u64| {
-            let slot = (i % args.depth) * args.size;
+            let slot = (i % args.slots) * args.size;
             Transfer::new(
                 peer,
                 op,
@@ -126,9 +140,23 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             )
             .with_deadline(Instant::now() + Duration::from_secs(120))
         };
-        drive(&mut init, &mut target, args.warmup, args.depth, &mk)?;
+        drive(
+            &mut init,
+            &mut target,
+            args.warmup,
+            args.depth,
+            args.post_each,
+            &mk,
+        )?;
         let t0 = Instant::now();
-        drive(&mut init, &mut target, args.iters, args.depth, &mk)?;
+        drive(
+            &mut init,
+            &mut target,
+            args.iters,
+            args.depth,
+            args.post_each,
+            &mk,
+        )?;
         let secs = t0.elapsed().as_secs_f64();
         let bytes = (args.iters * args.size) as f64;
         let gbps = bytes / secs / 1e9;
@@ -159,6 +187,7 @@ fn drive(
     target: &mut VerbsBackend,
     n: u64,
     depth: u64,
+    post_each: bool,
     mk: &dyn Fn(u64) -> Transfer,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let (mut submitted, mut completed) = (0u64, 0u64);
@@ -168,7 +197,13 @@ fn drive(
         while submitted < n && submitted - completed < depth {
             let t = retry.take().unwrap_or_else(|| mk(submitted));
             match init.submit(t) {
-                Ok(()) => submitted += 1,
+                Ok(()) => {
+                    submitted += 1;
+                    if post_each {
+                        // One doorbell per transfer, like perftest's post loop.
+                        init.poll(&mut done);
+                    }
+                }
                 Err(SubmitError::QueueFull { transfer, .. }) => {
                     retry = Some(*transfer);
                     break;

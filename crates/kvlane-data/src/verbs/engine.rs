@@ -5,8 +5,10 @@
 //! Accounting. Work request ids are `token << 32 | seq`: `token` names the
 //! queue pair (never reused, so completions of a destroyed or failed QP are
 //! recognised and dropped), `seq` counts that QP's send requests (31 bits;
-//! bit 31 marks receives). Each chain a transfer posts on one QP is cut into
-//! *batches* that end in a signaled request; a batch's completion frees its
+//! bit 31 marks receives). A transfer's requests on one QP form *batches*
+//! (cut every `signal_every` requests). Only every `signal_every`-th request
+//! of a QP and the last one of each chain are signaled: RC completes in
+//! order, so one completion retires every batch up to it and frees their
 //! send-queue slots. A transfer completes when all of its work is posted,
 //! none of its batches is outstanding and its notification (if any) landed.
 //!
@@ -311,6 +313,8 @@ impl VerbsBackend {
         }
         // Data.
         let signal_every = self.config.signal_every.max(1);
+        // Unsignaled requests per QP since the last signaled one in this call.
+        let mut since = vec![0u32; p.qps.len()];
         while let Some(&id) = p.backlog.front() {
             let Some(t) = self.inflight.get_mut(&id) else {
                 p.backlog.pop_front();
@@ -339,7 +343,13 @@ impl VerbsBackend {
                 let seq = q.seq;
                 q.seq = (seq + 1) & SEQ_MASK;
                 pending[w.qp] += 1;
-                let signaled = pending[w.qp] >= interval;
+                since[w.qp] += 1;
+                // Selective signaling across transfers: RC completes in order,
+                // so one completion retires every batch up to it.
+                let signaled = since[w.qp] >= interval;
+                if signaled {
+                    since[w.qp] = 0;
+                }
                 chains[w.qp].push(SendWr {
                     wr_id: q.wr_id(seq),
                     op: if reads { WrOp::Read } else { WrOp::Write(None) },
@@ -368,15 +378,15 @@ impl VerbsBackend {
                 t.next += 1;
                 p.backlog_wrs -= 1;
             }
-            // Close this transfer's batches: its last request on each QP is signaled.
+            // Close this transfer's batches at its last request on each QP
+            // (signaled below if it ends the chain, else a later one covers it).
             for (qi, &n) in pending.iter().enumerate() {
                 if n == 0 {
                     continue;
                 }
-                let Some(last) = chains[qi].last_mut() else {
+                let Some(last) = chains[qi].last() else {
                     continue;
                 };
-                last.signaled = true;
                 p.qps[qi].batches.push_back(Batch {
                     last: (last.wr_id as u32) & SEQ_MASK,
                     wrs: n,
@@ -392,10 +402,12 @@ impl VerbsBackend {
             p.backlog.pop_front();
         }
         let mut broke = Vec::new();
-        for (qi, chain) in chains.iter().enumerate() {
-            if chain.is_empty() {
+        for (qi, chain) in chains.iter_mut().enumerate() {
+            let Some(last) = chain.last_mut() else {
                 continue;
-            }
+            };
+            // Every chain ends signaled: nothing waits for a later post.
+            last.signaled = true;
             let q = &mut p.qps[qi];
             q.sq_used += chain.len() as u32;
             q.rd_used += reads_in_chain[qi];
