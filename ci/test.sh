@@ -10,5 +10,5 @@ if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check pyzmq msgpack
 fi
 
-cargo test --workspace --all-targets --locked
+cargo test --workspace --all-targets --locked --no-fail-fast
 cargo test --workspace --doc --locked

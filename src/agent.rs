@@ -200,7 +200,7 @@ impl AgentBuilder {
     /// A pre-shared key: the handshake is authenticated and no peer learns
     /// a key or address of this agent's memory without it.
     pub fn psk(mut self, key: impl Into<Vec<u8>>) -> Self {
-        self.control.psk = Some(key.into());
+        self.control.psk = Some(kvlane_control::Psk::new(key));
         self
     }
 
@@ -281,6 +281,8 @@ impl AgentBuilder {
             notifications: Mutex::new(Some(note_rx)),
             note_tx,
             tasks: Mutex::new(Vec::new()),
+            runtime: tokio::runtime::Handle::current(),
+            attach_lock: tokio::sync::Mutex::new(()),
         });
         let mut control_events = inner.control.events();
         let weak = Arc::downgrade(&inner);
@@ -347,6 +349,11 @@ pub(crate) struct Inner {
     notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
     pub(crate) note_tx: mpsc::UnboundedSender<Notification>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The runtime the agent was built on (posts from plain threads use it).
+    pub(crate) runtime: tokio::runtime::Handle,
+    /// Serializes data-plane attachment: `connect` and the event task may
+    /// both attach the same connection.
+    attach_lock: tokio::sync::Mutex<()>,
 }
 
 impl Inner {
@@ -423,6 +430,7 @@ impl Inner {
         addr: &str,
         info: &RemoteInfo,
     ) -> Result<(), Error> {
+        let _serial = self.attach_lock.lock().await;
         if let Some(e) = lock(&self.peers).get(&id) {
             if e.incarnation == info.incarnation && e.data_peer.is_some() {
                 return Ok(());
@@ -451,7 +459,7 @@ impl Inner {
         .await
         .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane connect task: {e}")))??;
         let mut peers = lock(&self.peers);
-        let entry = peers.entry(id).or_insert_with(|| PeerEntry::new());
+        let entry = peers.entry(id).or_insert_with(PeerEntry::new);
         if let Some(old) = entry.data_peer.replace(data_peer) {
             self.transport.with_backend(|b| b.remove_peer(old));
         }

@@ -58,10 +58,12 @@
 
 mod agent;
 mod backend;
+pub mod blocking;
 mod error;
 mod peer;
 
 pub use agent::{Agent, AgentBuilder, BackendChoice, Notification, PeerEvent, PeerEventKind};
+pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};
 pub use kvlane_control as control;
 pub use kvlane_data as data;

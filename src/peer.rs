@@ -112,6 +112,14 @@ impl Peer {
             .map(|e| e.incarnation)
     }
 
+    /// The layout of the peer's first KV cache, as it advertised it.
+    pub fn remote_layout(&self) -> Option<kvlane_data::KvLayout> {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .and_then(|e| e.kv.first())
+            .map(|k| k.layout)
+    }
+
     /// Plans a transfer of `layers` of the blocks `local_ids[i]` ↔
     /// `remote_ids[i]` against the peer's current incarnation.
     pub fn prepare(
@@ -220,7 +228,7 @@ impl Peer {
         let (tx, rx) = oneshot::channel();
         let inner = self.inner.clone();
         let conn = self.conn;
-        tokio::spawn(async move {
+        self.inner.runtime.spawn(async move {
             let r = match data.await {
                 Ok(()) => inner
                     .control

@@ -168,3 +168,85 @@ async fn restarted_peer_makes_prepared_transfers_stale() {
     prefill.close().await;
     decode2.close().await;
 }
+
+/// `connect` and the agent's event task both attach the data plane of a new
+/// connection; a transfer posted right after `connect` must never see its
+/// data-plane peer replaced underneath it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_then_write_immediately_never_races_the_event_task() {
+    for round in 0..20u8 {
+        let (a, _) = agent("a", "127.0.0.1:0", round).await;
+        let (b, _) = agent("b", "127.0.0.1:0", round).await;
+        let peer = a.connect(b.local_addr()).await.unwrap();
+        peer.write_blocks(0..4, &[1, 2], &[3, 4], None)
+            .unwrap()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        a.close().await;
+        b.close().await;
+    }
+}
+
+/// Binds `n` agents on consecutive ports (`base + rank`), retrying bases
+/// until all bind.
+async fn rank_agents(n: u16) -> (u16, Vec<Agent>) {
+    'base: for attempt in 0..50u16 {
+        let base = 20_000 + (std::process::id() as u16 % 20_000) + attempt * 97;
+        let mut agents = Vec::new();
+        for rank in 0..n {
+            let len = layout().required_len().unwrap() as usize;
+            let r = Region::alloc(len, Access::ALL).unwrap();
+            match Agent::builder()
+                .engine_id("decode")
+                .ranks(0, u32::from(rank), u32::from(n))
+                .listen(format!("127.0.0.1:{}", base + rank))
+                .backend(BackendChoice::Loopback)
+                .register_kv(layout(), r)
+                .build()
+                .await
+            {
+                Ok(a) => agents.push(a),
+                Err(_) => {
+                    for a in agents {
+                        a.close().await;
+                    }
+                    continue 'base;
+                }
+            }
+        }
+        return (base, agents);
+    }
+    panic!("no free run of {n} ports");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_connect_reaches_every_rank_or_names_the_failing_one() {
+    let (base, ranks) = rank_agents(2).await;
+    let (prefill, _) = agent("prefill", "127.0.0.1:0", 1).await;
+    let peers = prefill
+        .connect_group("127.0.0.1", base, 0, 2)
+        .await
+        .unwrap();
+    assert_eq!(peers.len(), 2);
+    for p in &peers {
+        p.write_blocks(0..4, &[1], &[2], None)
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    // Rank 1 goes away: the group handshake fails and names it.
+    ranks[1].close().await;
+    let (other, _) = agent("prefill-2", "127.0.0.1:0", 1).await;
+    let e = other
+        .connect_group("127.0.0.1", base, 0, 2)
+        .await
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("tp_rank 1") && !msg.contains("tp_rank 0"),
+        "{msg}"
+    );
+    for a in ranks.iter().chain([&prefill, &other]) {
+        a.close().await;
+    }
+}

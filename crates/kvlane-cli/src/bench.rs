@@ -32,6 +32,8 @@ pub(crate) struct BenchPlan {
     pub(crate) batches: Vec<usize>,
     pub(crate) duration: Duration,
     pub(crate) baselines: bool,
+    /// Initiator threads, each with its own backend pair (in-process runs).
+    pub(crate) threads: usize,
 }
 
 /// One measured point; also the JSON schema of `--json` (one per line).
@@ -91,11 +93,13 @@ pub(crate) fn run(
             }
         }
         for &kind in &plan.backends {
-            let mut pair = Pair::new(factory, kind, block, pool)?;
+            let mut pairs = (0..plan.threads.max(1))
+                .map(|_| Pair::new(factory, kind, block, pool))
+                .collect::<Result<Vec<_>, _>>()?;
             for &op in &plan.ops {
                 for &batch in &plan.batches {
                     progress(&format!("{kind} {op} {} x{batch}", fmt_size(block)));
-                    emit(&pair.point(op, batch, plan.duration)?);
+                    emit(&point(&mut pairs, op, batch, plan.duration)?);
                 }
             }
         }
@@ -103,7 +107,7 @@ pub(crate) fn run(
     Ok(())
 }
 
-fn pool_blocks(block: u64, batch: usize) -> u64 {
+pub(crate) fn pool_blocks(block: u64, batch: usize) -> u64 {
     (POOL_CAP / block).clamp(1, batch as u64)
 }
 
@@ -156,31 +160,18 @@ impl Pair {
         })
     }
 
-    fn point(&mut self, op: Op, batch: usize, duration: Duration) -> Result<Row, BenchError> {
-        let mut lat = Vec::new();
-        let (mut prepare, mut post) = (Duration::ZERO, Duration::ZERO);
+    fn measure(&mut self, op: Op, batch: usize, duration: Duration) -> Result<Sample, BenchError> {
+        let mut s = Sample::default();
         let (mut p0, mut p1) = (Duration::ZERO, Duration::ZERO);
         self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?; // warm-up
         let start = Instant::now();
         let mut batches = 0;
         while batches < MIN_BATCHES || start.elapsed() < duration {
-            self.batch(op, batch, &mut lat, &mut prepare, &mut post)?;
+            self.batch(op, batch, &mut s.lat, &mut s.prepare, &mut s.post)?;
             batches += 1;
         }
-        let secs = start.elapsed().as_secs_f64();
-        let n = lat.len() as u64;
-        Ok(Row {
-            backend: self.kind.to_string(),
-            op: op_name(op).into(),
-            block_size: self.block,
-            batch,
-            gbps: (n * self.block) as f64 / secs / 1e9,
-            prepare_avg_us: prepare.as_secs_f64() * 1e6 / n as f64,
-            post_avg_us: post.as_secs_f64() * 1e6 / n as f64,
-            transfers: n,
-            seconds: secs,
-            ..latency(&mut lat)
-        })
+        s.secs = start.elapsed().as_secs_f64();
+        Ok(s)
     }
 
     /// Posts one batch and polls until every transfer completed.
@@ -282,7 +273,76 @@ impl Pair {
     }
 }
 
-fn op_name(op: Op) -> &'static str {
+/// Raw measurements of one point on one thread.
+#[derive(Default)]
+pub(crate) struct Sample {
+    pub(crate) lat: Vec<Duration>,
+    pub(crate) prepare: Duration,
+    pub(crate) post: Duration,
+    pub(crate) secs: f64,
+}
+
+impl Sample {
+    /// The row for samples taken concurrently (bytes add up; the wall
+    /// time is the longest thread's).
+    pub(crate) fn row(
+        mut samples: Vec<Self>,
+        backend: &str,
+        op: Op,
+        block: u64,
+        batch: usize,
+    ) -> Row {
+        let secs = samples.iter().map(|s| s.secs).fold(0.0, f64::max);
+        let mut lat: Vec<Duration> = samples.iter_mut().flat_map(|s| s.lat.drain(..)).collect();
+        let prepare: Duration = samples.iter().map(|s| s.prepare).sum();
+        let post: Duration = samples.iter().map(|s| s.post).sum();
+        let n = lat.len() as u64;
+        let per = |d: Duration| {
+            if n == 0 {
+                0.0
+            } else {
+                d.as_secs_f64() * 1e6 / n as f64
+            }
+        };
+        Row {
+            backend: backend.into(),
+            op: op_name(op).into(),
+            block_size: block,
+            batch,
+            gbps: (n * block) as f64 / secs / 1e9,
+            prepare_avg_us: per(prepare),
+            post_avg_us: per(post),
+            transfers: n,
+            seconds: secs,
+            ..latency(&mut lat)
+        }
+    }
+}
+
+/// Measures one point on every pair at once, one thread each.
+fn point(pairs: &mut [Pair], op: Op, batch: usize, duration: Duration) -> Result<Row, BenchError> {
+    let (kind, block) = (pairs[0].kind, pairs[0].block);
+    let samples = std::thread::scope(|scope| {
+        let handles: Vec<_> = pairs
+            .iter_mut()
+            .map(|p| scope.spawn(move || p.measure(op, batch, duration)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(BenchError::Failed {
+                        backend: kind.to_string(),
+                        what: "bench thread panicked".into(),
+                    })
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })?;
+    Ok(Sample::row(samples, kind.as_str(), op, block, batch))
+}
+
+pub(crate) fn op_name(op: Op) -> &'static str {
     match op {
         Op::Read => "read",
         Op::Write => "write",
@@ -290,7 +350,7 @@ fn op_name(op: Op) -> &'static str {
 }
 
 /// Average and p99 of `lat`, as the latency fields of a row.
-fn latency(lat: &mut [Duration]) -> Row {
+pub(crate) fn latency(lat: &mut [Duration]) -> Row {
     lat.sort_unstable();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let avg = if lat.is_empty() {
@@ -317,7 +377,7 @@ fn latency(lat: &mut [Duration]) -> Row {
 }
 
 /// Single-thread `memcpy` of the same blocks: the loopback ceiling.
-fn memcpy_point(block: u64, batch: usize, pool: u64, duration: Duration) -> Row {
+pub(crate) fn memcpy_point(block: u64, batch: usize, pool: u64, duration: Duration) -> Row {
     let len = (block * pool) as usize;
     let src = vec![0xa5u8; len];
     let mut dst = vec![0x5au8; len];
@@ -452,6 +512,7 @@ mod tests {
             batches: vec![4],
             duration: Duration::from_millis(5),
             baselines: true,
+            threads: 2,
         };
         let mut rows = Vec::new();
         run(&plan, &loopback, |_| {}, |r| rows.push(r.clone())).unwrap();
@@ -471,11 +532,9 @@ mod tests {
             ]
         );
         for r in &rows {
-            assert!(r.gbps > 0.0 && r.transfers >= 12, "{r:?}");
-            assert!(
-                r.lat_p99_us >= r.lat_avg_us * 0.0 && r.lat_avg_us > 0.0,
-                "{r:?}"
-            );
+            let min = if r.backend == "memcpy" { 12 } else { 24 }; // 2 threads x 3 batches x 4
+            assert!(r.gbps > 0.0 && r.transfers >= min, "{r:?}");
+            assert!(r.lat_p99_us > 0.0 && r.lat_avg_us > 0.0, "{r:?}");
         }
     }
 

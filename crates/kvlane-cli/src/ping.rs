@@ -41,9 +41,11 @@ pub(crate) async fn run(args: PingArgs) -> Result<(), PingError> {
         source,
     };
     kvlane_control::probe(&args.addr, args.timeout).await?;
-    let mut config = kvlane_control::Config::default();
-    config.handshake_timeout = args.timeout;
-    config.reconnect = false;
+    let config = kvlane_control::Config {
+        handshake_timeout: args.timeout,
+        reconnect: false,
+        ..kvlane_control::Config::default()
+    };
     let mut b = Agent::builder()
         .engine_id(format!("kvlane-ping-{}", std::process::id()))
         .backend(BackendChoice::Tcp)

@@ -105,11 +105,13 @@ async fn initiator(psk: Option<&str>) -> (Agent, Region) {
         Access::ALL,
     )
     .unwrap();
-    let mut config = Config::default();
-    config.keepalive_interval = Duration::from_millis(100);
-    config.liveness_budget = 3;
-    config.handshake_timeout = Duration::from_secs(3);
-    config.backoff_max = Duration::from_millis(200);
+    let config = Config {
+        keepalive_interval: Duration::from_millis(100),
+        liveness_budget: 3,
+        handshake_timeout: Duration::from_secs(3),
+        backoff_max: Duration::from_millis(200),
+        ..Config::default()
+    };
     let mut b = Agent::builder()
         .engine_id("prefill")
         .backend(BackendChoice::Tcp)
@@ -316,4 +318,77 @@ fn ping_measures_round_trips() {
     );
     assert_eq!(text.matches("pong from").count(), 3, "{text}");
     assert!(text.contains("engine=decode"), "{text}");
+}
+
+#[test]
+fn bench_across_two_processes_reports_every_point() {
+    let mut target = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args([
+            "bench",
+            "--role",
+            "target",
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            "4M",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("target printed nothing").unwrap();
+    let addr = first
+        .strip_prefix("listening ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["bench", "--role", "initiator", "--connect", &addr, "--json"])
+        .args([
+            "--block-sizes",
+            "4K,64K",
+            "--batch",
+            "4",
+            "--duration",
+            "50ms",
+        ])
+        .output()
+        .unwrap();
+    let _ = target.kill();
+    let _ = target.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    let points: Vec<(String, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["op"].as_str().unwrap().to_owned(),
+                r["block_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        points,
+        vec![
+            ("read".into(), 4096),
+            ("write".into(), 4096),
+            ("read".into(), 65536),
+            ("write".into(), 65536)
+        ]
+    );
+    for r in &rows {
+        assert_eq!(r["backend"], "tcp");
+        assert!(
+            r["gbps"].as_f64().unwrap() > 0.0 && r["transfers"].as_u64().unwrap() >= 12,
+            "{r}"
+        );
+    }
 }

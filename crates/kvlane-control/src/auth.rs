@@ -16,34 +16,28 @@ pub(crate) enum Side {
     Acceptor,
 }
 
-/// `HMAC(key, label || nonce_initiator || nonce_acceptor)`.
-pub(crate) fn mac(key: &[u8], side: Side, nonce_i: &[u8], nonce_a: &[u8]) -> Vec<u8> {
-    let mut m = match HmacSha256::new_from_slice(key) {
-        Ok(m) => m,
-        // HMAC accepts keys of any length; unreachable in practice.
-        Err(_) => return Vec::new(),
-    };
+fn keyed(key: &[u8], side: Side, nonce_i: &[u8], nonce_a: &[u8]) -> Option<HmacSha256> {
+    // HMAC accepts keys of any length, so this never fails in practice.
+    let mut m = HmacSha256::new_from_slice(key).ok()?;
     m.update(match side {
         Side::Initiator => b"kvlane-control/initiator",
         Side::Acceptor => b"kvlane-control/acceptor!",
     });
     m.update(nonce_i);
     m.update(nonce_a);
-    m.finalize().into_bytes().to_vec()
+    Some(m)
+}
+
+/// `HMAC(key, label || nonce_initiator || nonce_acceptor)`.
+pub(crate) fn mac(key: &[u8], side: Side, nonce_i: &[u8], nonce_a: &[u8]) -> Vec<u8> {
+    keyed(key, side, nonce_i, nonce_a)
+        .map(|m| m.finalize().into_bytes().to_vec())
+        .unwrap_or_default()
 }
 
 /// Constant-time check of a proof.
 pub(crate) fn verify(key: &[u8], side: Side, nonce_i: &[u8], nonce_a: &[u8], tag: &[u8]) -> bool {
-    let Ok(mut m) = HmacSha256::new_from_slice(key) else {
-        return false;
-    };
-    m.update(match side {
-        Side::Initiator => b"kvlane-control/initiator",
-        Side::Acceptor => b"kvlane-control/acceptor!",
-    });
-    m.update(nonce_i);
-    m.update(nonce_a);
-    m.verify_slice(tag).is_ok()
+    keyed(key, side, nonce_i, nonce_a).is_some_and(|m| m.verify_slice(tag).is_ok())
 }
 
 /// A fresh random nonce.

@@ -27,13 +27,21 @@ pub struct Config {
     pub frame_cap: usize,
     /// Largest number of peers (inbound + outbound). Default 1024.
     pub peer_cap: usize,
+    /// Largest notification payload in bytes; larger ones are refused when
+    /// sending and dropped (counted as oversized) when received. Default 64 KiB.
+    pub notify_cap: usize,
+    /// Events buffered for [`ControlNode::events`](crate::ControlNode::events)
+    /// subscribers; a slow subscriber lags (loses the oldest) instead of
+    /// blocking the driver. With `notify_cap` this bounds the memory held
+    /// for unread events. Default 1024.
+    pub event_capacity: usize,
     /// How long `close` waits for the remote `bye` that proves our last
     /// frames were delivered. Default 200 ms.
     pub close_linger: Duration,
     /// Optional pre-shared key; when set the handshake is authenticated
     /// (HMAC-SHA256 over both nonces) and no data-plane blob is sent before
     /// the other side has proven the key. Default none.
-    pub psk: Option<Vec<u8>>,
+    pub psk: Option<Psk>,
     /// Seed of the jitter RNG (deterministic simulations). Default: random.
     pub rng_seed: u64,
 }
@@ -49,6 +57,8 @@ impl Default for Config {
             reconnect: true,
             frame_cap: 16 << 20,
             peer_cap: 1024,
+            notify_cap: 64 << 10,
+            event_capacity: 1024,
             close_linger: Duration::from_millis(200),
             psk: None,
             rng_seed: rand::random(),
@@ -56,11 +66,97 @@ impl Default for Config {
     }
 }
 
+/// Longest interval or timeout accepted (one day): keeps `now + d` far from
+/// `Instant` overflow.
+const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+
+/// Largest liveness budget accepted.
+const MAX_BUDGET: u32 = 1_000;
+
 impl Config {
+    /// Checks the values a node cannot work with (zero intervals would spin,
+    /// a zero cap refuses everything, intervals over a day or a budget over
+    /// 1000 are refused). The error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |d: Duration| d.is_zero() || d > MAX_INTERVAL;
+        let checks: [(&'static str, bool); 9] = [
+            ("keepalive_interval", bad(self.keepalive_interval)),
+            (
+                "liveness_budget",
+                self.liveness_budget == 0 || self.liveness_budget > MAX_BUDGET,
+            ),
+            ("handshake_timeout", bad(self.handshake_timeout)),
+            ("backoff_min", bad(self.backoff_min)),
+            (
+                "backoff_max",
+                self.backoff_max < self.backoff_min || bad(self.backoff_max),
+            ),
+            ("close_linger", self.close_linger > MAX_INTERVAL),
+            ("frame_cap", self.frame_cap < 64),
+            ("peer_cap", self.peer_cap == 0),
+            ("event_capacity", self.event_capacity == 0),
+        ];
+        match checks.iter().find(|(_, bad)| *bad) {
+            Some((field, _)) => Err(ConfigError { field }),
+            None => Ok(()),
+        }
+    }
+
+    /// A copy with every value clamped into the workable range, so a
+    /// machine never spins on a zero interval nor overflows on a huge one.
+    pub fn normalized(&self) -> Self {
+        let min = Duration::from_millis(1);
+        let clamp = |d: Duration| d.clamp(min, MAX_INTERVAL);
+        let backoff_min = clamp(self.backoff_min);
+        Self {
+            keepalive_interval: clamp(self.keepalive_interval),
+            liveness_budget: self.liveness_budget.clamp(1, MAX_BUDGET),
+            handshake_timeout: clamp(self.handshake_timeout),
+            backoff_min,
+            backoff_max: clamp(self.backoff_max).max(backoff_min),
+            close_linger: self.close_linger.min(MAX_INTERVAL),
+            frame_cap: self.frame_cap.max(64),
+            peer_cap: self.peer_cap.max(1),
+            event_capacity: self.event_capacity.max(1),
+            ..self.clone()
+        }
+    }
+
     /// Upper bound between the last frame heard from a peer and its `Dead`
     /// event: `keepalive_interval * (liveness_budget + 1)`.
     pub fn death_bound(&self) -> Duration {
-        self.keepalive_interval * (self.liveness_budget.max(1) + 1)
+        self.keepalive_interval
+            .saturating_mul(self.liveness_budget.clamp(1, MAX_BUDGET) + 1)
+    }
+}
+
+/// A configuration value a node cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid config: `{field}` is zero or out of range")]
+pub struct ConfigError {
+    /// The offending field.
+    pub field: &'static str,
+}
+
+/// A pre-shared key. Its `Debug` output is redacted so keys never reach logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Psk(Vec<u8>);
+
+impl Psk {
+    /// Wraps key bytes.
+    pub fn new(key: impl Into<Vec<u8>>) -> Self {
+        Self(key.into())
+    }
+
+    /// The key bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Psk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Psk(<redacted>)")
     }
 }
 

@@ -1,5 +1,5 @@
 //! Thin tokio driver: owns a [`Registry`] and a [`Channel`], reads the clock
-//! in one place ([`now`]) and never blocks on I/O.
+//! in one place (`now()`) and never blocks on I/O.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,8 +21,6 @@ use crate::ConnectionId;
 /// Extra time granted on top of the handshake deadline before a caller gives
 /// up on the driver itself (the machine already bounds the handshake).
 const DRIVER_GRACE: Duration = Duration::from_secs(1);
-/// Capacity of the event broadcast; slow subscribers lag instead of blocking the driver.
-const EVENT_CAPACITY: usize = 4096;
 
 /// The one place the driver reads the clock (tokio's clock, so paused-time
 /// tests control it).
@@ -64,6 +62,11 @@ enum Command {
         id: ConnectionId,
         reply: oneshot::Sender<Result<Duration, ControlError>>,
     },
+    Check {
+        id: ConnectionId,
+        incarnation: u64,
+        reply: oneshot::Sender<Result<(), ControlError>>,
+    },
     Snapshot {
         reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)>,
     },
@@ -84,7 +87,8 @@ pub struct ControlNode {
     cmds: mpsc::Sender<Command>,
     events: broadcast::Sender<PeerEvent>,
     first_events: Mutex<Option<broadcast::Receiver<PeerEvent>>>,
-    task: Mutex<Option<JoinHandle<()>>>,
+    /// Async lock: a concurrent `close` waits for the first one to finish.
+    task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
 impl ControlNode {
@@ -95,17 +99,19 @@ impl ControlNode {
         local: LocalInfo,
         listen_addr: &str,
     ) -> Result<Self, ControlError> {
+        config.validate()?;
         let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
         Ok(Self::with_channel(config, local, chan))
     }
 
-    /// A node over any channel (e.g. [`crate::channel::MemChannel`]).
+    /// A node over any channel (e.g. [`crate::channel::MemChannel`]). The
+    /// config is [normalized](Config::normalized) rather than refused.
     pub fn with_channel<C: Channel>(config: Config, local: LocalInfo, channel: C) -> Self {
-        let config = Arc::new(config);
+        let config = Arc::new(config.normalized());
         let local_addr = channel.local_addr();
         let registry = Registry::new(Arc::clone(&config), Arc::new(local));
         let (cmds, cmd_rx) = mpsc::channel(1024);
-        let (events, first) = broadcast::channel(EVENT_CAPACITY);
+        let (events, first) = broadcast::channel(config.event_capacity);
         let span = info_span!("control_node", addr = %local_addr);
         let driver = tokio::spawn(run(registry, channel, cmd_rx, events.clone()).instrument(span));
         let watch_events = events.clone();
@@ -127,7 +133,7 @@ impl ControlNode {
             cmds,
             events,
             first_events: Mutex::new(Some(first)),
-            task: Mutex::new(Some(task)),
+            task: tokio::sync::Mutex::new(Some(task)),
         }
     }
 
@@ -148,19 +154,24 @@ impl ControlNode {
         first.unwrap_or_else(|| self.events.subscribe())
     }
 
+    /// Sends a command and awaits its answer; both bounded by `bound`.
     async fn call<T>(
         &self,
+        op: &'static str,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
         bound: Duration,
     ) -> Result<T, ControlError> {
+        let deadline = tokio::time::Instant::now() + bound;
         let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(make(tx))
-            .await
-            .map_err(|_| ControlError::Closed)?;
-        match tokio::time::timeout(bound, rx).await {
+        match tokio::time::timeout_at(deadline, self.cmds.send(make(tx))).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(ControlError::Closed),
+            Err(_) => return Err(ControlError::Timeout { op, after: bound }),
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(_)) | Err(_) => Err(ControlError::Closed),
+            Ok(Err(_)) => Err(ControlError::Closed),
+            Err(_) => Err(ControlError::Timeout { op, after: bound }),
         }
     }
 
@@ -168,21 +179,17 @@ impl ControlNode {
     /// deadline). A live connection to `addr` is returned as is.
     pub async fn connect(&self, addr: &str) -> Result<(ConnectionId, RemoteInfo), ControlError> {
         let bound = self.config.handshake_timeout + DRIVER_GRACE;
-        let (tx, rx) = oneshot::channel();
-        self.cmds
-            .send(Command::Connect {
+        let make = |reply| Command::Connect {
+            addr: addr.to_owned(),
+            reply,
+        };
+        match self.call("connect", make, bound).await {
+            Ok(r) => r,
+            Err(ControlError::Timeout { after, .. }) => Err(ControlError::ConnectTimeout {
                 addr: addr.to_owned(),
-                reply: tx,
-            })
-            .await
-            .map_err(|_| ControlError::Closed)?;
-        match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(ControlError::Closed),
-            Err(_) => Err(ControlError::ConnectTimeout {
-                addr: addr.to_owned(),
-                after: bound,
+                after,
             }),
+            Err(e) => Err(e),
         }
     }
 
@@ -203,14 +210,14 @@ impl ControlNode {
         for ranks in plan.ranks() {
             let addr = format!("{host}:{}", plan.port(ranks)?);
             let (tx, rx) = oneshot::channel();
-            let sent = self
-                .cmds
-                .send(Command::Connect {
-                    addr: addr.clone(),
-                    reply: tx,
-                })
-                .await
-                .is_ok();
+            let cmd = Command::Connect {
+                addr: addr.clone(),
+                reply: tx,
+            };
+            let sent = matches!(
+                tokio::time::timeout_at(deadline.into(), self.cmds.send(cmd)).await,
+                Ok(Ok(()))
+            );
             pending.push((ranks, addr, sent.then_some(rx)));
         }
         let mut group = GroupHandshake::new(host, deadline);
@@ -247,7 +254,14 @@ impl ControlNode {
         transfer_id: u64,
         payload: Vec<u8>,
     ) -> Result<(), ControlError> {
+        if payload.len() > self.config.notify_cap {
+            return Err(ControlError::PayloadTooLarge {
+                len: payload.len(),
+                cap: self.config.notify_cap,
+            });
+        }
         self.call(
+            "notify",
             |reply| Command::Notify {
                 id: peer,
                 transfer_id,
@@ -263,8 +277,29 @@ impl ControlNode {
     /// bounded by the liveness bound.
     pub async fn ping(&self, peer: ConnectionId) -> Result<Duration, ControlError> {
         self.call(
+            "ping",
             |reply| Command::Ping { id: peer, reply },
             self.config.death_bound() + DRIVER_GRACE,
+        )
+        .await?
+    }
+
+    /// Checks that `peer` is ready and still the incarnation a transfer was
+    /// prepared against; a restarted peer gives
+    /// [`ControlError::StaleIncarnation`], so nothing writes through stale rkeys.
+    pub async fn ensure_incarnation(
+        &self,
+        peer: ConnectionId,
+        incarnation: u64,
+    ) -> Result<(), ControlError> {
+        self.call(
+            "ensure_incarnation",
+            |reply| Command::Check {
+                id: peer,
+                incarnation,
+                reply,
+            },
+            DRIVER_GRACE,
         )
         .await?
     }
@@ -272,6 +307,7 @@ impl ControlNode {
     /// Closes one connection (`bye`, then release). Idempotent.
     pub async fn disconnect(&self, peer: ConnectionId) -> Result<(), ControlError> {
         self.call(
+            "disconnect",
             |reply| Command::Disconnect { id: peer, reply },
             DRIVER_GRACE,
         )
@@ -281,7 +317,11 @@ impl ControlNode {
     /// Current peers.
     pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
         Ok(self
-            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .call(
+                "snapshot",
+                |reply| Command::Snapshot { reply },
+                DRIVER_GRACE,
+            )
             .await?
             .0)
     }
@@ -289,7 +329,11 @@ impl ControlNode {
     /// Counters of dropped frames (malformed, oversized, unknown type).
     pub async fn stats(&self) -> Result<Stats, ControlError> {
         Ok(self
-            .call(|reply| Command::Snapshot { reply }, DRIVER_GRACE)
+            .call(
+                "snapshot",
+                |reply| Command::Snapshot { reply },
+                DRIVER_GRACE,
+            )
             .await?
             .1)
     }
@@ -297,18 +341,17 @@ impl ControlNode {
     /// Closes every connection, flushing pending frames (bounded by
     /// `close_linger`), then releases every socket and task. Idempotent.
     pub async fn close(&self) {
-        let task = self
-            .task
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let Some(mut task) = task else { return };
+        let mut guard = self.task.lock().await;
+        let Some(task) = guard.as_mut() else { return };
         let bound = self.config.close_linger + Duration::from_secs(5);
-        let _ = self.call(|reply| Command::Close { reply }, bound).await;
-        if tokio::time::timeout(bound, &mut task).await.is_err() {
+        let _ = self
+            .call("close", |reply| Command::Close { reply }, bound)
+            .await;
+        if tokio::time::timeout(bound, &mut *task).await.is_err() {
             error!(addr = %self.local_addr, "control driver did not stop in time; aborting it");
             task.abort();
         }
+        *guard = None;
     }
 }
 
@@ -446,6 +489,9 @@ impl<C: Channel> Driver<C> {
                 Err(ConnectRefused::PeerCap { cap, addr }) => {
                     let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
                 }
+                Err(ConnectRefused::Closed { .. }) => {
+                    let _ = reply.send(Err(ControlError::Closed));
+                }
             },
             Command::Notify {
                 id,
@@ -482,6 +528,36 @@ impl<C: Channel> Driver<C> {
                     let _ = reply.send(Err(err));
                 }
             },
+            Command::Check {
+                id,
+                incarnation,
+                reply,
+            } => {
+                let r = match self.reg.peer(id) {
+                    None => Err(ControlError::UnknownPeer(id)),
+                    Some(p) => match (p.state(), p.remote()) {
+                        (State::Ready | State::Suspect, Some(info))
+                            if info.incarnation == incarnation =>
+                        {
+                            Ok(())
+                        }
+                        (State::Ready | State::Suspect, Some(info)) => {
+                            Err(ControlError::StaleIncarnation {
+                                peer: id,
+                                addr: p.addr().to_owned(),
+                                expected: incarnation,
+                                current: info.incarnation,
+                            })
+                        }
+                        (state, _) => Err(ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state,
+                        }),
+                    },
+                };
+                let _ = reply.send(r);
+            }
             Command::Disconnect { id, reply } => {
                 self.reg.disconnect(t, id);
                 let _ = reply.send(());

@@ -226,6 +226,9 @@ pub enum ControlError {
         /// OS or channel reason.
         reason: String,
     },
+    /// The configuration is unusable.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// Connecting to a peer failed.
     #[error("connect to {addr} failed after {attempts} attempts: {last_error}")]
     Connect {
@@ -264,6 +267,38 @@ pub enum ControlError {
         addr: String,
         /// Its state.
         state: crate::State,
+    },
+    /// The peer restarted (or reconnected with a new incarnation) since
+    /// the caller learned about it: state derived from the old incarnation
+    /// (rkeys, regions) must not be used.
+    #[error(
+        "peer {peer} ({addr}) restarted: expected incarnation {expected:#x}, now {current:#x}"
+    )]
+    StaleIncarnation {
+        /// Peer id.
+        peer: crate::ConnectionId,
+        /// Peer address.
+        addr: String,
+        /// Incarnation the caller prepared against.
+        expected: u64,
+        /// Current incarnation.
+        current: u64,
+    },
+    /// A notification payload is over [`Config::notify_cap`](crate::Config::notify_cap).
+    #[error("notification payload of {len} bytes exceeds the cap of {cap} bytes")]
+    PayloadTooLarge {
+        /// Payload size.
+        len: usize,
+        /// The cap.
+        cap: usize,
+    },
+    /// The driver did not answer in time (it is overloaded or stuck).
+    #[error("{op} timed out after {after:?} waiting for the control driver")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// The bound.
+        after: Duration,
     },
     /// The node is closed.
     #[error("control node is closed")]

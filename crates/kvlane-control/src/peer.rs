@@ -6,14 +6,14 @@ use std::time::Instant;
 
 use tracing::{debug, info, warn};
 
-use crate::auth::{self, Side};
-use crate::config::{Config, LocalInfo, Ranks, RemoteInfo};
+use crate::auth;
+use crate::config::{Config, LocalInfo, RemoteInfo};
 use crate::error::{PeerError, Refusal, WireError};
 use crate::keepalive::{Backoff, KeepAlive};
 use crate::timer::{Timer, TimerTable};
-use crate::wire::{
-    Auth, AuthAck, Bye, ErrorMsg, Hello, HelloAck, Message, Notify, Ping, PROTOCOL_VERSION,
-};
+mod handshake;
+
+use crate::wire::{Bye, ErrorMsg, Hello, Message, Notify, Ping, PROTOCOL_VERSION};
 
 /// Lifecycle state. `Closed` is a separate fact ([`Peer::is_closed`]): a dead
 /// peer still owns its resources until it is closed.
@@ -134,11 +134,11 @@ impl Stats {
 #[derive(Debug)]
 enum Hs {
     /// Initiator sent hello.
-    AwaitHelloAck { nonce_i: Vec<u8> },
+    Hello { nonce_i: Vec<u8> },
     /// Initiator sent auth (key proven by the acceptor).
-    AwaitAuthAck { remote: RemoteInfo },
+    Auth { remote: RemoteInfo },
     /// Acceptor sent hello_ack with its proof.
-    AwaitAuth {
+    HelloAck {
         nonce_i: Vec<u8>,
         nonce_a: Vec<u8>,
         remote: RemoteInfo,
@@ -417,14 +417,20 @@ impl Peer {
 
     /// Fires every expired timer.
     pub fn handle_timeout(&mut self, now: Instant) {
-        while let Some(timer) = self.timers.expire(now) {
+        // Each timer fires at most once per call: a timer re-armed at `now`
+        // waits for the next call instead of spinning here.
+        for _ in 0..Timer::ALL.len() {
+            let Some(timer) = self.timers.expire(now) else {
+                break;
+            };
             self.on_timer(now, timer);
         }
     }
 
-    /// Sends a notification; `Err` hands the payload back if the peer is not up.
+    /// Sends a notification; `Err` hands the payload back if the peer is not
+    /// up or the payload is over `notify_cap`.
     pub fn notify(&mut self, transfer_id: u64, payload: Vec<u8>) -> Result<(), Vec<u8>> {
-        if !self.is_up() || self.closing || self.closed {
+        if !self.is_up() || self.closing || self.closed || payload.len() > self.config.notify_cap {
             return Err(payload);
         }
         let msg = Message::Notify(Notify {
@@ -521,7 +527,7 @@ impl Peer {
         self.transmits.push_back(Transmit::Connect);
         self.transmits
             .push_back(Transmit::Frame(encode(&Message::Hello(hello))));
-        self.hs = Some(Hs::AwaitHelloAck { nonce_i });
+        self.hs = Some(Hs::Hello { nonce_i });
         if self.state != State::Dead {
             self.state = State::Handshaking;
         }
@@ -595,7 +601,12 @@ impl Peer {
         if !was_dead || !self.dead_reported {
             self.dead_reported = true;
             let last_error = self.last_error.clone().unwrap_or(PeerError::RemoteClosed);
-            warn!(peer = %self.addr, attempts = self.attempts, error = %last_error, "peer dead");
+            if last_error == PeerError::RemoteClosed {
+                // A `bye`: the remote shut down on purpose.
+                info!(peer = %self.addr, "peer closed the connection");
+            } else {
+                warn!(peer = %self.addr, attempts = self.attempts, error = %last_error, "peer dead");
+            }
             self.events.push_back(Event::Dead {
                 peer: self.addr.clone(),
                 attempts: self.attempts,
@@ -623,174 +634,6 @@ impl Peer {
         self.last_error = Some(PeerError::Refused(refusal));
         self.timers.stop(Timer::Backoff);
         self.die(now);
-    }
-
-    fn check_compat(&self, version: u16, fingerprint: &str) -> Option<Refusal> {
-        if version != PROTOCOL_VERSION {
-            return Some(Refusal::Version {
-                local: PROTOCOL_VERSION,
-                remote: version,
-            });
-        }
-        if fingerprint != self.local.fingerprint {
-            return Some(Refusal::Fingerprint {
-                local: self.local.fingerprint.clone(),
-                remote: fingerprint.to_owned(),
-            });
-        }
-        None
-    }
-
-    fn on_hello(&mut self, now: Instant, h: Hello) {
-        self.timers
-            .set(Timer::Handshake, now + self.config.handshake_timeout);
-        if let Some(r) = self.check_compat(h.version, &h.fingerprint) {
-            return self.refuse(now, r, true);
-        }
-        let mut remote = RemoteInfo {
-            engine_id: h.engine_id,
-            incarnation: h.incarnation,
-            ranks: Ranks {
-                dp_rank: h.dp_rank,
-                tp_rank: h.tp_rank,
-                tp_size: h.tp_size,
-            },
-            fingerprint: h.fingerprint,
-            data_plane: Vec::new(),
-            capabilities: h.capabilities,
-        };
-        let l = Arc::clone(&self.local);
-        let mut ack = HelloAck {
-            version: PROTOCOL_VERSION,
-            engine_id: l.engine_id.clone(),
-            incarnation: l.incarnation,
-            dp_rank: l.ranks.dp_rank,
-            tp_rank: l.ranks.tp_rank,
-            tp_size: l.ranks.tp_size,
-            fingerprint: l.fingerprint.clone(),
-            capabilities: l.capabilities.clone(),
-            nonce: Vec::new(),
-            mac: Vec::new(),
-            data_plane: None,
-        };
-        match (self.config.psk.clone(), h.auth) {
-            (None, false) => {
-                remote.data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
-                ack.data_plane = Some(serde_bytes::ByteBuf::from(l.data_plane.clone()));
-                self.transmits
-                    .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
-                self.become_ready(now, remote);
-            }
-            (Some(key), true) => {
-                let nonce_a = auth::nonce();
-                ack.mac = auth::mac(&key, Side::Acceptor, &h.nonce, &nonce_a);
-                ack.nonce = nonce_a.clone();
-                self.transmits
-                    .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
-                self.hs = Some(Hs::AwaitAuth {
-                    nonce_i: h.nonce,
-                    nonce_a,
-                    remote,
-                });
-            }
-            (Some(_), false) => self.refuse(
-                now,
-                Refusal::Auth {
-                    reason: format!("{} sent no key proof but a key is required", self.addr),
-                },
-                true,
-            ),
-            (None, true) => self.refuse(
-                now,
-                Refusal::Auth {
-                    reason: format!("{} requires a key but none is configured here", self.addr),
-                },
-                true,
-            ),
-        }
-    }
-
-    fn on_hello_ack(&mut self, now: Instant, ack: HelloAck) {
-        let Some(Hs::AwaitHelloAck { nonce_i }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
-        };
-        if let Some(r) = self.check_compat(ack.version, &ack.fingerprint) {
-            return self.refuse(now, r, true);
-        }
-        let mut remote = RemoteInfo {
-            engine_id: ack.engine_id,
-            incarnation: ack.incarnation,
-            ranks: Ranks {
-                dp_rank: ack.dp_rank,
-                tp_rank: ack.tp_rank,
-                tp_size: ack.tp_size,
-            },
-            fingerprint: ack.fingerprint,
-            data_plane: Vec::new(),
-            capabilities: ack.capabilities,
-        };
-        match self.config.psk.clone() {
-            None => {
-                let Some(blob) = ack.data_plane else {
-                    let reason =
-                        format!("{} requires a key but none is configured here", self.addr);
-                    return self.refuse(now, Refusal::Auth { reason }, true);
-                };
-                remote.data_plane = blob.into_vec();
-                self.become_ready(now, remote);
-            }
-            Some(key) => {
-                if !auth::verify(&key, Side::Acceptor, &nonce_i, &ack.nonce, &ack.mac) {
-                    let reason = format!("{} failed to prove the pre-shared key", self.addr);
-                    return self.refuse(now, Refusal::Auth { reason }, true);
-                }
-                let msg = Message::Auth(Auth {
-                    version: PROTOCOL_VERSION,
-                    mac: auth::mac(&key, Side::Initiator, &nonce_i, &ack.nonce),
-                    data_plane: self.local.data_plane.clone(),
-                });
-                self.transmits.push_back(Transmit::Frame(encode(&msg)));
-                self.hs = Some(Hs::AwaitAuthAck { remote });
-            }
-        }
-    }
-
-    fn on_auth(&mut self, now: Instant, a: Auth) {
-        let Some(Hs::AwaitAuth {
-            nonce_i,
-            nonce_a,
-            mut remote,
-        }) = self.hs.take()
-        else {
-            self.stats.unexpected += 1;
-            return;
-        };
-        let Some(key) = self.config.psk.clone() else {
-            self.stats.unexpected += 1;
-            return;
-        };
-        if !auth::verify(&key, Side::Initiator, &nonce_i, &nonce_a, &a.mac) {
-            let reason = format!("{} failed to prove the pre-shared key", self.addr);
-            return self.refuse(now, Refusal::Auth { reason }, true);
-        }
-        remote.data_plane = a.data_plane;
-        let ack = AuthAck {
-            version: PROTOCOL_VERSION,
-            data_plane: self.local.data_plane.clone(),
-        };
-        self.transmits
-            .push_back(Transmit::Frame(encode(&Message::AuthAck(ack))));
-        self.become_ready(now, remote);
-    }
-
-    fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
-        let Some(Hs::AwaitAuthAck { mut remote }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
-        };
-        remote.data_plane = a.data_plane;
-        self.become_ready(now, remote);
     }
 
     fn become_ready(&mut self, now: Instant, remote: RemoteInfo) {
@@ -850,6 +693,10 @@ impl Peer {
                 }
             }
             Message::Pong(_) => {}
+            Message::Notify(n) if n.payload.len() > self.config.notify_cap => {
+                debug!(peer = %self.addr, len = n.payload.len(), "notification over the cap dropped");
+                self.stats.oversized += 1;
+            }
             Message::Notify(n) => self.events.push_back(Event::Notification {
                 transfer_id: n.transfer_id,
                 payload: n.payload,

@@ -54,6 +54,12 @@ pub enum ConnectRefused {
         /// The refused address.
         addr: String,
     },
+    /// The registry was closed.
+    #[error("node is closed; refusing {addr}")]
+    Closed {
+        /// The refused address.
+        addr: String,
+    },
 }
 
 #[derive(Debug)]
@@ -81,13 +87,15 @@ pub struct Registry {
     stats: Stats,
     refused_at_cap: u64,
     closed: bool,
+    /// Accepted connections that died; released before the next routing.
+    dead_accepted: Vec<ConnectionId>,
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry. The config is [normalized](Config::normalized).
     pub fn new(config: Arc<Config>, local: Arc<LocalInfo>) -> Self {
         Self {
-            config,
+            config: Arc::new(config.normalized()),
             local,
             next_id: 1,
             peers: HashMap::new(),
@@ -100,6 +108,7 @@ impl Registry {
             stats: Stats::default(),
             refused_at_cap: 0,
             closed: false,
+            dead_accepted: Vec::new(),
         }
     }
 
@@ -149,6 +158,7 @@ impl Registry {
     /// Dials `addr`. A dead connection to the same address is retired first;
     /// a live one is handed back as [`ConnectRefused::Duplicate`].
     pub fn connect(&mut self, now: Instant, addr: &str) -> Result<ConnectionId, ConnectRefused> {
+        self.reap_dead();
         if let Some(&existing) = self.by_addr.get(addr) {
             let dead = self
                 .peers
@@ -162,7 +172,12 @@ impl Registry {
             }
             self.release(existing);
         }
-        if self.closed || self.peers.len() >= self.config.peer_cap {
+        if self.closed {
+            return Err(ConnectRefused::Closed {
+                addr: addr.to_owned(),
+            });
+        }
+        if self.peers.len() >= self.config.peer_cap {
             self.refused_at_cap += 1;
             return Err(ConnectRefused::PeerCap {
                 cap: self.config.peer_cap,
@@ -422,6 +437,9 @@ impl Registry {
             self.transmits.push_back((id, e.link.clone(), t));
         }
         while let Some(ev) = e.peer.poll_event() {
+            if matches!(ev, Event::Dead { .. }) && e.peer.role() == Role::Acceptor {
+                self.dead_accepted.push(id);
+            }
             if let Event::Ready(info) = &ev {
                 self.incarnations
                     .insert((info.engine_id.clone(), info.ranks), info.incarnation);
@@ -472,14 +490,14 @@ impl Registry {
     /// Releases accepted connections that are dead (they never reconnect by
     /// themselves: the remote initiator dials a new one).
     fn reap_dead(&mut self) {
-        let dead: Vec<_> = self
-            .peers
-            .iter()
-            .filter(|(_, e)| e.peer.role() == Role::Acceptor && e.peer.state() == State::Dead)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in dead {
-            self.release(id);
+        for id in std::mem::take(&mut self.dead_accepted) {
+            if self
+                .peers
+                .get(&id)
+                .is_some_and(|e| e.peer.state() == State::Dead)
+            {
+                self.release(id);
+            }
         }
     }
 }

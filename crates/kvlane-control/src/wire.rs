@@ -13,6 +13,26 @@
 //! With a key, the acceptor proves the key first (`mac_s`) but withholds its
 //! blob; the initiator sends its blob only after checking `mac_s`, and the
 //! acceptor sends its blob only after checking `mac_c`.
+//!
+//! `mac_s = HMAC-SHA256(key, "kvlane-control/acceptor!" || nonce_c || nonce_s)`,
+//! `mac_c = HMAC-SHA256(key, "kvlane-control/initiator" || nonce_c || nonce_s)`,
+//! nonces are 32 random bytes.
+//!
+//! Fields per `type` (every message also has `type: str` and `version: int`;
+//! `bin` is msgpack bin, Python `bytes`):
+//!
+//! | type | fields |
+//! |---|---|
+//! | `hello` | `engine_id: str, incarnation: u64, dp_rank, tp_rank, tp_size: u32, fingerprint: str, capabilities: [str], auth: bool, nonce: bin, data_plane: bin \| nil` |
+//! | `hello_ack` | same identity fields, `nonce: bin, mac: bin, data_plane: bin \| nil` |
+//! | `auth` | `mac: bin, data_plane: bin` |
+//! | `auth_ack` | `data_plane: bin` |
+//! | `ping`, `pong` | `seq: u64, incarnation: u64` (a pong echoes the ping's `seq`) |
+//! | `notify` | `transfer_id: u64, payload: bin` |
+//! | `bye` | (none; answered by a `bye`) |
+//! | `error` | `code: str, reason: str` |
+//!
+//! A Python peer is in `tests/py/peer.py` (pyzmq DEALER + msgpack).
 
 use serde::{Deserialize, Serialize};
 

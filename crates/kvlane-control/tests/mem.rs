@@ -68,3 +68,70 @@ async fn mem_driver_peer_dropped_is_dead_within_bound_and_notify_refused() {
     assert!(err.to_string().contains("b:1"), "{err}");
     a.close().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn invariant_2_restarted_peer_makes_old_incarnation_stale() {
+    let net = MemNetwork::new();
+    let cfg = fast_config();
+    let a = ControlNode::with_channel(cfg.clone(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(cfg.clone(), local("b"), net.bind("b:1"));
+    let mut events = a.events();
+    let (id, info) = a.connect("b:1").await.expect("connect");
+    a.ensure_incarnation(id, info.incarnation)
+        .await
+        .expect("current");
+    // b restarts at the same address with a new incarnation.
+    b.close().await;
+    let b2 = ControlNode::with_channel(cfg.clone(), local("b"), net.bind("b:1"));
+    let ev = wait_for(&mut events, Duration::from_secs(10), |e| {
+        matches!(e.event, Event::Restarted { .. })
+    })
+    .await;
+    assert_eq!(ev.id, id);
+    wait_for(&mut events, Duration::from_secs(1), |e| {
+        matches!(e.event, Event::Ready(_))
+    })
+    .await;
+    let err = a
+        .ensure_incarnation(id, info.incarnation)
+        .await
+        .expect_err("stale");
+    assert!(
+        matches!(err, kvlane_control::ControlError::StaleIncarnation { expected, current, .. } if expected == info.incarnation && current != expected),
+        "{err}"
+    );
+    a.close().await;
+    b2.close().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn invariant_4_concurrent_close_calls_all_wait_and_release() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    a.connect("b:1").await.expect("connect");
+    tokio::join!(a.close(), a.close(), a.close());
+    assert!(matches!(
+        a.peers().await,
+        Err(kvlane_control::ControlError::Closed)
+    ));
+    b.close().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn notify_over_cap_is_a_typed_error() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    let (id, _) = a.connect("b:1").await.expect("connect");
+    let err = a
+        .notify(id, 1, vec![0; (64 << 10) + 1])
+        .await
+        .expect_err("over cap");
+    assert!(matches!(
+        err,
+        kvlane_control::ControlError::PayloadTooLarge { cap: 65536, .. }
+    ));
+    a.close().await;
+    b.close().await;
+}

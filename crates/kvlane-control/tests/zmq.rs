@@ -53,23 +53,34 @@ async fn zmq_connect_notify_close() {
 
 #[tokio::test]
 async fn invariant_5_per_connection_resources_are_unique() {
-    use kvlane_control::{ConnectionId, ZmqChannel};
-    let a = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
+    use kvlane_control::{Channel, ConnectionId, ZmqChannel};
+    let mut a = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
         .await
         .expect("bind");
-    let b = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
+    let mut b = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
         .await
         .expect("bind");
-    // Two connections to the same peer never share a routing id, and two
-    // nodes never collide either: ids derive from a per-node nonce and the
-    // connection id, never from the peer address.
-    let ids = [
-        a.routing_id(ConnectionId(1)),
-        a.routing_id(ConnectionId(2)),
-        b.routing_id(ConnectionId(1)),
-    ];
-    assert_ne!(ids[0], ids[1]);
-    assert_ne!(ids[0], ids[2]);
+    let target = b.local_addr();
+    // Every DEALER gets its own routing id: two connections to the same
+    // peer, a reopen of the same connection, and another node never
+    // collide; ids derive from a per-node nonce, the connection id and an
+    // open counter, never from the peer address.
+    a.open(ConnectionId(1), &target);
+    let first = a.routing_id(ConnectionId(1)).expect("rid");
+    a.open(ConnectionId(1), &target);
+    let reopened = a.routing_id(ConnectionId(1)).expect("rid");
+    a.open(ConnectionId(2), &target);
+    let second = a.routing_id(ConnectionId(2)).expect("rid");
+    b.open(ConnectionId(1), &target);
+    let other_node = b.routing_id(ConnectionId(1)).expect("rid");
+    let all = [&first, &reopened, &second, &other_node];
+    for (i, x) in all.iter().enumerate() {
+        for y in &all[i + 1..] {
+            assert_ne!(x, y);
+        }
+    }
+    a.close().await;
+    b.close().await;
     // Reconnecting to the same address allocates a fresh connection id.
     let t = ControlNode::bind(fast_config(), local("t"), "127.0.0.1:0")
         .await
@@ -99,4 +110,77 @@ async fn connect_to_closed_port_fails_with_address_and_attempts() {
     let msg = err.to_string();
     assert!(msg.contains(&addr) && msg.contains("attempts"), "{msg}");
     n.close().await;
+}
+
+#[tokio::test]
+async fn psk_over_zmq_right_key_connects_wrong_key_refused_on_both_sides() {
+    let keyed = |k: &[u8]| kvlane_control::Config {
+        psk: Some(kvlane_control::Psk::new(k)),
+        ..fast_config()
+    };
+    let t = ControlNode::bind(keyed(b"secret"), local("t"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let mut t_events = t.events();
+    let good = ControlNode::bind(keyed(b"secret"), local("good"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let (_, info) = good
+        .connect(t.local_addr())
+        .await
+        .expect("same key connects");
+    assert_eq!(info.data_plane, b"t-blob");
+    let bad = ControlNode::bind(keyed(b"wrong"), local("bad"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let err = bad
+        .connect(t.local_addr())
+        .await
+        .expect_err("wrong key refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(t.local_addr()) && msg.contains("authentication failed"),
+        "{msg}"
+    );
+    let ev = wait_for(&mut t_events, Duration::from_secs(2), |e| {
+        matches!(
+            &e.event,
+            Event::Refused {
+                refusal: kvlane_control::Refusal::Auth { .. }
+                    | kvlane_control::Refusal::Remote { .. },
+                ..
+            }
+        )
+    })
+    .await;
+    assert!(matches!(ev.event, Event::Refused { .. }));
+    for n in [good, bad, t] {
+        n.close().await;
+    }
+}
+
+#[tokio::test]
+async fn connect_to_silent_tcp_listener_ends_at_handshake_deadline() {
+    // Accepts TCP but never speaks ZMTP: every await must still be bounded.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let mut cfg = fast_config();
+    cfg.handshake_timeout = Duration::from_millis(400);
+    let n = ControlNode::bind(cfg, local("n"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let start = std::time::Instant::now();
+    let err = n.connect(&addr).await.expect_err("silent listener");
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(400) + Duration::from_millis(300),
+        "{took:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&addr) && msg.contains("handshake timed out"),
+        "{msg}"
+    );
+    n.close().await;
+    drop(silent);
 }

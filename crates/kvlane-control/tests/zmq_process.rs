@@ -67,11 +67,13 @@ async fn killed_peer_process_is_dead_within_budget_then_restarted_and_ready() {
     .await;
     let took = killed.elapsed();
     eprintln!("dead {took:?} after kill (bound {bound:?} from the last frame heard)");
-    // Bound: death_bound after the last frame heard, which is at most one
-    // keep-alive interval before the kill, plus scheduling slack.
+    // Bound: death_bound after the last frame heard, and the last frame is
+    // heard no later than the kill; the slack (one keep-alive interval)
+    // covers timer and scheduling delay on a loaded 2-core machine.
+    let slack = fast_config().keepalive_interval;
     assert!(
-        took <= bound + Duration::from_millis(250),
-        "dead after {took:?}"
+        took <= bound + slack,
+        "dead after {took:?}, bound {bound:?}"
     );
     assert_eq!(ev.id, id);
     assert!(
@@ -235,25 +237,36 @@ async fn preflight_probe_names_address_and_os_reason() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invariant_7_connect_group_names_every_failing_rank() {
     // Two ranks up (ports base+0, base+1 of dp 0, tp_size 3), rank 2 down.
-    let base = 41000 + (std::process::id() % 2000) as u16 * 3;
-    let mut nodes = Vec::new();
-    for tp in 0..2u32 {
-        let l = kvlane_control::LocalInfo::new(
-            "remote",
-            kvlane_control::Ranks {
-                dp_rank: 0,
-                tp_rank: tp,
-                tp_size: 3,
-            },
-            "fp",
-        );
-        let addr = format!("127.0.0.1:{}", base + tp as u16);
-        nodes.push(
-            ControlNode::bind(fast_config(), l, &addr)
-                .await
-                .expect("bind rank"),
-        );
-    }
+    // The machine is shared: pick a base whose three ports are free.
+    let (base, mut nodes) = 'pick: loop {
+        let base = 20_000 + (rand::random::<u16>() % 40_000);
+        if std::net::TcpListener::bind(("127.0.0.1", base + 2)).is_err() {
+            continue;
+        }
+        let mut nodes = Vec::new();
+        for tp in 0..2u32 {
+            let l = kvlane_control::LocalInfo::new(
+                "remote",
+                kvlane_control::Ranks {
+                    dp_rank: 0,
+                    tp_rank: tp,
+                    tp_size: 3,
+                },
+                "fp",
+            );
+            let addr = format!("127.0.0.1:{}", base + tp as u16);
+            match ControlNode::bind(fast_config(), l, &addr).await {
+                Ok(n) => nodes.push(n),
+                Err(_) => {
+                    for n in nodes {
+                        n.close().await;
+                    }
+                    continue 'pick;
+                }
+            }
+        }
+        break (base, nodes);
+    };
     let a = ControlNode::bind(fast_config(), local("a"), "127.0.0.1:0")
         .await
         .expect("bind");

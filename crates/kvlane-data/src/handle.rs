@@ -3,8 +3,10 @@
 
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
+use crate::ids::RegionId;
 use crate::ids::{PeerId, TransferId};
-use crate::transfer::{Completion, Notification, Transfer};
+use crate::memory::{Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -271,8 +273,9 @@ impl Transport {
         lock(&self.shared.slots).len()
     }
 
-    /// Stops the progress thread; transfers still in flight fail with
-    /// [`DataError::Shutdown`]. Idempotent.
+    /// Stops the progress thread and drops the backend (closing its
+    /// sockets and releasing its registrations); transfers still in flight
+    /// fail with [`DataError::Shutdown`]. Idempotent.
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.progress.unpark();
@@ -281,6 +284,11 @@ impl Transport {
                 tracing::error!("kvlane progress thread panicked");
             }
         }
+        let kind = lock(&self.shared.backend).kind();
+        drop(std::mem::replace(
+            &mut *lock(&self.shared.backend),
+            Box::new(Closed(kind)),
+        ));
         let slots: Vec<_> = lock(&self.shared.slots).drain().collect();
         for (id, slot) in slots {
             slot.complete(Err(DataError::Shutdown(id)));
@@ -291,6 +299,54 @@ impl Transport {
 impl Drop for Transport {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// What a shut-down transport holds instead of its backend.
+struct Closed(BackendKind);
+
+impl Closed {
+    fn err(&self) -> DataError {
+        DataError::Unsupported {
+            backend: "closed transport",
+            what: "the transport was shut down",
+        }
+    }
+}
+
+impl Backend for Closed {
+    fn kind(&self) -> BackendKind {
+        self.0
+    }
+    fn register(&mut self, _: &Region) -> Result<RemoteRegion, DataError> {
+        Err(self.err())
+    }
+    fn deregister(&mut self, _: RegionId) -> Result<(), DataError> {
+        Err(self.err())
+    }
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        Err(self.err())
+    }
+    fn connect_peer(
+        &mut self,
+        _: PeerId,
+        _: &Endpoint,
+        _: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        Err(self.err())
+    }
+    fn remove_peer(&mut self, _: PeerId) {}
+    fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
+        Err(SubmitError::Rejected(DataError::Shutdown(t.id)))
+    }
+    fn poll(&mut self, _: &mut Vec<Completion>) -> usize {
+        0
+    }
+    fn poll_notifications(&mut self, _: &mut Vec<Notification>) -> usize {
+        0
+    }
+    fn in_flight(&self) -> usize {
+        0
     }
 }
 

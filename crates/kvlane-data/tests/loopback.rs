@@ -131,6 +131,43 @@ mod transport {
     }
 
     #[test]
+    fn shutdown_releases_the_backend_and_its_registrations() {
+        let (t, _target, src, _dst, _ad, _peer) = pair();
+        let tracker = std::sync::Arc::new(());
+        let buf: &'static mut [u8] = Box::leak(vec![1u8; 64].into_boxed_slice());
+        // SAFETY: the buffer is leaked, so it outlives every clone.
+        let owned = unsafe {
+            Region::from_raw(
+                buf.as_mut_ptr(),
+                buf.len(),
+                kvlane_data::MemoryKind::Host,
+                Access::ALL,
+                Some(Box::new(tracker.clone())),
+            )
+        }
+        .unwrap();
+        t.with_backend(|b| b.register(&owned)).unwrap();
+        drop(owned);
+        assert_eq!(
+            std::sync::Arc::strong_count(&tracker),
+            2,
+            "the backend holds the registration"
+        );
+        let before = format!("{:?}", t.with_backend(|b| b.kind()));
+        t.shutdown();
+        assert_eq!(format!("{:?}", t.with_backend(|b| b.kind())), before);
+        assert!(
+            t.with_backend(|b| b.register(&src)).is_err(),
+            "a shut-down transport registers"
+        );
+        assert_eq!(
+            std::sync::Arc::strong_count(&tracker),
+            1,
+            "shutdown kept the registration"
+        );
+    }
+
+    #[test]
     fn duplicate_ids_are_rejected() {
         let (t, _target, src, _dst, ad, peer) = pair();
         let w = write(peer, &src, ad.key, 0).with_deadline(Instant::now() + Duration::from_secs(5));

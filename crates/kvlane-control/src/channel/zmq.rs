@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
     DealerSocket, Endpoint, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage,
@@ -38,7 +38,14 @@ const QUEUE: usize = 4096;
 struct Dial {
     out: mpsc::Sender<Bytes>,
     task: JoinHandle<()>,
+    rid: Bytes,
+    epoch: u64,
 }
+
+/// An event and the DEALER generation (open counter) that produced it; 0 for
+/// the listener. Events of a DEALER that was replaced are dropped, so a late
+/// failure or frame of an old attempt never lands on the new one.
+type Tagged = (u64, ChannelEvent);
 
 /// ZeroMQ ROUTER/DEALER channel.
 #[derive(Debug)]
@@ -46,12 +53,15 @@ pub struct ZmqChannel {
     local_addr: String,
     nonce: u64,
     connect_timeout: Duration,
-    events_tx: mpsc::Sender<ChannelEvent>,
-    events_rx: mpsc::Receiver<ChannelEvent>,
+    events_tx: mpsc::Sender<Tagged>,
+    events_rx: mpsc::Receiver<Tagged>,
     router_out: Option<mpsc::Sender<(Bytes, Bytes)>>,
     router_task: Option<JoinHandle<()>>,
     dials: HashMap<ConnectionId, Dial>,
     retired: Vec<JoinHandle<()>>,
+    /// Counts every DEALER opened, so even a reconnect of the same
+    /// connection id gets a fresh routing id.
+    opened: u64,
 }
 
 impl ZmqChannel {
@@ -84,13 +94,15 @@ impl ZmqChannel {
             router_task: Some(router_task),
             dials: HashMap::new(),
             retired: Vec::new(),
+            opened: 0,
         })
     }
 
-    /// The DEALER routing id of connection `id`: unique per connection
-    /// (node nonce + connection id), never derived from the peer address.
-    pub fn routing_id(&self, id: ConnectionId) -> Bytes {
-        Bytes::from(format!("kvl-{:016x}-{}", self.nonce, id.0))
+    /// The routing id of the current DEALER of connection `id`. Unique per
+    /// DEALER (node nonce + connection id + open counter), never derived
+    /// from the peer address.
+    pub fn routing_id(&self, id: ConnectionId) -> Option<Bytes> {
+        self.dials.get(&id).map(|d| d.rid.clone())
     }
 
     fn reap_retired(&mut self) {
@@ -107,16 +119,27 @@ impl Channel for ZmqChannel {
         self.disconnect(id);
         self.reap_retired();
         let (out, out_rx) = mpsc::channel(QUEUE);
-        let rid = self.routing_id(id);
+        self.opened += 1;
+        let rid = Bytes::from(format!("kvl-{:016x}-{}-{}", self.nonce, id.0, self.opened));
+        let epoch = self.opened;
         let task = tokio::spawn(run_dealer(
+            epoch,
             id,
             addr.to_owned(),
-            rid,
+            rid.clone(),
             self.connect_timeout,
             out_rx,
             self.events_tx.clone(),
         ));
-        self.dials.insert(id, Dial { out, task });
+        self.dials.insert(
+            id,
+            Dial {
+                out,
+                task,
+                rid,
+                epoch,
+            },
+        );
     }
 
     fn send(&mut self, link: &Link, frame: Bytes) {
@@ -124,10 +147,13 @@ impl Channel for ZmqChannel {
             Link::Dial(id) => {
                 let Some(d) = self.dials.get(id) else { return };
                 if d.out.try_send(frame).is_err() {
-                    let _ = self.events_tx.try_send(ChannelEvent::Failed {
-                        id: *id,
-                        reason: "send queue full".into(),
-                    });
+                    let _ = self.events_tx.try_send((
+                        d.epoch,
+                        ChannelEvent::Failed {
+                            id: *id,
+                            reason: "send queue full".into(),
+                        },
+                    ));
                 }
             }
             Link::Accepted(rid) => {
@@ -149,7 +175,41 @@ impl Channel for ZmqChannel {
     }
 
     async fn recv(&mut self) -> Option<ChannelEvent> {
-        self.events_rx.recv().await
+        loop {
+            let (epoch, ev) = match self.router_task.as_mut() {
+                None => self.events_rx.recv().await?,
+                Some(router) => {
+                    let ended = tokio::select! {
+                        ev = self.events_rx.recv() => Ok(ev),
+                        r = router => Err(r),
+                    };
+                    match ended {
+                        Ok(ev) => ev?,
+                        Err(result) => {
+                            // The listener never ends on its own: report it, never silently.
+                            error!(addr = %self.local_addr, ?result, "router task ended unexpectedly");
+                            self.router_task = None;
+                            return None;
+                        }
+                    }
+                }
+            };
+            let id = match &ev {
+                ChannelEvent::Frame {
+                    link: Link::Dial(id),
+                    ..
+                }
+                | ChannelEvent::Failed { id, .. } => *id,
+                ChannelEvent::Frame {
+                    link: Link::Accepted(_),
+                    ..
+                } => return Some(ev),
+            };
+            if self.dials.get(&id).is_some_and(|d| d.epoch == epoch) {
+                return Some(ev);
+            }
+            debug!(%id, epoch, "dropped event of a replaced DEALER");
+        }
     }
 
     async fn close(&mut self) {
@@ -175,7 +235,7 @@ impl Channel for ZmqChannel {
 async fn run_router(
     mut sock: RouterSocket,
     mut out: mpsc::Receiver<(Bytes, Bytes)>,
-    events: mpsc::Sender<ChannelEvent>,
+    events: mpsc::Sender<Tagged>,
 ) {
     loop {
         tokio::select! {
@@ -201,7 +261,7 @@ async fn run_router(
                     let rid = frames.remove(0);
                     // One control message per ZMQ message: the last frame.
                     let bytes = frames.pop().unwrap_or_default();
-                    if events.send(ChannelEvent::Frame { link: Link::Accepted(rid), bytes }).await.is_err() {
+                    if events.send((0, ChannelEvent::Frame { link: Link::Accepted(rid), bytes })).await.is_err() {
                         break;
                     }
                 }
@@ -221,12 +281,13 @@ async fn run_router(
 }
 
 async fn run_dealer(
+    epoch: u64,
     id: ConnectionId,
     addr: String,
     rid: Bytes,
     connect_timeout: Duration,
     mut out: mpsc::Receiver<Bytes>,
-    events: mpsc::Sender<ChannelEvent>,
+    events: mpsc::Sender<Tagged>,
 ) {
     let mut opts = SocketOptions::default();
     opts.connect_timeout(connect_timeout);
@@ -234,7 +295,7 @@ async fn run_dealer(
         opts.peer_identity(pid);
     }
     let mut sock = DealerSocket::with_options(opts);
-    let fail = |reason: String| ChannelEvent::Failed { id, reason };
+    let fail = |reason: String| (epoch, ChannelEvent::Failed { id, reason });
     let endpoint = format!("tcp://{addr}");
     let connect = tokio::select! {
         r = tokio::time::timeout(connect_timeout, sock.connect(&endpoint)) => Some(r),
@@ -285,7 +346,7 @@ async fn run_dealer(
             r = sock.recv() => match r {
                 Ok(msg) => {
                     let bytes = msg.into_vec().pop().unwrap_or_default();
-                    if events.send(ChannelEvent::Frame { link: Link::Dial(id), bytes }).await.is_err() {
+                    if events.send((epoch, ChannelEvent::Frame { link: Link::Dial(id), bytes })).await.is_err() {
                         break;
                     }
                 }

@@ -127,8 +127,7 @@ impl Cluster {
 
     pub(crate) fn connect(&mut self, from: usize, addr: &str) -> ConnectionId {
         let now = self.now;
-        let id = self.nodes[from].reg.connect(now, addr).expect("connect");
-        id
+        self.nodes[from].reg.connect(now, addr).expect("connect")
     }
 
     pub(crate) fn partition(&mut self, a: usize, b: usize) {
@@ -293,6 +292,12 @@ impl Cluster {
         }
         self.pump();
         true
+    }
+
+    /// Drives until nothing is in flight (every frame delivered and its
+    /// answers too); fails on livelock.
+    pub(crate) fn drive(&mut self) {
+        self.drive_bounded(100_000, |c| c.wire.is_empty());
     }
 
     /// Drives until `until` (virtual time).

@@ -1,0 +1,234 @@
+//! The `kvlane bench` command line: options, backend choice, output.
+
+use crate::bench::{self, BenchError, BenchPlan, Row};
+use crate::{bench_remote, units};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvlane_data::tcp::{TcpBackend, TcpConfig};
+use kvlane_data::{Backend, BackendKind, LoopbackBackend, Op};
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum BackendArg {
+    Loopback,
+    Tcp,
+    Verbs,
+    /// The best backend this machine has (verbs, else tcp).
+    Auto,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum OpArg {
+    Read,
+    Write,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Role {
+    /// Both sides in this process (default).
+    Local,
+    /// Serve memory for an initiator in another process or host.
+    Target,
+    /// Measure against `--connect ADDR`.
+    Initiator,
+}
+
+/// Options of `kvlane bench`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// Backends to measure (comma list).
+    #[arg(long, value_delimiter = ',', default_value = "loopback,auto")]
+    backend: Vec<BackendArg>,
+    /// Operations (comma list).
+    #[arg(long, value_delimiter = ',', default_value = "read,write")]
+    op: Vec<OpArg>,
+    /// Block sizes (comma list; K, M, G are binary units).
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M", value_parser = units::parse_size)]
+    block_sizes: Vec<u64>,
+    /// Transfers posted per batch (comma list).
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    batch: Vec<usize>,
+    /// Measuring time per point (e.g. 2s, 500ms).
+    #[arg(long, default_value = "1s", value_parser = units::parse_duration)]
+    duration: Duration,
+    /// Initiator threads, each with its own backend pair (local role).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Skip the memcpy / raw-tcp baseline rows.
+    #[arg(long)]
+    no_baseline: bool,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Where the two sides run.
+    #[arg(long, value_enum, default_value = "local")]
+    role: Role,
+    /// Control address the target listens on (`--role target`).
+    #[arg(long, default_value = "0.0.0.0:5555")]
+    listen: String,
+    /// Target control address (`--role initiator`).
+    #[arg(long)]
+    connect: Option<String>,
+    /// Memory the target serves (`--role target`).
+    #[arg(long, default_value = "512M", value_parser = units::parse_size)]
+    pool: u64,
+    /// Pre-shared key for the handshake (both roles).
+    #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
+    psk: Option<String>,
+}
+
+fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
+    let data = |source| BenchError::Data {
+        backend: kind.to_string(),
+        source,
+    };
+    match kind {
+        BackendKind::Loopback => Ok(Box::new(LoopbackBackend::default())),
+        BackendKind::Tcp => Ok(Box::new(
+            TcpBackend::new(TcpConfig::default()).map_err(data)?,
+        )),
+        BackendKind::Verbs => verbs_backend().map_err(data),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_backend() -> Result<Box<dyn Backend>, kvlane_data::DataError> {
+    Ok(Box::new(kvlane_data::verbs::VerbsBackend::new(
+        kvlane_data::verbs::VerbsConfig::default(),
+    )?))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_backend() -> Result<Box<dyn Backend>, kvlane_data::DataError> {
+    Err(kvlane_data::DataError::Unsupported {
+        backend: "verbs",
+        what: "this kvlane was built without the `verbs` feature",
+    })
+}
+
+/// `auto`: verbs when it can be opened here, else tcp (saying why).
+fn resolve(arg: BackendArg) -> BackendKind {
+    match arg {
+        BackendArg::Loopback => BackendKind::Loopback,
+        BackendArg::Tcp => BackendKind::Tcp,
+        BackendArg::Verbs => BackendKind::Verbs,
+        BackendArg::Auto => match verbs_backend() {
+            Ok(_) => BackendKind::Verbs,
+            Err(e) => {
+                eprintln!("kvlane bench: auto backend: using tcp ({e})");
+                BackendKind::Tcp
+            }
+        },
+    }
+}
+
+struct Output {
+    json: bool,
+    bar: ProgressBar,
+}
+
+impl Output {
+    fn new(json: bool, total: u64) -> Self {
+        // The bar stays off when stderr is not a terminal.
+        let bar = if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total);
+            if let Ok(style) = ProgressStyle::with_template("[{pos}/{len}] {bar:30} {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        if !json {
+            let _ = writeln!(std::io::stdout(), "{}", bench::table_header());
+        }
+        Self { json, bar }
+    }
+
+    fn progress(&self, what: &str) {
+        self.bar.set_message(what.to_owned());
+    }
+
+    fn row(&self, row: &Row) {
+        let line = if self.json {
+            serde_json::to_string(row).unwrap_or_default()
+        } else {
+            bench::table_line(row)
+        };
+        self.bar.suspend(|| {
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{line}");
+            let _ = out.flush();
+        });
+        self.bar.inc(1);
+    }
+}
+
+/// Runs `kvlane bench`.
+pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if args.batch.contains(&0) || args.threads == 0 {
+        return Err("--batch and --threads must be at least 1".into());
+    }
+    let mut backends: Vec<BackendKind> = Vec::new();
+    if args.role == Role::Local {
+        for &b in &args.backend {
+            let k = resolve(b);
+            if !backends.contains(&k) {
+                backends.push(k);
+            }
+        }
+    }
+    let plan = BenchPlan {
+        backends,
+        ops: args
+            .op
+            .iter()
+            .map(|o| {
+                if *o == OpArg::Read {
+                    Op::Read
+                } else {
+                    Op::Write
+                }
+            })
+            .collect(),
+        block_sizes: args.block_sizes.clone(),
+        batches: args.batch.clone(),
+        duration: args.duration,
+        baselines: !args.no_baseline,
+        threads: args.threads,
+    };
+    let psk = args.psk.as_deref();
+    match args.role {
+        Role::Target => {
+            Ok(crate::runtime().block_on(bench_remote::target(&args.listen, args.pool, psk))?)
+        }
+        Role::Initiator => {
+            let addr = args
+                .connect
+                .as_deref()
+                .ok_or("--role initiator needs --connect HOST:PORT")?;
+            let points = plan.block_sizes.len() * plan.batches.len() * plan.ops.len();
+            let out = Output::new(args.json, points as u64);
+            let r = crate::runtime().block_on(bench_remote::initiator(
+                addr,
+                &plan,
+                psk,
+                |w| out.progress(w),
+                |r| out.row(r),
+            ));
+            out.bar.finish_and_clear();
+            Ok(r?)
+        }
+        Role::Local => {
+            let per_size = plan.backends.len() * plan.ops.len()
+                + usize::from(plan.baselines)
+                + usize::from(plan.baselines && plan.backends.contains(&BackendKind::Tcp));
+            let total = plan.block_sizes.len() * plan.batches.len() * per_size;
+            let out = Output::new(args.json, total as u64);
+            let r = bench::run(&plan, &make_backend, |w| out.progress(w), |r| out.row(r));
+            out.bar.finish_and_clear();
+            Ok(r?)
+        }
+    }
+}
