@@ -13,7 +13,7 @@
 # not asserted (TCG timing is noisy); set VERBS_MIN_RATIO=0.9 to enforce it.
 #
 # Knobs: VERBS_SIZE (65536) VERBS_ITERS (1000) VERBS_DEPTH (128) VERBS_QPS (1),
-#        VERBS_REPS (3: interleaved runs, best of each is reported),
+#        VERBS_REPS (5: interleaved runs, best of each is reported),
 #        VERBS_CLI=0 skips building/running the CLI bench (saves ~2 min cold),
 #        SOFTROCE_ACCEL (auto|kvm|tcg), plus everything ci/softroce.sh reads.
 set -euo pipefail
@@ -23,7 +23,7 @@ log() { echo "[verbs.sh $(date +%T)] $*" >&2; }
 
 SIZE=${VERBS_SIZE:-65536}
 ITERS=${VERBS_ITERS:-1000}
-REPS=${VERBS_REPS:-3}
+REPS=${VERBS_REPS:-5}
 DEPTH=${VERBS_DEPTH:-128}
 QPS=${VERBS_QPS:-1}
 MIN_RATIO=${VERBS_MIN_RATIO:-}
@@ -76,12 +76,17 @@ for g in \$P/gids/*; do
 done
 GIDX=\${GIDX:-1}
 
+# Both benchmarks run pinned to the same vCPU: unpinned, the scheduler's
+# placement against rxe's softirq work swings results by 2x (measured: kvlane
+# WRITE 18-22 MB/s unpinned vs 37 MB/s pinned in the same VM).
+PIN=
+[ "\$(nproc)" -ge 2 ] && command -v taskset >/dev/null && PIN="taskset -c 1"
 perf() { # tool port -> prints average MB/s (column 4 of the result row) or 0
   local tool=\$1 port=\$2
   local args="-d rxe0 -x \$GIDX -F -s $SIZE -n $ITERS -t $DEPTH -q $QPS -p \$port"
-  timeout 120 \$tool \$args > /tmp/\$tool.srv 2>&1 & local sp=\$!
+  timeout 120 \$PIN \$tool \$args > /tmp/\$tool.srv 2>&1 & local sp=\$!
   sleep 1
-  timeout 120 \$tool \$args "\$SOFTROCE_IP" > /tmp/\$tool.cli 2>&1; local cr=\$?
+  timeout 120 \$PIN \$tool \$args "\$SOFTROCE_IP" > /tmp/\$tool.cli 2>&1; local cr=\$?
   wait \$sp; local sr=\$?
   if [ \$cr -ne 0 ] || [ \$sr -ne 0 ]; then
     echo "\$tool failed (client rc=\$cr server rc=\$sr)" >&2; cat /tmp/\$tool.cli >&2; echo 0; return
@@ -89,7 +94,7 @@ perf() { # tool port -> prints average MB/s (column 4 of the result row) or 0
   awk -v s=$SIZE '\$1 == s && NF >= 4 { v = \$4 } END { print (v == "" ? 0 : v) }' /tmp/\$tool.cli
 }
 kv() { # op -> prints MB/s or 0
-  KVLANE_IB_DEVICE=rxe0 timeout 120 "$BENCHBIN" --op \$1 --size $SIZE --iters $ITERS --depth $DEPTH \
+  KVLANE_IB_DEVICE=rxe0 timeout 120 \$PIN "$BENCHBIN" --op \$1 --size $SIZE --iters $ITERS --depth $DEPTH \
     --qps $QPS --warmup 100 > /tmp/kv.out 2>&1 || { cat /tmp/kv.out >&2; echo 0; return; }
   awk '/^RESULT/ { sub("MBps=", "", \$NF); print \$NF }' /tmp/kv.out
 }
@@ -109,7 +114,7 @@ KC=
 if [ -n "$KVBIN" ]; then
   echo "===== kvlane devices / kvlane bench --backend verbs"
   "$KVBIN" devices || rc=1
-  KVLANE_IB_DEVICE=rxe0 "$KVBIN" bench --backend verbs --op write,read --block-sizes $SIZE \
+  KVLANE_IB_DEVICE=rxe0 \$PIN "$KVBIN" bench --backend verbs --op write,read --block-sizes $SIZE \
     --batch $DEPTH --duration 3s --no-baseline --json > /tmp/cli.json || rc=1
   cat /tmp/cli.json
   # GB/s -> MB/s per op, from the JSON rows
