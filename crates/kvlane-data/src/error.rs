@@ -134,6 +134,28 @@ pub enum DataError {
     /// The backend was shut down before the transfer completed.
     #[error("backend shut down with {0} still in flight")]
     Shutdown(TransferId),
+    /// The RDMA NIC failed a work request of the transfer (verbs backend):
+    /// remote access error, retry exceeded, queue pair flushed, ...
+    #[error("{op} to {peer} failed on rdma device {device} queue pair {qpn}: {status} (vendor error {vendor_err:#x})")]
+    Rdma {
+        /// The target.
+        peer: PeerId,
+        /// The operation.
+        op: Op,
+        /// The local RDMA device.
+        device: String,
+        /// The local queue pair number.
+        qpn: u32,
+        /// The work completion status, e.g. "remote access error".
+        status: &'static str,
+        /// Vendor-specific error code from the completion.
+        vendor_err: u32,
+    },
+    /// Setting up or using the verbs backend failed (device, registration,
+    /// queue pair); the error names the device.
+    #[cfg(feature = "verbs")]
+    #[error(transparent)]
+    Verbs(#[from] crate::verbs::VerbsError),
     /// An I/O operation failed.
     #[error("{op} failed")]
     Io {

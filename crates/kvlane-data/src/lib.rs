@@ -65,6 +65,8 @@ pub mod loopback;
 mod memory;
 pub mod tcp;
 mod transfer;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 pub use backend::{connect_pair, Backend};
 pub use error::{DataError, SubmitError};

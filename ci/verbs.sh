@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# ci/verbs.sh -- build the verbs backend (cargo feature `verbs`), then in ONE
+# Soft-RoCE VM (ci/softroce.sh):
+#   1. run the ignored hardware tests of crates/kvlane-data/tests/verbs.rs on rxe0
+#      (conformance suite, notifications, striping, SQ-full, remote access error);
+#   2. run perftest ib_write_bw / ib_read_bw at 64 KiB on rxe0;
+#   3. run the kvlane verbs bench (examples/verbs_bench.rs) with the same
+#      message size, iteration count, queue depth and QP count, and
+#      `kvlane bench --backend verbs` (the CLI: batches of 128 blocks);
+# and print the bandwidths and the ratio kvlane/perftest (target >= 0.9x).
+#
+# Exit code: non-zero when the build or a test fails. Bandwidth is reported,
+# not asserted (TCG timing is noisy); set VERBS_MIN_RATIO=0.9 to enforce it.
+#
+# Knobs: VERBS_SIZE (65536) VERBS_ITERS (1000) VERBS_DEPTH (128) VERBS_QPS (1),
+#        VERBS_REPS (5: interleaved runs, best of each is reported),
+#        VERBS_CLI=0 skips building/running the CLI bench (saves ~2 min cold),
+#        SOFTROCE_ACCEL (auto|kvm|tcg), plus everything ci/softroce.sh reads.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd -P)
+log() { echo "[verbs.sh $(date +%T)] $*" >&2; }
+
+SIZE=${VERBS_SIZE:-65536}
+ITERS=${VERBS_ITERS:-1000}
+REPS=${VERBS_REPS:-5}
+DEPTH=${VERBS_DEPTH:-128}
+QPS=${VERBS_QPS:-1}
+MIN_RATIO=${VERBS_MIN_RATIO:-}
+
+# ------------------------------------------------------------ build deps
+# sideway -> rdma-mummy-sys builds a C shim with cmake and runs bindgen (libclang).
+PKGS=(cmake libclang-dev clang make gcc libibverbs-dev pkg-config)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  [ "$(id -u)" = 0 ] || { log "need root to install: ${missing[*]}"; exit 125; }
+  log "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+# ------------------------------------------------------------ build
+t0=$(date +%s)
+log "building tests (debug) and the bench (release) with --features verbs"
+exe_of() { grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | grep -v '^$' | tail -n1; }
+TESTBIN=$(cargo test -p kvlane-data --features verbs --test verbs --no-run \
+            --message-format=json-render-diagnostics | exe_of)
+BENCHBIN=$(cargo build --release -p kvlane-data --features verbs --example verbs_bench \
+             --message-format=json-render-diagnostics | exe_of)
+[ -x "$TESTBIN" ] && [ -x "$BENCHBIN" ] || { log "build produced no binaries"; exit 1; }
+KVBIN=
+if [ "${VERBS_CLI:-1}" = 1 ]; then
+  KVBIN=$(cargo build --release -p kvlane-cli --features verbs \
+            --message-format=json-render-diagnostics | exe_of)
+  [ -x "$KVBIN" ] || { log "the kvlane CLI did not build"; exit 1; }
+fi
+log "built in $(( $(date +%s) - t0 ))s: $TESTBIN, $BENCHBIN${KVBIN:+, $KVBIN}"
+
+# ------------------------------------------------------------ guest script
+GUEST=$(cat <<EOF
+set -u
+rc=0
+echo "===== verbs tests on rxe0"
+KVLANE_TEST_VERBS_DEVICE=rxe0 "$TESTBIN" --ignored --test-threads=1 || rc=1
+
+# IPv4-mapped RoCE v2 GID index (shell builtins only: 1024 entries under TCG)
+GIDX=
+P=/sys/class/infiniband/rxe0/ports/1
+for g in \$P/gids/*; do
+  read -r v < "\$g" || continue
+  case "\$v" in 0000:0000:0000:0000:0000:ffff:*) GIDX=\${g##*/}; break ;; esac
+done
+GIDX=\${GIDX:-1}
+
+# Both benchmarks run pinned to the same vCPU: unpinned, the scheduler's
+# placement against rxe's softirq work swings results by 2x (measured: kvlane
+# WRITE 18-22 MB/s unpinned vs 37 MB/s pinned in the same VM).
+PIN=
+[ "\$(nproc)" -ge 2 ] && command -v taskset >/dev/null && PIN="taskset -c 1"
+perf() { # tool port -> prints average MB/s (column 4 of the result row) or 0
+  local tool=\$1 port=\$2
+  local args="-d rxe0 -x \$GIDX -F -s $SIZE -n $ITERS -t $DEPTH -q $QPS -p \$port"
+  timeout 120 \$PIN \$tool \$args > /tmp/\$tool.srv 2>&1 & local sp=\$!
+  sleep 1
+  timeout 120 \$PIN \$tool \$args "\$SOFTROCE_IP" > /tmp/\$tool.cli 2>&1; local cr=\$?
+  wait \$sp; local sr=\$?
+  if [ \$cr -ne 0 ] || [ \$sr -ne 0 ]; then
+    echo "\$tool failed (client rc=\$cr server rc=\$sr)" >&2; cat /tmp/\$tool.cli >&2; echo 0; return
+  fi
+  awk -v s=$SIZE '\$1 == s && NF >= 4 { v = \$4 } END { print (v == "" ? 0 : v) }' /tmp/\$tool.cli
+}
+kv() { # op -> prints MB/s or 0
+  KVLANE_IB_DEVICE=rxe0 timeout 120 \$PIN "$BENCHBIN" --op \$1 --size $SIZE --iters $ITERS --depth $DEPTH \
+    --qps $QPS --warmup 100 > /tmp/kv.out 2>&1 || { cat /tmp/kv.out >&2; echo 0; return; }
+  awk '/^RESULT/ { sub("MBps=", "", \$NF); print \$NF }' /tmp/kv.out
+}
+max() { awk -v a="\$1" -v b="\$2" 'BEGIN { print (a + 0 > b + 0) ? a : b }'; }
+# TCG timing swings with host load: interleave the runs and keep each one's best.
+echo "===== perftest vs kvlane verbs_bench ($SIZE B x $ITERS, depth $DEPTH, $QPS qp, best of $REPS)"
+PW=0 PR=0 KW=0 KR=0
+for r in \$(seq $REPS); do
+  v=\$(perf ib_write_bw \$((18600 + 2 * r))); echo "rep \$r perftest WRITE \$v MB/s"; PW=\$(max \$PW \$v)
+  v=\$(kv write); echo "rep \$r kvlane   WRITE \$v MB/s"; KW=\$(max \$KW \$v)
+  v=\$(perf ib_read_bw \$((18601 + 2 * r))); echo "rep \$r perftest READ  \$v MB/s"; PR=\$(max \$PR \$v)
+  v=\$(kv read); echo "rep \$r kvlane   READ  \$v MB/s"; KR=\$(max \$KR \$v)
+done
+[ "\$KW" = 0 ] || [ "\$KR" = 0 ] && { echo "the kvlane bench failed"; rc=1; }
+
+KC=
+if [ -n "$KVBIN" ]; then
+  echo "===== kvlane devices / kvlane bench --backend verbs"
+  "$KVBIN" devices || rc=1
+  KVLANE_IB_DEVICE=rxe0 \$PIN "$KVBIN" bench --backend verbs --op write,read --block-sizes $SIZE \
+    --batch $DEPTH --duration 3s --no-baseline --json > /tmp/cli.json || rc=1
+  cat /tmp/cli.json
+  # GB/s -> MB/s per op, from the JSON rows
+  KCW=\$(sed -n 's/.*"op":"write".*"gbps":\([0-9.e+-]*\).*/\1/p' /tmp/cli.json | awk '{ printf "%.2f", \$1 * 1000 }')
+  KCR=\$(sed -n 's/.*"op":"read".*"gbps":\([0-9.e+-]*\).*/\1/p' /tmp/cli.json | awk '{ printf "%.2f", \$1 * 1000 }')
+  KC=1
+fi
+
+echo
+echo "===== bandwidth at $SIZE B (same VM, rxe0, MB/s)"
+awk -v pw="\${PW:-0}" -v pr="\${PR:-0}" -v kw="\${KW:-0}" -v kr="\${KR:-0}" \
+    -v cw="\${KCW:-0}" -v cr="\${KCR:-0}" -v kc="\$KC" -v min="$MIN_RATIO" 'BEGIN {
+  printf "%-6s %12s %14s %8s %14s %8s\n", "op", "perftest", "verbs_bench", "ratio", "kvlane bench", "ratio"
+  bad = 0
+  n = split("WRITE READ", ops, " "); p[1] = pw; p[2] = pr; k[1] = kw; k[2] = kr; c[1] = cw; c[2] = cr
+  for (i = 1; i <= 2; i++) {
+    r = (p[i] > 0) ? k[i] / p[i] : -1
+    q = (p[i] > 0 && kc != "") ? c[i] / p[i] : -1
+    printf "%-6s %12.2f %14.2f %8s %14s %8s\n", ops[i], p[i], k[i], (r < 0 ? "n/a" : sprintf("%.2f", r)),
+           (kc == "" ? "-" : sprintf("%.2f", c[i])), (q < 0 ? "n/a" : sprintf("%.2f", q))
+    if (min != "" && r >= 0 && r < min) bad = 1
+  }
+  if (pw == 0 || pr == 0) print "NOTE: perftest reported no bandwidth (TSC calibration fails under TCG); ratio n/a"
+  exit bad
+}' || { echo "kvlane is below VERBS_MIN_RATIO=$MIN_RATIO x perftest"; rc=1; }
+exit \$rc
+EOF
+)
+
+log "starting the Soft-RoCE VM"
+t1=$(date +%s)
+set +e
+SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600} "$ROOT/ci/softroce.sh" -c "$GUEST"
+rc=$?
+set -e
+log "VM run took $(( $(date +%s) - t1 ))s, rc=$rc; total $(( $(date +%s) - t0 ))s"
+exit $rc
