@@ -51,7 +51,9 @@ TESTBIN=$(cargo test -p kvlane-data --features verbs --test verbs --no-run \
             --message-format=json-render-diagnostics | exe_of)
 BENCHBIN=$(cargo build --release -p kvlane-data --features verbs --example verbs_bench \
              --message-format=json-render-diagnostics | exe_of)
-[ -x "$TESTBIN" ] && [ -x "$BENCHBIN" ] || { log "build produced no binaries"; exit 1; }
+AGENTBIN=$(cargo test -p kvlane --features verbs --test agent_verbs --no-run \
+            --message-format=json-render-diagnostics | exe_of)
+[ -x "$TESTBIN" ] && [ -x "$BENCHBIN" ] && [ -x "$AGENTBIN" ] || { log "build produced no binaries"; exit 1; }
 KVBIN=
 if [ "${VERBS_CLI:-1}" = 1 ]; then
   KVBIN=$(cargo build --release -p kvlane-cli --features verbs \
@@ -66,6 +68,8 @@ set -u
 rc=0
 echo "===== verbs tests on rxe0"
 KVLANE_TEST_VERBS_DEVICE=rxe0 "$TESTBIN" --ignored --test-threads=1 || rc=1
+echo "===== agents over verbs on rxe0 (control handshake + queue-pair exchange)"
+KVLANE_TEST_VERBS_DEVICE=rxe0 "$AGENTBIN" --ignored --test-threads=1 || rc=1
 
 # IPv4-mapped RoCE v2 GID index (shell builtins only: 1024 entries under TCG)
 GIDX=

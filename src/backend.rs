@@ -6,22 +6,34 @@ use kvlane_data::tcp::{TcpBackend, TcpConfig};
 use kvlane_data::{Backend, LoopbackBackend};
 use std::net::ToSocketAddrs;
 
-/// Creates the backend `choice` names; `Auto` falls back to tcp and logs why.
+/// Creates the backend `choice` names; `Auto` tries verbs and falls back
+/// to tcp, logging why.
 pub(crate) fn create(choice: BackendChoice, data_listen: &str) -> Result<Box<dyn Backend>, Error> {
     match choice {
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
         BackendChoice::Tcp => tcp(data_listen),
-        BackendChoice::Auto => {
-            tracing::info!(
-                "backend auto: using tcp (the verbs backend is not wired into the agent yet)"
-            );
+        BackendChoice::Verbs => verbs(),
+        BackendChoice::Auto => verbs().or_else(|e| {
+            tracing::info!(reason = %e, "backend auto: verbs unavailable, using tcp");
             tcp(data_listen)
-        }
-        BackendChoice::Verbs => Err(Error::msg(
-            ErrorKind::Unsupported,
-            "the verbs backend is not wired into the agent yet; use tcp",
-        )),
+        }),
     }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs() -> Result<Box<dyn Backend>, Error> {
+    use kvlane_data::verbs::{VerbsBackend, VerbsConfig};
+    let backend =
+        VerbsBackend::new(VerbsConfig::default()).map_err(kvlane_data::DataError::from)?;
+    Ok(Box::new(backend))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs() -> Result<Box<dyn Backend>, Error> {
+    Err(Error::msg(
+        ErrorKind::Unsupported,
+        "verbs backend: this kvlane was built without the `verbs` cargo feature",
+    ))
 }
 
 fn tcp(data_listen: &str) -> Result<Box<dyn Backend>, Error> {

@@ -136,7 +136,11 @@ fn data_kind(e: &DataError) -> ErrorKind {
         DataError::Unsupported { .. } => ErrorKind::Unsupported,
         DataError::Shutdown(_) => ErrorKind::Closed,
         DataError::UnknownPeer(_) => ErrorKind::PeerLost,
-        DataError::Io { .. } => ErrorKind::Io,
+        DataError::Io { .. } | DataError::Rdma { .. } => ErrorKind::Io,
+        #[cfg(feature = "verbs")]
+        DataError::Verbs(kvlane_data::verbs::VerbsError::Unsupported(_)) => ErrorKind::Unsupported,
+        #[cfg(feature = "verbs")]
+        DataError::Verbs(_) => ErrorKind::Io,
         _ => ErrorKind::InvalidInput,
     }
 }

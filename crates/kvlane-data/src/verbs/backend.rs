@@ -515,6 +515,11 @@ impl Backend for VerbsBackend {
     fn needs_busy_poll(&self) -> bool {
         true
     }
+
+    /// A queue pair pairs with exactly one remote queue pair.
+    fn endpoint_per_peer(&self) -> bool {
+        true
+    }
 }
 
 /// Everything `submit` resolved: the work requests and the registrations
