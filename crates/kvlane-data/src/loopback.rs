@@ -205,7 +205,8 @@ impl LoopbackBackend {
     }
 }
 
-/// The checks a target NIC makes for one remote span.
+/// The checks a target NIC makes for one remote span of `region`, served
+/// under `key`.
 pub(crate) fn check_remote(
     peer: PeerId,
     key: RemoteKey,
@@ -214,28 +215,7 @@ pub(crate) fn check_remote(
     offset: u64,
     len: u64,
 ) -> Result<(), DataError> {
-    let needed = match op {
-        Op::Read => Access::REMOTE_READ,
-        Op::Write => Access::REMOTE_WRITE,
-    };
-    if !region.access().contains(needed) {
-        return Err(DataError::AccessDenied {
-            op,
-            target: format!("remote {key} at {peer}"),
-            needed,
-            granted: region.access(),
-        });
-    }
-    if offset.checked_add(len).is_none_or(|end| end > region.len()) {
-        return Err(DataError::RemoteOutOfBounds {
-            peer,
-            key,
-            offset,
-            len,
-            region_len: region.len(),
-        });
-    }
-    Ok(())
+    region.advert(key).check(peer, op, offset, len)
 }
 
 impl Backend for LoopbackBackend {
@@ -261,12 +241,7 @@ impl Backend for LoopbackBackend {
         self.local.insert(region.id(), region.clone());
         self.keys.insert(region.id(), key);
         lock(&self.node.regions).insert(key, region.clone());
-        Ok(RemoteRegion {
-            key,
-            addr: region.addr(),
-            len: region.len(),
-            access: region.access(),
-        })
+        Ok(region.advert(key))
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {

@@ -110,6 +110,42 @@ pub struct RemoteRegion {
     pub access: Access,
 }
 
+impl RemoteRegion {
+    /// The checks a target NIC makes before serving `op` on
+    /// `offset..offset+len` of this region for `peer`: the remote right,
+    /// then the bounds (overflow-safe).
+    pub(crate) fn check(
+        &self,
+        peer: crate::ids::PeerId,
+        op: crate::transfer::Op,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), DataError> {
+        let needed = match op {
+            crate::transfer::Op::Read => Access::REMOTE_READ,
+            crate::transfer::Op::Write => Access::REMOTE_WRITE,
+        };
+        if !self.access.contains(needed) {
+            return Err(DataError::AccessDenied {
+                op,
+                target: format!("remote {} at {peer}", self.key),
+                needed,
+                granted: self.access,
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(DataError::RemoteOutOfBounds {
+                peer,
+                key: self.key,
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+}
+
 enum Owner {
     /// Allocated by [`Region::alloc`]; freed with this layout.
     Aligned(Layout),
@@ -294,6 +330,16 @@ impl Region {
     /// Rights granted on this region.
     pub fn access(&self) -> Access {
         self.inner.access
+    }
+
+    /// What a target advertises for this region when it serves it under `key`.
+    pub fn advert(&self, key: RemoteKey) -> RemoteRegion {
+        RemoteRegion {
+            key,
+            addr: self.addr(),
+            len: self.len(),
+            access: self.access(),
+        }
     }
 
     /// Checks that `offset..offset+len` lies inside the region.

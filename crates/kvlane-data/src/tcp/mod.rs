@@ -533,12 +533,7 @@ impl Backend for TcpBackend {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, region.clone());
-        Ok(RemoteRegion {
-            key,
-            addr: region.addr(),
-            len: region.len(),
-            access: region.access(),
-        })
+        Ok(region.advert(key))
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {

@@ -5,40 +5,8 @@
 use super::backend::{Local, Planned, VerbsBackend};
 use super::engine::PlannedWr;
 use crate::error::DataError;
-use crate::ids::PeerId;
-use crate::memory::{Access, RemoteRegion};
+use crate::memory::Access;
 use crate::transfer::{Op, Transfer};
-
-fn check_remote(
-    peer: PeerId,
-    r: &RemoteRegion,
-    op: Op,
-    offset: u64,
-    len: u64,
-) -> Result<(), DataError> {
-    let needed = match op {
-        Op::Read => Access::REMOTE_READ,
-        Op::Write => Access::REMOTE_WRITE,
-    };
-    if !r.access.contains(needed) {
-        return Err(DataError::AccessDenied {
-            op,
-            target: format!("remote {} at {peer}", r.key),
-            needed,
-            granted: r.access,
-        });
-    }
-    match offset.checked_add(len) {
-        Some(end) if end <= r.len => Ok(()),
-        _ => Err(DataError::RemoteOutOfBounds {
-            peer,
-            key: r.key,
-            offset,
-            len,
-            region_len: r.len,
-        }),
-    }
-}
 
 impl VerbsBackend {
     /// Resolves a transfer into work requests striped over the peer's healthy
@@ -85,7 +53,7 @@ impl VerbsBackend {
                 peer: t.peer,
                 key: seg.key,
             })?;
-            check_remote(t.peer, remote, t.op, seg.remote_offset, seg.len)?;
+            remote.check(t.peer, t.op, seg.remote_offset, seg.len)?;
             if !keep.iter().any(|l| l.region.id() == seg.region) {
                 keep.push(local.clone());
             }
