@@ -177,6 +177,35 @@ pub fn run_one<B: Backend>(init: &mut B, target: &mut B, t: Transfer) -> Result<
     }
 }
 
+/// Polls `b` until every id in `ids` completed, panicking after `limit`;
+/// returns each result with the moment it arrived.
+pub fn collect(
+    b: &mut impl Backend,
+    ids: &[TransferId],
+    limit: Duration,
+) -> HashMap<TransferId, (Result<(), DataError>, Instant)> {
+    let end = Instant::now() + limit;
+    let mut out = HashMap::new();
+    let mut done: Vec<Completion> = Vec::new();
+    while out.len() < ids.len() {
+        b.poll(&mut done);
+        for c in done.drain(..) {
+            assert!(
+                out.insert(c.id, (c.result, Instant::now())).is_none(),
+                "{} completed twice",
+                c.id
+            );
+        }
+        assert!(
+            Instant::now() < end,
+            "{} transfers hang",
+            ids.len() - out.len()
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    out
+}
+
 /// Polls the target until `n` notifications arrived (or the case times out);
 /// initiator completions seen meanwhile are appended to `done`.
 pub fn wait_notifications<B: Backend>(

@@ -267,41 +267,9 @@ mod raw {
     }
 }
 
-/// Shared helpers for tests that drive a [`TcpBackend`] initiator.
-mod util {
-    use kvlane_data::{Backend, Completion, TransferId};
-    use std::collections::HashMap;
-    use std::time::{Duration, Instant};
-
-    /// Polls until every id completed or `limit` passed; returns results
-    /// and when each arrived.
-    pub(crate) fn collect(
-        b: &mut impl Backend,
-        ids: &[TransferId],
-        limit: Duration,
-    ) -> HashMap<TransferId, (Result<(), kvlane_data::DataError>, Instant)> {
-        let end = Instant::now() + limit;
-        let mut out = HashMap::new();
-        let mut done: Vec<Completion> = Vec::new();
-        while out.len() < ids.len() {
-            b.poll(&mut done);
-            for c in done.drain(..) {
-                assert!(out.insert(c.id, (c.result, Instant::now())).is_none());
-            }
-            assert!(
-                Instant::now() < end,
-                "{} transfers hang",
-                ids.len() - out.len()
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        out
-    }
-}
-
 /// Stalled and broken targets, faked with plain sockets.
 mod faults {
-    use super::util::collect;
+    use kvlane_data::conformance::collect;
     use kvlane_data::tcp::wire::{HELLO_ACK, HELLO_LEN};
     use kvlane_data::{
         connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
@@ -568,7 +536,7 @@ mod transport {
 /// Refusals that only the target can make (the initiator's own checks
 /// pass because the advertisement is stale or wrong) come back typed.
 mod target_refusals {
-    use super::util::collect;
+    use kvlane_data::conformance::collect;
     use kvlane_data::{
         Access, Backend, DataError, Descriptor, Op, Region, RemoteDescriptor, RemoteRegion,
         TcpBackend, TcpConfig, Transfer,

@@ -1,41 +1,9 @@
 //! The tcp backend across processes: the target runs as
 //! `examples/tcp_target.rs` in a child process.
 
-/// Shared helpers for tests that drive a [`TcpBackend`] initiator.
-mod util {
-    use kvlane_data::{Backend, Completion, TransferId};
-    use std::collections::HashMap;
-    use std::time::{Duration, Instant};
-
-    /// Polls until every id completed or `limit` passed; returns results
-    /// and when each arrived.
-    pub(crate) fn collect(
-        b: &mut impl Backend,
-        ids: &[TransferId],
-        limit: Duration,
-    ) -> HashMap<TransferId, (Result<(), kvlane_data::DataError>, Instant)> {
-        let end = Instant::now() + limit;
-        let mut out = HashMap::new();
-        let mut done: Vec<Completion> = Vec::new();
-        while out.len() < ids.len() {
-            b.poll(&mut done);
-            for c in done.drain(..) {
-                assert!(out.insert(c.id, (c.result, Instant::now())).is_none());
-            }
-            assert!(
-                Instant::now() < end,
-                "{} transfers hang",
-                ids.len() - out.len()
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        out
-    }
-}
-
 /// The target in another process (`examples/tcp_target.rs`).
 mod process {
-    use super::util::collect;
+    use kvlane_data::conformance::collect;
     use kvlane_data::{
         Access, Backend, Completion, DataError, Descriptor, Endpoint, Op, Region, RemoteDescriptor,
         RemoteRegion, SubmitError, TcpBackend, TcpConfig, Transfer,
