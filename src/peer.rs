@@ -193,8 +193,10 @@ impl Peer {
         })
     }
 
-    /// Posts a prepared transfer. Fails with [`ErrorKind::Stale`] when the
-    /// peer restarted since it was prepared.
+    /// Posts a prepared transfer. Never blocks. Fails with
+    /// [`ErrorKind::Stale`] when the peer restarted since it was prepared,
+    /// and with [`ErrorKind::Busy`] when the backend's queue is full (await
+    /// earlier handles, then post again).
     pub fn post(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
         {
             let peers = lock(&self.inner.peers);
@@ -222,7 +224,9 @@ impl Peer {
                 ));
             }
         }
-        let data = self.inner.transport.submit_wait(prepared.transfer)?;
+        // Never blocks: a full queue is `ErrorKind::Busy` (retry after earlier
+        // transfers completed), not a stalled async task.
+        let data = self.inner.transport.submit(prepared.transfer)?;
         let Some(frame) = prepared.notify_after_read else {
             return Ok(TransferHandle {
                 inner: HandleInner::Data(data),
