@@ -191,7 +191,21 @@ impl Transport {
         let thread_shared = shared.clone();
         let handle = thread::Builder::new()
             .name("kvlane-progress".into())
-            .spawn(move || progress_loop(&thread_shared))
+            .spawn(move || {
+                let shared = &thread_shared;
+                // A panicking backend must not leave handles waiting forever:
+                // stop taking work and fail everything in flight.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| progress_loop(shared)))
+                    .is_err()
+                {
+                    tracing::error!("kvlane progress thread panicked; failing in-flight transfers");
+                    shared.stop.store(true, Ordering::Release);
+                    let slots: Vec<_> = lock(&shared.slots).drain().collect();
+                    for (id, slot) in slots {
+                        slot.complete(Err(DataError::Shutdown(id)));
+                    }
+                }
+            })
             .map_err(|source| DataError::Io {
                 op: "spawn progress thread".into(),
                 source,

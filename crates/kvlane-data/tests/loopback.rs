@@ -221,3 +221,67 @@ mod per_peer {
         }
     }
 }
+
+/// A backend that panics in `poll` must not leave a handle waiting forever.
+mod panicking {
+    use kvlane_data::{
+        Backend, BackendKind, Completion, DataError, Endpoint, Notification, Op, PeerId, Region,
+        RegionId, RemoteRegion, SubmitError, Transfer, Transport,
+    };
+    use std::time::Duration;
+
+    struct Boom(usize);
+
+    impl Backend for Boom {
+        fn kind(&self) -> BackendKind {
+            BackendKind::Loopback
+        }
+        fn register(&mut self, _: &Region) -> Result<RemoteRegion, DataError> {
+            unimplemented!("not used")
+        }
+        fn deregister(&mut self, _: RegionId) -> Result<(), DataError> {
+            Ok(())
+        }
+        fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+            unimplemented!("not used")
+        }
+        fn connect_peer(
+            &mut self,
+            _: PeerId,
+            _: &Endpoint,
+            _: &[RemoteRegion],
+        ) -> Result<(), DataError> {
+            Ok(())
+        }
+        fn remove_peer(&mut self, _: PeerId) {}
+        fn submit(&mut self, _: Transfer) -> Result<(), SubmitError> {
+            self.0 += 1;
+            Ok(())
+        }
+        fn poll(&mut self, _: &mut Vec<Completion>) -> usize {
+            assert!(self.0 == 0, "backend bug");
+            0
+        }
+        fn poll_notifications(&mut self, _: &mut Vec<Notification>) -> usize {
+            0
+        }
+        fn in_flight(&self) -> usize {
+            self.0
+        }
+    }
+
+    #[test]
+    fn a_panicking_backend_fails_handles_instead_of_hanging() {
+        let t = Transport::new(Boom(0)).unwrap();
+        let mut h = t
+            .submit(Transfer::new(PeerId(1), Op::Write, vec![], vec![]))
+            .unwrap();
+        let r = h
+            .wait_timeout(Duration::from_secs(10))
+            .expect("handle hung after the backend panicked");
+        assert!(matches!(r, Err(DataError::Shutdown(_))), "{r:?}");
+        assert!(t
+            .submit(Transfer::new(PeerId(1), Op::Write, vec![], vec![]))
+            .is_err());
+    }
+}
