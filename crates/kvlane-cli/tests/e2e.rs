@@ -392,3 +392,54 @@ fn bench_across_two_processes_reports_every_point() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_dying_leaves_transfers_to_another_untouched() {
+    let mut doomed = Served::start("127.0.0.1:0", 5, None);
+    let healthy = Served::start("127.0.0.1:0", 6, None);
+    let (agent, local) = initiator(None).await;
+    let a = agent.connect(&doomed.addr).await.unwrap();
+    let b = agent.connect(&healthy.addr).await.unwrap();
+    let ids: Vec<u32> = (0..BLOCKS).collect();
+    let mut to_a = Vec::new();
+    let mut to_b = Vec::new();
+    for _ in 0..20 {
+        to_a.push(a.write_blocks(0..LAYERS, &ids, &ids, None).unwrap());
+        to_b.push(b.write_blocks(0..LAYERS, &ids, &ids, None).unwrap());
+    }
+    doomed.child.kill().unwrap();
+    doomed.child.wait().unwrap();
+    for h in to_b {
+        tokio::time::timeout(Duration::from_secs(30), h)
+            .await
+            .expect("a transfer to the healthy peer hung")
+            .expect("a transfer to the healthy peer failed because another peer died");
+    }
+    for h in to_a {
+        if let Err(e) = tokio::time::timeout(Duration::from_secs(15), h)
+            .await
+            .expect("hung")
+        {
+            assert!(e.is_peer_lost(), "{e}");
+        }
+    }
+    // The healthy peer got every byte and still serves: its block 2 now
+    // holds what our block 2 held, and reads back into our block 7.
+    b.read_blocks(0..LAYERS, &[7], &[2], None)
+        .unwrap()
+        .await
+        .unwrap();
+    for layer in 0..LAYERS {
+        for part in 0..2 {
+            assert!(
+                block(&local, layer, part, 7) == block(&local, layer, part, 2),
+                "layer {layer}"
+            );
+            assert!(
+                block(&local, layer, part, 7) != served_block(6, layer, part, 2),
+                "WRITE lost"
+            );
+        }
+    }
+    agent.close().await;
+}
