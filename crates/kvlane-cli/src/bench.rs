@@ -210,24 +210,28 @@ impl Pair {
         // batch's preparation and one per post (its timestamp), so the
         // measurement itself stays out of the per-transfer cost.
         let t0 = Instant::now();
+        // One deadline for the batch (one clock read, not one per transfer).
+        let deadline = t0 + kvlane_data::DEFAULT_DEADLINE;
         let transfers: Vec<Transfer> = (0..batch)
             .map(|i| {
                 let off = (i as u64 % self.pool) * self.block;
-                Transfer::new(
-                    self.peer,
+                Transfer {
+                    id: TransferId(base + i as u64),
+                    peer: self.peer,
                     op,
-                    vec![Descriptor {
+                    local: vec![Descriptor {
                         region: self.local.id(),
                         offset: off,
                         len: self.block,
                     }],
-                    vec![RemoteDescriptor {
+                    remote: vec![RemoteDescriptor {
                         key: self.key,
                         offset: off,
                         len: self.block,
                     }],
-                )
-                .with_id(TransferId(base + i as u64))
+                    notify: None,
+                    deadline,
+                }
             })
             .collect();
         let mut last = Instant::now();
