@@ -107,15 +107,8 @@ impl Inner {
             ))
         })?;
         let regions: Vec<RemoteRegion> = dp.kv.iter().map(|k| k.region).collect();
-        let data_peer = self
-            .blocking(move |b| {
-                let (peer, _) = b.prepare_peer()?;
-                if let Err(e) = b.connect_peer(peer, &endpoint, &regions) {
-                    b.remove_peer(peer);
-                    return Err(e);
-                }
-                Ok(peer)
-            })
+        let (data_peer, _) = self
+            .blocking(move |b| prepare_and_connect(b, &endpoint, &regions))
             .await?;
         self.install(
             id,
@@ -284,14 +277,7 @@ impl Inner {
         };
         let regions: Vec<RemoteRegion> = kv.iter().map(|k| k.region).collect();
         let (peer, endpoint) = self
-            .blocking(move |b| {
-                let (peer, endpoint) = b.prepare_peer()?;
-                if let Err(e) = b.connect_peer(peer, &remote, &regions) {
-                    b.remove_peer(peer);
-                    return Err(e);
-                }
-                Ok((peer, endpoint))
-            })
+            .blocking(move |b| prepare_and_connect(b, &remote, &regions))
             .await?;
         self.install(id, generation, incarnation, &engine_id, kv, peer)?;
         Ok((
@@ -379,6 +365,21 @@ impl Inner {
             .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane task: {e}")))?
             .map_err(Error::from)
     }
+}
+
+/// A new data-plane peer connected to `remote`; returns it with this side's
+/// endpoint for it. Nothing is left behind when connecting fails.
+fn prepare_and_connect(
+    b: &mut dyn kvlane_data::Backend,
+    remote: &Endpoint,
+    regions: &[RemoteRegion],
+) -> Result<(PeerId, Endpoint), DataError> {
+    let (peer, endpoint) = b.prepare_peer()?;
+    if let Err(e) = b.connect_peer(peer, remote, regions) {
+        b.remove_peer(peer);
+        return Err(e);
+    }
+    Ok((peer, endpoint))
 }
 
 fn decode_blob(addr: &str, info: &RemoteInfo) -> Result<DataPlaneInfo, Error> {

@@ -59,6 +59,7 @@ mod backend;
 pub mod conformance;
 mod error;
 mod handle;
+mod host_registry;
 mod ids;
 pub mod layout;
 pub mod loopback;

@@ -8,9 +8,10 @@
 
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
+use crate::host_registry::HostRegistry;
 use crate::ids::FastMap;
 use crate::ids::{PeerId, RegionId, RemoteKey};
-use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
+use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
@@ -72,10 +73,8 @@ pub struct LoopbackBackend {
     config: LoopbackConfig,
     node_id: u64,
     node: Arc<Node>,
-    next_key: u32,
     next_peer: u64,
-    local: FastMap<RegionId, Region>,
-    keys: FastMap<RegionId, RemoteKey>,
+    registry: HostRegistry,
     peers: FastMap<PeerId, PeerState>,
     queue: VecDeque<Transfer>,
     failed: VecDeque<Completion>,
@@ -87,7 +86,7 @@ impl std::fmt::Debug for LoopbackBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoopbackBackend")
             .field("node", &self.node_id)
-            .field("regions", &self.local.len())
+            .field("regions", &self.registry.len())
             .field("peers", &self.peers.len())
             .field("queued", &self.queue.len())
             .finish()
@@ -115,10 +114,8 @@ impl LoopbackBackend {
             config,
             node_id,
             node,
-            next_key: 1,
             next_peer: 1,
-            local: FastMap::default(),
-            keys: FastMap::default(),
+            registry: HostRegistry::default(),
             peers: FastMap::default(),
             queue: VecDeque::new(),
             failed: VecDeque::new(),
@@ -157,7 +154,14 @@ impl LoopbackBackend {
         })();
         let result = checked.and_then(|()| {
             for seg in &plan {
-                let (local, remote) = (&self.local[&seg.region], &remote_regions[&seg.key]);
+                let local = self
+                    .registry
+                    .get(seg.region)
+                    .ok_or(DataError::UnknownRegion(seg.region))?;
+                let remote = remote_regions.get(&seg.key).ok_or(DataError::UnknownKey {
+                    peer: t.peer,
+                    key: seg.key,
+                })?;
                 match t.op {
                     Op::Write => {
                         local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?
@@ -192,7 +196,7 @@ impl LoopbackBackend {
     }
 
     fn local_region(&self, id: RegionId, op: Op) -> Result<&Region, DataError> {
-        let region = self.local.get(&id).ok_or(DataError::UnknownRegion(id))?;
+        let region = self.registry.get(id).ok_or(DataError::UnknownRegion(id))?;
         if op == Op::Read && !region.access().contains(Access::LOCAL_WRITE) {
             return Err(DataError::AccessDenied {
                 op,
@@ -224,33 +228,14 @@ impl Backend for LoopbackBackend {
     }
 
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
-        if region.kind() != MemoryKind::Host {
-            return Err(DataError::Unsupported {
-                backend: "loopback",
-                what: "device (dma-buf) memory; use the verbs backend",
-            });
-        }
-        let key = match self.keys.get(&region.id()) {
-            Some(key) => *key,
-            None => {
-                let key = RemoteKey(self.next_key);
-                self.next_key += 1;
-                key
-            }
-        };
-        self.local.insert(region.id(), region.clone());
-        self.keys.insert(region.id(), key);
+        let key = self.registry.register("loopback", region)?;
         lock(&self.node.regions).insert(key, region.clone());
         Ok(region.advert(key))
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
-        self.local
-            .remove(&region)
-            .ok_or(DataError::UnknownRegion(region))?;
-        if let Some(key) = self.keys.remove(&region) {
-            lock(&self.node.regions).remove(&key);
-        }
+        let key = self.registry.deregister(region)?;
+        lock(&self.node.regions).remove(&key);
         Ok(())
     }
 

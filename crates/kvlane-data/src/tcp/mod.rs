@@ -79,7 +79,7 @@ pub use server::TcpCounters;
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
-use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
+use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
 use bytes::Bytes;
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
@@ -234,6 +234,7 @@ impl TcpEndpoint {
 
 /// A map keyed by transfer id.
 pub(crate) type IdMap<V> = FastMap<TransferId, V>;
+use crate::host_registry::HostRegistry;
 pub(crate) use crate::ids::FastMap;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -297,9 +298,7 @@ pub struct TcpBackend {
     regions: Arc<RegionTable>,
     counters: Arc<Counters>,
     shared: Arc<Shared>,
-    local: FastMap<RegionId, Region>,
-    keys: FastMap<RegionId, RemoteKey>,
-    next_key: u32,
+    registry: HostRegistry,
     next_peer: u64,
     peers: FastMap<PeerId, PeerSlot>,
     in_flight: IdMap<Arc<XferState>>,
@@ -314,7 +313,7 @@ impl std::fmt::Debug for TcpBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpBackend")
             .field("addr", &self.endpoint.addr)
-            .field("regions", &self.local.len())
+            .field("regions", &self.registry.len())
             .field("peers", &self.peers.len())
             .field("in_flight", &self.in_flight.len())
             .finish()
@@ -356,9 +355,7 @@ impl TcpBackend {
             regions,
             counters,
             shared,
-            local: FastMap::default(),
-            keys: FastMap::default(),
-            next_key: 1,
+            registry: HostRegistry::default(),
             next_peer: 1,
             peers: FastMap::default(),
             in_flight: IdMap::default(),
@@ -387,7 +384,7 @@ impl TcpBackend {
         offset: u64,
         len: u64,
     ) -> Result<&Region, DataError> {
-        let region = self.local.get(&id).ok_or(DataError::UnknownRegion(id))?;
+        let region = self.registry.get(id).ok_or(DataError::UnknownRegion(id))?;
         if op == Op::Read && !region.access().contains(Access::LOCAL_WRITE) {
             return Err(DataError::AccessDenied {
                 op,
@@ -513,22 +510,7 @@ impl Backend for TcpBackend {
     }
 
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
-        if region.kind() != MemoryKind::Host {
-            return Err(DataError::Unsupported {
-                backend: "tcp",
-                what: "device (dma-buf) memory; use the verbs backend",
-            });
-        }
-        let key = match self.keys.get(&region.id()) {
-            Some(key) => *key,
-            None => {
-                let key = RemoteKey(self.next_key);
-                self.next_key = self.next_key.wrapping_add(1).max(1);
-                key
-            }
-        };
-        self.local.insert(region.id(), region.clone());
-        self.keys.insert(region.id(), key);
+        let key = self.registry.register("tcp", region)?;
         self.regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -537,15 +519,11 @@ impl Backend for TcpBackend {
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
-        self.local
-            .remove(&region)
-            .ok_or(DataError::UnknownRegion(region))?;
-        if let Some(key) = self.keys.remove(&region) {
-            self.regions
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&key);
-        }
+        let key = self.registry.deregister(region)?;
+        self.regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
         Ok(())
     }
 
@@ -650,7 +628,7 @@ impl Backend for TcpBackend {
         let streams = conn.streams();
         slot.staged.resize_with(streams, Vec::new);
         for seg in t.segments().into_iter().flatten() {
-            let Some(region) = self.local.get(&seg.region) else {
+            let Some(region) = self.registry.get(seg.region) else {
                 continue;
             };
             let mut done = 0;

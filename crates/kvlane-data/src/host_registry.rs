@@ -1,0 +1,70 @@
+//! Local registrations of the host-memory backends (loopback, tcp).
+
+use crate::error::DataError;
+use crate::ids::{FastMap, RegionId, RemoteKey};
+use crate::memory::{MemoryKind, Region};
+
+/// Regions registered with one backend, and the key each is served under.
+/// Registering the same region again keeps its key.
+#[derive(Debug)]
+pub(crate) struct HostRegistry {
+    regions: FastMap<RegionId, Region>,
+    keys: FastMap<RegionId, RemoteKey>,
+    next_key: u32,
+}
+
+impl Default for HostRegistry {
+    fn default() -> Self {
+        Self {
+            regions: FastMap::default(),
+            keys: FastMap::default(),
+            next_key: 1,
+        }
+    }
+}
+
+impl HostRegistry {
+    /// Registers host memory for `backend`; returns the key to serve it
+    /// under. Device memory is refused: only verbs registers dma-bufs.
+    pub(crate) fn register(
+        &mut self,
+        backend: &'static str,
+        region: &Region,
+    ) -> Result<RemoteKey, DataError> {
+        if region.kind() != MemoryKind::Host {
+            return Err(DataError::Unsupported {
+                backend,
+                what: "device (dma-buf) memory; use the verbs backend",
+            });
+        }
+        let key = match self.keys.get(&region.id()) {
+            Some(key) => *key,
+            None => {
+                let key = RemoteKey(self.next_key);
+                self.next_key = self.next_key.wrapping_add(1).max(1);
+                key
+            }
+        };
+        self.regions.insert(region.id(), region.clone());
+        self.keys.insert(region.id(), key);
+        Ok(key)
+    }
+
+    /// Forgets a region; returns the key it was served under.
+    pub(crate) fn deregister(&mut self, id: RegionId) -> Result<RemoteKey, DataError> {
+        self.regions
+            .remove(&id)
+            .ok_or(DataError::UnknownRegion(id))?;
+        self.keys.remove(&id).ok_or(DataError::UnknownRegion(id))
+    }
+
+    /// A registered region.
+    pub(crate) fn get(&self, id: RegionId) -> Option<&Region> {
+        self.regions.get(&id)
+    }
+
+    /// Number of registered regions.
+    pub(crate) fn len(&self) -> usize {
+        self.regions.len()
+    }
+}
