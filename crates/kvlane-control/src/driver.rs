@@ -405,14 +405,19 @@ async fn run<C: Channel>(
         pings: HashMap::new(),
     };
     let mut closing: Option<Vec<oneshot::Sender<()>>> = None;
+    // One timer for the whole loop, re-armed only when the earliest deadline
+    // changes (re-creating it per event costs a timer-wheel insert and
+    // removal on every frame).
+    let far = || tokio::time::Instant::now() + Duration::from_secs(86_400);
+    let sleep = tokio::time::sleep_until(far());
+    tokio::pin!(sleep);
+    let mut armed: Option<Instant> = None;
     loop {
         let deadline = d.reg.poll_timeout();
-        let sleep = async move {
-            match deadline {
-                Some(t) => tokio::time::sleep_until(t.into()).await,
-                None => std::future::pending().await,
-            }
-        };
+        if deadline != armed {
+            sleep.as_mut().reset(deadline.map_or_else(far, Into::into));
+            armed = deadline;
+        }
         tokio::select! {
             ev = d.chan.recv() => match ev {
                 Some(ChannelEvent::Frame { link, bytes }) => d.reg.handle_frame(now(), link, &bytes),
@@ -434,7 +439,10 @@ async fn run<C: Channel>(
                     closing = Some(Vec::new());
                 }
             },
-            () = sleep => d.reg.handle_timeout(now()),
+            () = &mut sleep, if armed.is_some() => {
+                armed = None;
+                d.reg.handle_timeout(now());
+            }
         }
         d.flush();
         if closing.is_some() && d.reg.is_empty() {
