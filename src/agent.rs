@@ -453,6 +453,8 @@ impl Inner {
             Event::Closed => {
                 self.detach(id, "connection closed");
                 lock(&self.peers).remove(&id);
+                // Connection ids are never reused: its attach lock goes too.
+                lock(&self.conn_locks).remove(&id);
                 PeerEventKind::Closed
             }
             Event::Notification {
