@@ -149,6 +149,9 @@ impl RemoteRegion {
 enum Owner {
     /// Allocated by [`Region::alloc`]; freed with this layout.
     Aligned(Layout),
+    /// Mapped by [`Region::alloc`] (large regions); unmapped with this length.
+    #[cfg(target_os = "linux")]
+    Mapped(usize),
     /// A boxed slice from [`Region::from_vec`]; rebuilt and dropped.
     Boxed,
     /// Foreign memory; the optional value is dropped with the region.
@@ -181,6 +184,13 @@ impl Drop for Inner {
                 // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` in
                 // `Region::alloc` and is freed exactly once, here.
                 unsafe { std::alloc::dealloc(self.ptr, *layout) }
+            }
+            #[cfg(target_os = "linux")]
+            Owner::Mapped(len) => {
+                // SAFETY: `ptr..ptr+len` is exactly the mapping `map_huge`
+                // made (and trimmed to); it is unmapped exactly once, here.
+                // munmap of a valid mapping cannot fail.
+                unsafe { libc::munmap(self.ptr.cast(), *len) };
             }
             Owner::Boxed => {
                 // SAFETY: `ptr`/`len` come from `Box::into_raw` of a
@@ -216,11 +226,74 @@ impl fmt::Debug for Region {
 /// Alignment of [`Region::alloc`] buffers: one page, as NICs prefer.
 pub const REGION_ALIGN: usize = 4096;
 
+/// A transparent huge page on x86-64 and most aarch64 kernels.
+#[cfg(target_os = "linux")]
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Maps `len` (a non-zero multiple of [`HUGE_PAGE`]) zeroed bytes, aligned to
+/// [`HUGE_PAGE`], and asks for transparent huge pages. `None` if the kernel
+/// refuses the mapping.
+#[cfg(target_os = "linux")]
+fn map_huge(len: usize) -> Option<*mut u8> {
+    let span = len.checked_add(HUGE_PAGE)?;
+    // SAFETY: an anonymous private mapping at an address of the kernel's
+    // choosing touches no existing memory.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let base = base as usize;
+    let start = base.next_multiple_of(HUGE_PAGE);
+    let (head, tail) = (start - base, base + span - (start + len));
+    // SAFETY: `head` and `tail` bytes at either end lie inside the mapping
+    // just made and outside `start..start+len`; both are page multiples
+    // (mmap returns page-aligned addresses, `len` and HUGE_PAGE are page
+    // multiples). Nothing refers to them. madvise only gives advice about
+    // the kept range; its failure (THP off) leaves ordinary pages.
+    unsafe {
+        if head > 0 {
+            libc::munmap(base as *mut libc::c_void, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + len) as *mut libc::c_void, tail);
+        }
+        libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+    }
+    Some(start as *mut u8)
+}
+
 impl Region {
     /// Allocates `len` zeroed, page-aligned bytes of host memory.
+    ///
+    /// On Linux, regions of 2 MiB and more are mapped directly, aligned to
+    /// 2 MiB and advised to use transparent huge pages (`MADV_HUGEPAGE`):
+    /// fewer TLB misses for the CPU copying them and fewer translation
+    /// entries for a NIC registering them. Their pages are faulted in on
+    /// first touch.
     pub fn alloc(len: usize, access: Access) -> Result<Self, DataError> {
         if len == 0 {
             return Err(DataError::EmptyRegion);
+        }
+        #[cfg(target_os = "linux")]
+        if len >= HUGE_PAGE {
+            let mapped = len.next_multiple_of(HUGE_PAGE);
+            let ptr = map_huge(mapped).ok_or(DataError::Alloc { len })?;
+            return Ok(Self::wrap(
+                ptr,
+                len,
+                MemoryKind::Host,
+                access,
+                Owner::Mapped(mapped),
+            ));
         }
         let layout =
             Layout::from_size_align(len, REGION_ALIGN).map_err(|_| DataError::Alloc { len })?;
@@ -481,6 +554,33 @@ mod tests {
             r.check_range(u64::MAX, 2),
             Err(DataError::OutOfBounds { .. })
         ));
+    }
+
+    #[test]
+    fn large_regions_are_zeroed_mapped_and_bounds_checked() {
+        // Not a multiple of the huge-page size: the bounds are `len`, not
+        // the mapping's rounded-up length.
+        let len = (3 << 20) + 5;
+        for round in 0..3u8 {
+            let r = Region::alloc(len, Access::ALL).unwrap();
+            #[cfg(target_os = "linux")]
+            assert_eq!(r.addr() % HUGE_PAGE as u64, 0);
+            assert_eq!(r.len(), len as u64);
+            assert!(r.to_vec().unwrap().iter().all(|&b| b == 0), "round {round}");
+            r.write(len as u64 - 5, &[round + 1; 5]).unwrap();
+            let mut tail = [0u8; 5];
+            r.read(len as u64 - 5, &mut tail).unwrap();
+            assert_eq!(tail, [round + 1; 5]);
+            assert!(matches!(
+                r.write(len as u64 - 4, &[0; 5]),
+                Err(DataError::OutOfBounds { .. })
+            ));
+            // Clones share the mapping; it outlives the first drop.
+            let c = r.clone();
+            drop(r);
+            c.read(len as u64 - 5, &mut tail).unwrap();
+            assert_eq!(tail, [round + 1; 5]);
+        }
     }
 
     #[test]
