@@ -124,8 +124,15 @@ impl LoopbackBackend {
     }
 
     /// Checks every segment of `t`, then copies them all (nothing moves
-    /// when any check fails); `now` is read once per `poll`.
-    fn execute(&mut self, t: &Transfer, now: Instant) -> Result<(), DataError> {
+    /// when any check fails); `now` is read once per `poll`, and `target`
+    /// is the node of the peer of the previous transfer of this `poll`, if
+    /// any (looked up again when the peer differs).
+    fn execute(
+        &mut self,
+        t: &Transfer,
+        now: Instant,
+        target: &mut Option<(PeerId, Arc<Node>)>,
+    ) -> Result<(), DataError> {
         if now > t.deadline {
             return Err(DataError::Timeout {
                 id: t.id,
@@ -133,20 +140,25 @@ impl LoopbackBackend {
                 overdue: now - t.deadline,
             });
         }
-        let target = self.target(t.peer)?;
+        let target = match target {
+            Some((peer, node)) if *peer == t.peer => node,
+            _ => &target.insert((t.peer, self.target(t.peer)?)).1,
+        };
         // The target's table stays locked while the bytes move: a
         // concurrent deregistration waits instead of racing the copy.
         let remote_regions = lock(&target.regions);
+        let remote_of = |key| {
+            remote_regions
+                .get(&key)
+                .ok_or(DataError::UnknownKey { peer: t.peer, key })
+        };
         let mut plan = std::mem::take(&mut self.scratch);
         plan.clear();
         let checked = (|| {
             for seg in t.segments()? {
                 let local = self.local_region(seg.region, t.op)?;
                 local.check_range(seg.local_offset, seg.len)?;
-                let remote = remote_regions.get(&seg.key).ok_or(DataError::UnknownKey {
-                    peer: t.peer,
-                    key: seg.key,
-                })?;
+                let remote = remote_of(seg.key)?;
                 check_remote(t.peer, seg.key, remote, t.op, seg.remote_offset, seg.len)?;
                 plan.push(seg);
             }
@@ -158,10 +170,7 @@ impl LoopbackBackend {
                     .registry
                     .get(seg.region)
                     .ok_or(DataError::UnknownRegion(seg.region))?;
-                let remote = remote_regions.get(&seg.key).ok_or(DataError::UnknownKey {
-                    peer: t.peer,
-                    key: seg.key,
-                })?;
+                let remote = remote_of(seg.key)?;
                 match t.op {
                     Op::Write => {
                         local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?
@@ -354,8 +363,9 @@ impl Backend for LoopbackBackend {
         completions.extend(self.failed.drain(..));
         let mut budget = self.config.poll_budget;
         let now = Instant::now();
+        let mut target = None;
         while let Some(t) = self.queue.pop_front() {
-            let result = self.execute(&t, now);
+            let result = self.execute(&t, now, &mut target);
             let moved = if result.is_ok() { t.total_len() } else { 0 };
             completions.push(Completion {
                 id: t.id,
