@@ -2,7 +2,10 @@
 //! with same-run baselines (`memcpy`, `raw-tcp`).
 //!
 //! Each point posts `batch` transfers of one block each, then polls until
-//! all completed, and repeats for `--duration`. Reported per point: payload
+//! all completed, and repeats for `--duration`. The points of one block size
+//! (baselines included) take turns in slices of at most 200 ms, so that a
+//! baseline and the backend it bounds see the same machine. Reported per
+//! point: payload
 //! GB/s (10^9 bytes/s), average and p99 latency of a transfer from post to
 //! completion, and the average cost of preparing (building descriptors) and
 //! posting (`submit`) one transfer.
@@ -72,6 +75,26 @@ pub(crate) enum BenchError {
 /// Creates one backend of `kind`.
 pub(crate) type Factory = dyn Fn(BackendKind) -> Result<Box<dyn Backend>, BenchError>;
 
+/// Longest stretch one point is measured without a break. The points of
+/// one block size (baselines and backends) take turns in slices this long
+/// until each has had `--duration`, so a drift in the machine's speed
+/// (memory bandwidth shared with other tenants, clock frequency) reaches
+/// every row of a comparison alike instead of whichever ran during it.
+const SLICE: Duration = Duration::from_millis(200);
+
+/// One point of a block size, measured slice by slice.
+enum Contender {
+    Memcpy(MemcpyPoint),
+    RawTcp(RawTcpPoint),
+    /// `pairs[index]` measured with `op` and `batch`.
+    Backend {
+        index: usize,
+        op: Op,
+        batch: usize,
+        sample: Sample,
+    },
+}
+
 /// Runs the whole plan, calling `emit` for each row as soon as it is measured.
 pub(crate) fn run(
     plan: &BenchPlan,
@@ -80,30 +103,93 @@ pub(crate) fn run(
     mut emit: impl FnMut(&Row),
 ) -> Result<(), BenchError> {
     let max_batch = plan.batches.iter().copied().max().unwrap_or(1);
+    let rounds = plan.duration.as_nanos().div_ceil(SLICE.as_nanos()).max(1) as u32;
+    let slice = plan.duration / rounds;
+    // At least MIN_BATCHES per point in all, however short `--duration`.
+    let min_batches = MIN_BATCHES.div_ceil(rounds);
     for &block in &plan.block_sizes {
         let pool = pool_blocks(block, max_batch);
+        let mut pairs: Vec<Vec<Pair>> = Vec::new();
+        for &kind in &plan.backends {
+            pairs.push(
+                (0..plan.threads.max(1))
+                    .map(|_| Pair::new(factory, kind, block, pool))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        let mut contenders = Vec::new();
         if plan.baselines {
+            // The baseline copies between the very buffers the first
+            // backend's first pair moves (its remote into its local region,
+            // as a READ does): the same pages, so the same physical
+            // placement, cache and TLB behaviour on both sides of the
+            // comparison.
+            let buffers = pairs
+                .first()
+                .and_then(|p| p.first())
+                .map(|p| (p.remote.clone(), p.local.clone()));
             for &batch in &plan.batches {
-                progress(&format!("memcpy {} x{batch}", fmt_size(block)));
-                emit(&memcpy_point(block, batch, pool, plan.duration));
+                contenders.push(Contender::Memcpy(MemcpyPoint::new(
+                    block,
+                    batch,
+                    pool,
+                    buffers.clone(),
+                )?));
             }
         }
         if plan.baselines && plan.backends.contains(&BackendKind::Tcp) {
             for &batch in &plan.batches {
-                progress(&format!("raw-tcp {} x{batch}", fmt_size(block)));
-                emit(&raw_tcp_point(block, batch, plan.duration)?);
+                contenders.push(Contender::RawTcp(RawTcpPoint::new(block, batch)?));
             }
         }
-        for &kind in &plan.backends {
-            let mut pairs = (0..plan.threads.max(1))
-                .map(|_| Pair::new(factory, kind, block, pool))
-                .collect::<Result<Vec<_>, _>>()?;
+        for (index, _) in plan.backends.iter().enumerate() {
             for &op in &plan.ops {
                 for &batch in &plan.batches {
-                    progress(&format!("{kind} {op} {} x{batch}", fmt_size(block)));
-                    emit(&point(&mut pairs, op, batch, plan.duration)?);
+                    contenders.push(Contender::Backend {
+                        index,
+                        op,
+                        batch,
+                        sample: Sample::default(),
+                    });
                 }
             }
+        }
+        for round in 1..=rounds {
+            progress(&format!(
+                "{} blocks, round {round}/{rounds}: {} points",
+                fmt_size(block),
+                contenders.len()
+            ));
+            for c in &mut contenders {
+                match c {
+                    Contender::Memcpy(m) => m.slice(slice, min_batches, round == 1),
+                    Contender::RawTcp(r) => r.slice(slice, min_batches, round == 1)?,
+                    Contender::Backend {
+                        index,
+                        op,
+                        batch,
+                        sample,
+                    } => {
+                        let s = point(&mut pairs[*index], *op, *batch, slice, min_batches)?;
+                        sample.merge(s);
+                    }
+                }
+            }
+        }
+        for c in contenders {
+            emit(&match c {
+                Contender::Memcpy(m) => m.row(),
+                Contender::RawTcp(r) => r.row()?,
+                Contender::Backend {
+                    index,
+                    op,
+                    batch,
+                    sample,
+                } => {
+                    let kind = pairs[index][0].kind;
+                    Sample::row(vec![sample], kind.as_str(), op, block, batch)
+                }
+            });
         }
     }
     Ok(())
@@ -124,7 +210,16 @@ struct Pair {
     pool: u64,
     next_id: u64,
     busy: bool,
-    _remote: Region,
+    /// The target's memory (kept alive; also the memcpy baseline's source).
+    remote: Region,
+    /// Batches run with `(op, batch)` so far; the first is a warm-up.
+    warmed: Vec<(Op, usize)>,
+    /// Buffers of a batch, reused: a fresh allocation of this size per
+    /// batch made the allocator consolidate its free lists every time
+    /// (2% of a 64K loopback run).
+    transfers: Vec<Transfer>,
+    posted: Vec<Option<Instant>>,
+    done: Vec<Completion>,
 }
 
 /// Wakes the benchmark thread when the backend announces completions.
@@ -169,21 +264,36 @@ impl Pair {
             pool,
             next_id: 1,
             busy: false,
-            _remote: remote,
+            warmed: Vec::new(),
+            transfers: Vec::new(),
+            posted: Vec::new(),
+            done: Vec::new(),
+            remote,
         })
     }
 
-    fn measure(&mut self, op: Op, batch: usize, duration: Duration) -> Result<Sample, BenchError> {
+    /// Runs batches for `duration` and at least `min_batches`, after one
+    /// unmeasured warm-up batch the first time `(op, batch)` runs.
+    fn measure(
+        &mut self,
+        op: Op,
+        batch: usize,
+        duration: Duration,
+        min_batches: u32,
+    ) -> Result<Sample, BenchError> {
         // Completions from the backend's own threads wake this one.
         self.init
             .set_waker(Waker::from(Arc::new(Unpark(std::thread::current()))));
         self.busy = self.init.needs_busy_poll();
         let mut s = Sample::default();
-        let (mut p0, mut p1) = (Duration::ZERO, Duration::ZERO);
-        self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?; // warm-up
+        if !self.warmed.contains(&(op, batch)) {
+            let (mut p0, mut p1) = (Duration::ZERO, Duration::ZERO);
+            self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?;
+            self.warmed.push((op, batch));
+        }
         let start = Instant::now();
         let mut batches = 0;
-        while batches < MIN_BATCHES || start.elapsed() < duration {
+        while batches < min_batches || start.elapsed() < duration {
             self.batch(op, batch, &mut s.lat, &mut s.prepare, &mut s.post)?;
             batches += 1;
         }
@@ -203,8 +313,11 @@ impl Pair {
         // Ids are `base + i`, so the post time of a completion is an index.
         let base = self.next_id;
         self.next_id += batch as u64;
-        let mut posted: Vec<Option<Instant>> = vec![None; batch];
-        let mut done: Vec<Completion> = Vec::with_capacity(batch);
+        let mut posted = std::mem::take(&mut self.posted);
+        posted.clear();
+        posted.resize(batch, None);
+        let mut done = std::mem::take(&mut self.done);
+        let mut transfers = std::mem::take(&mut self.transfers);
         let mut finished = 0;
         // Prepare the whole batch, then post it: two clock reads for the
         // batch's preparation and one per post (its timestamp), so the
@@ -212,31 +325,29 @@ impl Pair {
         let t0 = Instant::now();
         // One deadline for the batch (one clock read, not one per transfer).
         let deadline = t0 + kvlane_data::DEFAULT_DEADLINE;
-        let transfers: Vec<Transfer> = (0..batch)
-            .map(|i| {
-                let off = (i as u64 % self.pool) * self.block;
-                Transfer {
-                    id: TransferId(base + i as u64),
-                    peer: self.peer,
-                    op,
-                    local: vec![Descriptor {
-                        region: self.local.id(),
-                        offset: off,
-                        len: self.block,
-                    }],
-                    remote: vec![RemoteDescriptor {
-                        key: self.key,
-                        offset: off,
-                        len: self.block,
-                    }],
-                    notify: None,
-                    deadline,
-                }
-            })
-            .collect();
+        transfers.extend((0..batch).map(|i| {
+            let off = (i as u64 % self.pool) * self.block;
+            Transfer {
+                id: TransferId(base + i as u64),
+                peer: self.peer,
+                op,
+                local: vec![Descriptor {
+                    region: self.local.id(),
+                    offset: off,
+                    len: self.block,
+                }],
+                remote: vec![RemoteDescriptor {
+                    key: self.key,
+                    offset: off,
+                    len: self.block,
+                }],
+                notify: None,
+                deadline,
+            }
+        }));
         let mut last = Instant::now();
         *prepare += last - t0;
-        for mut t in transfers {
+        for mut t in transfers.drain(..) {
             loop {
                 let id = t.id;
                 match self.init.submit(t) {
@@ -263,6 +374,7 @@ impl Pair {
                 return Err(self.failed(format!("{} transfers did not complete", batch - finished)));
             }
         }
+        (self.transfers, self.posted, self.done) = (transfers, posted, done);
         Ok(())
     }
 
@@ -321,6 +433,14 @@ pub(crate) struct Sample {
 }
 
 impl Sample {
+    /// Adds a later slice of the same point (its wall time adds up).
+    fn merge(&mut self, mut later: Self) {
+        self.lat.append(&mut later.lat);
+        self.prepare += later.prepare;
+        self.post += later.post;
+        self.secs += later.secs;
+    }
+
     /// The row for samples taken concurrently (bytes add up; the wall
     /// time is the longest thread's).
     pub(crate) fn row(
@@ -357,13 +477,20 @@ impl Sample {
     }
 }
 
-/// Measures one point on every pair at once, one thread each.
-fn point(pairs: &mut [Pair], op: Op, batch: usize, duration: Duration) -> Result<Row, BenchError> {
-    let (kind, block) = (pairs[0].kind, pairs[0].block);
+/// Measures one slice of a point on every pair at once, one thread each;
+/// the threads' samples as one (their wall time is the longest thread's).
+fn point(
+    pairs: &mut [Pair],
+    op: Op,
+    batch: usize,
+    duration: Duration,
+    min_batches: u32,
+) -> Result<Sample, BenchError> {
+    let kind = pairs[0].kind;
     let samples = std::thread::scope(|scope| {
         let handles: Vec<_> = pairs
             .iter_mut()
-            .map(|p| scope.spawn(move || p.measure(op, batch, duration)))
+            .map(|p| scope.spawn(move || p.measure(op, batch, duration, min_batches)))
             .collect();
         handles
             .into_iter()
@@ -377,7 +504,13 @@ fn point(pairs: &mut [Pair], op: Op, batch: usize, duration: Duration) -> Result
             })
             .collect::<Result<Vec<_>, _>>()
     })?;
-    Ok(Sample::row(samples, kind.as_str(), op, block, batch))
+    let mut all = Sample::default();
+    let secs = samples.iter().map(|s| s.secs).fold(0.0, f64::max);
+    for s in samples {
+        all.merge(s);
+    }
+    all.secs = secs;
+    Ok(all)
 }
 
 pub(crate) fn op_name(op: Op) -> &'static str {
@@ -415,45 +548,92 @@ pub(crate) fn latency(lat: &mut [Duration]) -> Row {
 }
 
 /// Single-thread `memcpy` of the same blocks: the loopback ceiling.
-pub(crate) fn memcpy_point(block: u64, batch: usize, pool: u64, duration: Duration) -> Row {
-    // Buffers allocated like the backends' (page-aligned `Region`s), so
-    // the baseline and the backend rows copy between the same kind of
-    // memory; the copy itself is one `memcpy` per block.
-    let len = (block * pool) as usize;
-    let src = Region::alloc(len, Access::ALL).expect("allocate memcpy baseline source");
-    let dst = Region::alloc(len, Access::ALL).expect("allocate memcpy baseline destination");
-    let _ = (src.fill(0, len as u64, 0xa5), dst.fill(0, len as u64, 0x5a));
-    let b = block as usize;
-    let mut lat = Vec::new();
-    let copy_batch = |lat: &mut Vec<Duration>| {
+struct MemcpyPoint {
+    src: Region,
+    dst: Region,
+    block: u64,
+    batch: usize,
+    pool: u64,
+    lat: Vec<Duration>,
+    secs: f64,
+}
+
+impl MemcpyPoint {
+    /// Copies from the first of `buffers` into the second, or between two
+    /// new regions allocated like a backend pair's; one `memcpy` per block.
+    fn new(
+        block: u64,
+        batch: usize,
+        pool: u64,
+        buffers: Option<(Region, Region)>,
+    ) -> Result<Self, BenchError> {
+        let data = |source| BenchError::Data {
+            backend: "memcpy".into(),
+            source,
+        };
+        let len = block * pool;
+        let (src, dst) = match buffers {
+            Some(b) => b,
+            None => {
+                let src = Region::alloc(len as usize, Access::ALL).map_err(data)?;
+                let dst = Region::alloc(len as usize, Access::ALL).map_err(data)?;
+                src.fill(0, len, 0xa5).map_err(data)?;
+                dst.fill(0, len, 0x5a).map_err(data)?;
+                (src, dst)
+            }
+        };
+        Ok(Self {
+            src,
+            dst,
+            block,
+            batch,
+            pool,
+            lat: Vec::new(),
+            secs: 0.0,
+        })
+    }
+
+    fn copy_batch(&self, lat: &mut Vec<Duration>) {
         let t0 = Instant::now();
-        for i in 0..batch {
-            let off = (i % pool as usize) * b;
-            src.with_slice(off as u64, block, |s| {
-                dst.with_slice_mut(off as u64, block, |d| d.copy_from_slice(s))
-            })
-            .ok();
+        for i in 0..self.batch as u64 {
+            let off = (i % self.pool) * self.block;
+            self.src
+                .with_slice(off, self.block, |s| {
+                    self.dst
+                        .with_slice_mut(off, self.block, |d| d.copy_from_slice(s))
+                })
+                .ok();
             lat.push(t0.elapsed());
         }
-    };
-    copy_batch(&mut Vec::new());
-    let start = Instant::now();
-    let mut batches = 0;
-    while batches < MIN_BATCHES || start.elapsed() < duration {
-        copy_batch(&mut lat);
-        batches += 1;
     }
-    let secs = start.elapsed().as_secs_f64();
-    let n = lat.len() as u64;
-    Row {
-        backend: "memcpy".into(),
-        op: "copy".into(),
-        block_size: block,
-        batch,
-        gbps: (n * block) as f64 / secs / 1e9,
-        transfers: n,
-        seconds: secs,
-        ..latency(&mut lat)
+
+    fn slice(&mut self, duration: Duration, min_batches: u32, first: bool) {
+        if first {
+            self.copy_batch(&mut Vec::new());
+        }
+        let mut lat = std::mem::take(&mut self.lat);
+        let start = Instant::now();
+        let mut batches = 0;
+        while batches < min_batches || start.elapsed() < duration {
+            self.copy_batch(&mut lat);
+            batches += 1;
+        }
+        self.secs += start.elapsed().as_secs_f64();
+        self.lat = lat;
+    }
+
+    fn row(mut self) -> Row {
+        let n = self.lat.len() as u64;
+        Row {
+            backend: "memcpy".into(),
+            op: "copy".into(),
+            block_size: self.block,
+            batch: self.batch,
+            gbps: (n * self.block) as f64 / self.secs / 1e9,
+            transfers: n,
+            seconds: self.secs,
+            ..latency(&mut self.lat)
+        }
     }
 }
 
@@ -465,68 +645,111 @@ const RAW_CHUNK: usize = 1 << 20;
 /// buffers (`RAW_CHUNK` writes), `batch x block` bytes per batch: the
 /// ceiling the tcp backend is measured against. Its latency columns are the
 /// time to push one batch, attributed to each block of it.
-fn raw_tcp_point(block: u64, batch: usize, duration: Duration) -> Result<Row, BenchError> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let receiver = std::thread::spawn(move || -> std::io::Result<u64> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; RAW_CHUNK];
-        let mut total = 0u64;
-        loop {
-            let n = s.read(&mut buf)?;
-            if n == 0 {
-                return Ok(total);
+struct RawTcpPoint {
+    stream: TcpStream,
+    receiver: std::thread::JoinHandle<std::io::Result<u64>>,
+    buf: Vec<u8>,
+    block: u64,
+    batch: usize,
+    /// Batches written, the warm-up included.
+    batches: u64,
+    lat: Vec<Duration>,
+    secs: f64,
+}
+
+impl RawTcpPoint {
+    fn new(block: u64, batch: usize) -> Result<Self, BenchError> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let receiver = std::thread::spawn(move || -> std::io::Result<u64> {
+            let (mut s, _) = listener.accept()?;
+            let mut buf = vec![0u8; RAW_CHUNK];
+            let mut total = 0u64;
+            loop {
+                let n = s.read(&mut buf)?;
+                if n == 0 {
+                    return Ok(total);
+                }
+                total += n as u64;
             }
-            total += n as u64;
-        }
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let buf = vec![0xa5u8; RAW_CHUNK];
-    let per_batch = block * batch as u64;
-    let mut lat = Vec::new();
-    let send_batch = |s: &mut TcpStream, lat: &mut Vec<Duration>| -> std::io::Result<()> {
+        });
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(Self {
+            stream,
+            receiver,
+            buf: vec![0xa5u8; RAW_CHUNK],
+            block,
+            batch,
+            batches: 0,
+            lat: Vec::new(),
+            secs: 0.0,
+        })
+    }
+
+    fn send_batch(&mut self, record: bool) -> std::io::Result<()> {
         let t0 = Instant::now();
-        let mut left = per_batch;
+        let mut left = self.block * self.batch as u64;
         while left > 0 {
             let n = left.min(RAW_CHUNK as u64) as usize;
-            s.write_all(&buf[..n])?;
+            self.stream.write_all(&self.buf[..n])?;
             left -= n as u64;
         }
         let took = t0.elapsed();
-        lat.extend(std::iter::repeat_n(took, batch));
+        if record {
+            self.lat.extend(std::iter::repeat_n(took, self.batch));
+        }
+        self.batches += 1;
         Ok(())
-    };
-    send_batch(&mut s, &mut Vec::new())?;
-    let start = Instant::now();
-    let mut batches = 0;
-    while batches < MIN_BATCHES || start.elapsed() < duration {
-        send_batch(&mut s, &mut lat)?;
-        batches += 1;
     }
-    s.shutdown(std::net::Shutdown::Write)?;
-    let received = receiver
-        .join()
-        .map_err(|_| std::io::Error::other("receiver panicked"))??;
-    // Time until the receiver has everything, not just until the last write.
-    let secs = start.elapsed().as_secs_f64();
-    let n = lat.len() as u64;
-    if received < (n + batch as u64) * block {
-        return Err(BenchError::Io(std::io::Error::other(format!(
-            "raw-tcp receiver got {received} bytes of {}",
-            (n + batch as u64) * block
-        ))));
+
+    fn slice(
+        &mut self,
+        duration: Duration,
+        min_batches: u32,
+        first: bool,
+    ) -> Result<(), BenchError> {
+        if first {
+            self.send_batch(false)?;
+        }
+        let start = Instant::now();
+        let mut batches = 0;
+        while batches < min_batches || start.elapsed() < duration {
+            self.send_batch(true)?;
+            batches += 1;
+        }
+        self.secs += start.elapsed().as_secs_f64();
+        Ok(())
     }
-    Ok(Row {
-        backend: "raw-tcp".into(),
-        op: "write".into(),
-        block_size: block,
-        batch,
-        gbps: (n * block) as f64 / secs / 1e9,
-        transfers: n,
-        seconds: secs,
-        ..latency(&mut lat)
-    })
+
+    fn row(mut self) -> Result<Row, BenchError> {
+        // Time until the receiver has everything, not just until the last
+        // write.
+        let drain = Instant::now();
+        self.stream.shutdown(std::net::Shutdown::Write)?;
+        let received = self
+            .receiver
+            .join()
+            .map_err(|_| std::io::Error::other("receiver panicked"))??;
+        self.secs += drain.elapsed().as_secs_f64();
+        let sent = self.batches * self.batch as u64 * self.block;
+        if received < sent {
+            return Err(BenchError::Io(std::io::Error::other(format!(
+                "raw-tcp receiver got {received} bytes of {sent}"
+            ))));
+        }
+        let n = self.lat.len() as u64;
+        Ok(Row {
+            backend: "raw-tcp".into(),
+            op: "write".into(),
+            block_size: self.block,
+            batch: self.batch,
+            gbps: (n * self.block) as f64 / self.secs / 1e9,
+            transfers: n,
+            seconds: self.secs,
+            ..latency(&mut self.lat)
+        })
+    }
 }
 
 /// Prints rows as an aligned table.
@@ -600,9 +823,16 @@ mod tests {
 
     #[test]
     fn raw_tcp_baseline_moves_bytes() {
-        let r = raw_tcp_point(65536, 8, Duration::from_millis(5)).unwrap();
+        let mut p = RawTcpPoint::new(65536, 8).unwrap();
+        p.slice(Duration::from_millis(5), 3, true).unwrap();
+        p.slice(Duration::from_millis(5), 3, false).unwrap();
+        let r = p.row().unwrap();
         assert_eq!((r.backend.as_str(), r.op.as_str()), ("raw-tcp", "write"));
-        assert!(r.gbps > 0.0 && r.transfers >= 24);
+        // Two slices of at least 3 batches of 8, the warm-up not counted.
+        assert!(
+            r.gbps > 0.0 && r.transfers >= 48 && r.transfers.is_multiple_of(8),
+            "{r:?}"
+        );
     }
 
     #[test]
