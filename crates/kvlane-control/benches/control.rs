@@ -108,14 +108,16 @@ fn report() {
         }
         // Interleave the two so both see the same machine load.
         let (mut r, mut c) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut wire = Vec::with_capacity(n);
         for _ in 0..n {
             r.push(raw.rtt().await);
             let t = Instant::now();
-            pair.a.ping(pair.id).await.expect("ping");
+            wire.push(pair.a.ping(pair.id).await.expect("ping"));
             c.push(t.elapsed());
         }
         let (rp50, rp99) = pct(r);
         let (cp50, cp99) = pct(c);
+        let (wp50, wp99) = pct(wire);
         let mut h = Vec::new();
         let addr = pair.b.local_addr().to_owned();
         let hs = ControlNode::bind(Config::default(), local("h"), "127.0.0.1:0")
@@ -129,6 +131,11 @@ fn report() {
         eprintln!(
             "control ping RTT        p50 {cp50:?} p99 {cp99:?}  (ratio p50 {:.2}x)",
             cp50.as_secs_f64() / rp50.as_secs_f64()
+        );
+        eprintln!(
+            "  of which ping -> pong p50 {wp50:?} p99 {wp99:?}  (ratio p50 {:.2}x; the rest is \
+             the caller -> driver -> caller hops)",
+            wp50.as_secs_f64() / rp50.as_secs_f64()
         );
         eprintln!("handshake (connect)     p50 {hp50:?} p99 {hp99:?}");
         hs.close().await;
