@@ -165,3 +165,152 @@ async fn run_spill<H: SendHandle>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex as StdMutex;
+    use tokio::sync::watch;
+
+    /// A send side whose sends wait while the gate is shut, and record the
+    /// first byte of each message once they go through.
+    #[derive(Clone)]
+    struct Gate {
+        open: Arc<watch::Sender<bool>>,
+        sent: Arc<StdMutex<Vec<u8>>>,
+    }
+
+    impl Gate {
+        fn new() -> Self {
+            Self {
+                open: Arc::new(watch::channel(true).0),
+                sent: Arc::default(),
+            }
+        }
+
+        fn sent(&self) -> Vec<u8> {
+            self.sent.lock().unwrap().clone()
+        }
+    }
+
+    impl SendHandle for Gate {
+        fn send_owned(&self, msg: ZmqMessage) -> SendFuture {
+            let mut open = self.open.subscribe();
+            let sent = Arc::clone(&self.sent);
+            Box::pin(async move {
+                let _ = open.wait_for(|o| *o).await;
+                sent.lock().unwrap().push(msg.get(0).map_or(0, |b| b[0]));
+                Ok(())
+            })
+        }
+    }
+
+    fn lane(gate: &Gate) -> (Lane<Gate>, Arc<StdMutex<Vec<String>>>) {
+        let reports: Arc<StdMutex<Vec<String>>> = Arc::default();
+        let r = Arc::clone(&reports);
+        let report: Report = Arc::new(move |why| r.lock().unwrap().push(why));
+        (Lane::new(gate.clone(), report), reports)
+    }
+
+    fn msg(n: u8) -> ZmqMessage {
+        ZmqMessage::from(vec![n])
+    }
+
+    async fn until(what: &str, mut done: impl FnMut() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("{what} did not happen within 1 s");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_send_spills_in_order_then_the_lane_sends_directly_again() {
+        let gate = Gate::new();
+        let (mut lane, reports) = lane(&gate);
+        let mut retired = Vec::new();
+        lane.send(msg(1), &mut retired);
+        assert_eq!(gate.sent(), [1], "an open socket takes the frame at once");
+        assert!(lane.spill.is_none());
+
+        gate.open.send_replace(false);
+        for n in 2..=4 {
+            lane.send(msg(n), &mut retired);
+        }
+        assert_eq!(gate.sent(), [1], "frames wait behind the shut socket");
+        assert!(
+            lane.spill.is_some(),
+            "the waiting send moved to a spill task"
+        );
+
+        gate.open.send_replace(true);
+        until("the spill draining", || gate.sent() == [1, 2, 3, 4]).await;
+        let spill = lane.spill.as_ref().unwrap();
+        until("the spill's count reaching 0", || {
+            spill.pending.load(Ordering::Acquire) == 0
+        })
+        .await;
+        lane.send(msg(5), &mut retired);
+        assert_eq!(gate.sent(), [1, 2, 3, 4, 5], "direct again, in order");
+        assert!(
+            lane.spill.is_none() && retired.len() == 1,
+            "the idle spill was retired"
+        );
+        for task in retired {
+            task.await.unwrap();
+        }
+        assert!(reports.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn frames_sent_while_the_spill_is_busy_queue_behind_it() {
+        let gate = Gate::new();
+        let (mut lane, _) = lane(&gate);
+        let mut retired = Vec::new();
+        gate.open.send_replace(false);
+        lane.send(msg(1), &mut retired);
+        gate.open.send_replace(true);
+        // The spill may not have run yet: frame 2 must still go after 1.
+        lane.send(msg(2), &mut retired);
+        until("both frames", || gate.sent().len() == 2).await;
+        assert_eq!(gate.sent(), [1, 2]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_send_that_never_completes_is_reported_after_the_timeout() {
+        let gate = Gate::new();
+        let (mut lane, reports) = lane(&gate);
+        let mut retired = Vec::new();
+        gate.open.send_replace(false);
+        lane.send(msg(1), &mut retired);
+        lane.send(msg(2), &mut retired);
+        tokio::time::sleep(SEND_TIMEOUT + Duration::from_millis(1)).await;
+        tokio::task::yield_now().await;
+        let r = reports.lock().unwrap().clone();
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(r[0].contains("send timed out"), "{r:?}");
+        assert!(gate.sent().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_full_spill_queue_is_reported_not_waited_on() {
+        let gate = Gate::new();
+        let (mut lane, reports) = lane(&gate);
+        let mut retired = Vec::new();
+        gate.open.send_replace(false);
+        // One waiting send plus QUEUE queued frames fill the lane.
+        for _ in 0..=QUEUE + 1 {
+            lane.send(msg(7), &mut retired);
+        }
+        let r = reports.lock().unwrap().clone();
+        assert!(
+            !r.is_empty() && r.iter().all(|w| w == "send queue full"),
+            "{:?}",
+            &r[..r.len().min(3)]
+        );
+        gate.open.send_replace(true);
+        until("the queued frames", || gate.sent().len() >= QUEUE).await;
+    }
+}
