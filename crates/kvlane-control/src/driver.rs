@@ -163,10 +163,17 @@ impl ControlNode {
     ) -> Result<T, ControlError> {
         let deadline = tokio::time::Instant::now() + bound;
         let (tx, rx) = oneshot::channel();
-        match tokio::time::timeout_at(deadline, self.cmds.send(make(tx))).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => return Err(ControlError::Closed),
-            Err(_) => return Err(ControlError::Timeout { op, after: bound }),
+        // The queue is almost never full: enqueue without arming a timer.
+        match self.cmds.try_send(make(tx)) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(ControlError::Closed),
+            Err(mpsc::error::TrySendError::Full(cmd)) => {
+                match tokio::time::timeout_at(deadline, self.cmds.send(cmd)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return Err(ControlError::Closed),
+                    Err(_) => return Err(ControlError::Timeout { op, after: bound }),
+                }
+            }
         }
         match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(v)) => Ok(v),

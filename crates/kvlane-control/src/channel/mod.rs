@@ -11,6 +11,8 @@ use bytes::Bytes;
 use crate::registry::Link;
 use crate::ConnectionId;
 
+mod inbound;
+mod lane;
 pub mod mem;
 pub mod zmq;
 

@@ -1,67 +1,119 @@
 //! ZeroMQ channel (pure-Rust `zeromq` 0.7): one ROUTER listener, one DEALER
 //! per outgoing connection with a routing id unique per connection.
 //!
+//! The driver does the socket work itself, with no task between it and the
+//! sockets on the common path: [`Channel::send`] hands a frame straight to
+//! the socket's send half (see [`lane`](super::lane) for the rare send that
+//! would wait), and [`Channel::recv`] polls the ROUTER's and every DEALER's
+//! receive half in the driver's own `select!`. Only dialing (connect and
+//! ZMTP handshake) runs in a task per attempt.
+//!
 //! Designed around zeromq 0.7 behaviour: it has no ZMTP heartbeats and a
 //! DEALER never reconnects by itself (keep-alive and reconnect belong to the
 //! peer machine, which asks for a fresh DEALER each attempt); disconnects are
-//! only observed while a receive is pending (every socket task always has a
-//! receive in flight); frames sent just before a socket is dropped can be
-//! lost (every socket is released with `close().await`, after its queued
-//! frames were sent).
+//! only observed while a receive is pending (each DEALER's receive is a
+//! stream held by the channel, so a receive stays in flight between polls,
+//! and the driver polls [`Channel::recv`] whenever it waits); frames sent just
+//! before a socket is dropped can be lost, so the ROUTER is released with
+//! `close().await` (after the frames queued behind a waiting send were sent)
+//! and a DEALER, which has no binds to close, only once its spill is drained.
 
 use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tracing::{debug, error, warn};
+use tracing::{debug, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
-    DealerSocket, Endpoint, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage,
+    DealerRecvHalf, DealerSocket, Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket,
+    SocketOptions, SocketRecv, ZmqMessage, ZmqResult,
 };
 
+use super::inbound::Inbound;
+use super::lane::{DealerTx, Lane, Report, QUEUE};
 use super::{Channel, ChannelEvent};
 use crate::error::ControlError;
 use crate::registry::Link;
 use crate::ConnectionId;
 
-/// Bound on one socket send; a send that cannot enter the socket queue in
-/// this time fails the connection instead of blocking its task.
-const SEND_TIMEOUT: Duration = Duration::from_secs(2);
-/// Bound on releasing one socket.
+/// Bound on releasing one socket or task.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Queue depth per connection (frames), and of the event queue.
-const QUEUE: usize = 4096;
 
-#[derive(Debug)]
-struct Dial {
-    out: mpsc::Sender<Bytes>,
-    task: JoinHandle<()>,
-    rid: Bytes,
-    epoch: u64,
+/// What a dial task or a spill reports to the driver.
+enum Side {
+    /// An event and the DEALER generation (open counter) that produced it.
+    Event(u64, ChannelEvent),
+    /// A DEALER finished its connect and handshake.
+    Connected {
+        epoch: u64,
+        id: ConnectionId,
+        sock: DealerSocket,
+    },
 }
 
-/// An event and the DEALER generation (open counter) that produced it; 0 for
-/// the listener. Events of a DEALER that was replaced are dropped, so a late
-/// failure or frame of an old attempt never lands on the new one.
-type Tagged = (u64, ChannelEvent);
+/// A frame (or the receive error that ended it) from a DEALER generation.
+type Received = (ConnectionId, u64, Result<Bytes, String>);
+
+enum DialState {
+    /// Connect in progress; frames wait here (at most `QUEUE`).
+    Connecting {
+        task: JoinHandle<()>,
+        queued: Vec<Bytes>,
+    },
+    /// Connected; its receive half is in `ZmqChannel::inbound` under the epoch.
+    Open(Lane<DealerTx>),
+}
+
+struct Dial {
+    rid: Bytes,
+    epoch: u64,
+    addr: String,
+    state: DialState,
+}
+
+struct Router {
+    /// Frames to the listener; keeps its receive in flight between polls.
+    rx: BoxStream<'static, ZmqResult<ZmqMessage>>,
+    tx: Lane<RouterSendHalf>,
+    /// Holds the listener's accept task (moved here before the split, which
+    /// has no `close`), so `close().await` still waits until the port is free.
+    binds: RouterSocket,
+}
 
 /// ZeroMQ ROUTER/DEALER channel.
-#[derive(Debug)]
 pub struct ZmqChannel {
     local_addr: String,
     nonce: u64,
     connect_timeout: Duration,
-    events_tx: mpsc::Sender<Tagged>,
-    events_rx: mpsc::Receiver<Tagged>,
-    router_out: Option<mpsc::Sender<(Bytes, Bytes)>>,
-    router_task: Option<JoinHandle<()>>,
+    side_tx: mpsc::UnboundedSender<Side>,
+    side_rx: mpsc::UnboundedReceiver<Side>,
+    /// `None` once closed.
+    router: Option<Router>,
     dials: HashMap<ConnectionId, Dial>,
+    /// Receive streams of the open DEALERs by epoch; each keeps its receive
+    /// in flight.
+    inbound: Inbound<BoxStream<'static, Received>>,
     retired: Vec<JoinHandle<()>>,
     /// Counts every DEALER opened, so even a reconnect of the same
-    /// connection id gets a fresh routing id.
+    /// connection id gets a fresh routing id; events of a DEALER that was
+    /// replaced are dropped, so a late failure or frame of an old attempt
+    /// never lands on the new one.
     opened: u64,
+}
+
+impl fmt::Debug for ZmqChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZmqChannel")
+            .field("local_addr", &self.local_addr)
+            .field("dials", &self.dials.len())
+            .field("closed", &self.router.is_none())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ZmqChannel {
@@ -81,18 +133,25 @@ impl ZmqChannel {
             Endpoint::Tcp(host, port) => format!("{host}:{port}"),
             other => other.to_string(),
         };
-        let (events_tx, events_rx) = mpsc::channel(QUEUE);
-        let (router_out, out_rx) = mpsc::channel(QUEUE);
-        let router_task = tokio::spawn(run_router(router, out_rx, events_tx.clone()));
+        let mut binds = RouterSocket::new();
+        binds.binds().extend(router.binds().drain());
+        let (tx, rx) = router.split();
+        let report: Report =
+            Arc::new(|reason| debug!(%reason, "router send failed; frame dropped"));
+        let (side_tx, side_rx) = mpsc::unbounded_channel();
         Ok(Self {
             local_addr,
             nonce: rand::random(),
             connect_timeout,
-            events_tx,
-            events_rx,
-            router_out: Some(router_out),
-            router_task: Some(router_task),
+            side_tx,
+            side_rx,
+            router: Some(Router {
+                rx: listen(rx),
+                tx: Lane::new(tx, report),
+                binds,
+            }),
             dials: HashMap::new(),
+            inbound: Inbound::new(),
             retired: Vec::new(),
             opened: 0,
         })
@@ -108,6 +167,49 @@ impl ZmqChannel {
     fn reap_retired(&mut self) {
         self.retired.retain(|t| !t.is_finished());
     }
+
+    /// Reports a failure of DEALER generation `epoch` through `recv`.
+    fn fail(&self, epoch: u64, id: ConnectionId, reason: String) {
+        let _ = self
+            .side_tx
+            .send(Side::Event(epoch, ChannelEvent::Failed { id, reason }));
+    }
+
+    fn is_current(&self, id: ConnectionId, epoch: u64) -> bool {
+        self.dials.get(&id).is_some_and(|d| d.epoch == epoch)
+    }
+
+    /// A dial finished connecting: split the DEALER, start receiving, send
+    /// what was queued meanwhile.
+    fn connected(&mut self, epoch: u64, id: ConnectionId, sock: DealerSocket) {
+        let Some(dial) = self.dials.get_mut(&id).filter(|d| d.epoch == epoch) else {
+            debug!(%id, epoch, "dropped a DEALER that connected after it was replaced");
+            return;
+        };
+        let DialState::Connecting { queued, .. } = &mut dial.state else {
+            return;
+        };
+        let queued = std::mem::take(queued);
+        let (tx, rx) = sock.split();
+        self.inbound
+            .insert(epoch, receive(id, epoch, dial.addr.clone(), rx));
+        let side = self.side_tx.clone();
+        let addr = dial.addr.clone();
+        let report: Report = Arc::new(move |reason| {
+            let _ = side.send(Side::Event(
+                epoch,
+                ChannelEvent::Failed {
+                    id,
+                    reason: format!("{addr}: {reason}"),
+                },
+            ));
+        });
+        let mut lane = Lane::new(DealerTx::new(tx), report);
+        for frame in queued {
+            lane.send(ZmqMessage::from(frame), &mut self.retired);
+        }
+        dial.state = DialState::Open(lane);
+    }
 }
 
 impl Channel for ZmqChannel {
@@ -118,26 +220,27 @@ impl Channel for ZmqChannel {
     fn open(&mut self, id: ConnectionId, addr: &str) {
         self.disconnect(id);
         self.reap_retired();
-        let (out, out_rx) = mpsc::channel(QUEUE);
         self.opened += 1;
         let rid = Bytes::from(format!("kvl-{:016x}-{}-{}", self.nonce, id.0, self.opened));
         let epoch = self.opened;
-        let task = tokio::spawn(run_dealer(
+        let task = tokio::spawn(dial(
             epoch,
             id,
             addr.to_owned(),
             rid.clone(),
             self.connect_timeout,
-            out_rx,
-            self.events_tx.clone(),
+            self.side_tx.clone(),
         ));
         self.dials.insert(
             id,
             Dial {
-                out,
-                task,
                 rid,
                 epoch,
+                addr: addr.to_owned(),
+                state: DialState::Connecting {
+                    task,
+                    queued: Vec::new(),
+                },
             },
         );
     }
@@ -145,70 +248,89 @@ impl Channel for ZmqChannel {
     fn send(&mut self, link: &Link, frame: Bytes) {
         match link {
             Link::Dial(id) => {
-                let Some(d) = self.dials.get(id) else { return };
-                if d.out.try_send(frame).is_err() {
-                    let _ = self.events_tx.try_send((
-                        d.epoch,
-                        ChannelEvent::Failed {
-                            id: *id,
-                            reason: "send queue full".into(),
-                        },
-                    ));
+                let Some(d) = self.dials.get_mut(id) else {
+                    return;
+                };
+                match &mut d.state {
+                    DialState::Open(tx) => tx.send(ZmqMessage::from(frame), &mut self.retired),
+                    DialState::Connecting { queued, .. } if queued.len() < QUEUE => {
+                        queued.push(frame)
+                    }
+                    DialState::Connecting { .. } => {
+                        let epoch = d.epoch;
+                        self.fail(epoch, *id, "send queue full".into());
+                    }
                 }
             }
             Link::Accepted(rid) => {
-                if let Some(out) = &self.router_out {
-                    if out.try_send((rid.clone(), frame)).is_err() {
-                        warn!("router send queue full; frame dropped");
-                    }
+                let Some(router) = &mut self.router else {
+                    return;
+                };
+                if let Ok(msg) = ZmqMessage::try_from(vec![rid.clone(), frame]) {
+                    router.tx.send(msg, &mut self.retired);
                 }
             }
         }
     }
 
     fn disconnect(&mut self, id: ConnectionId) {
-        if let Some(d) = self.dials.remove(&id) {
-            // Dropping the sender ends the task after it sent what was queued.
-            drop(d.out);
-            self.retired.push(d.task);
+        let Some(d) = self.dials.remove(&id) else {
+            return;
+        };
+        match d.state {
+            DialState::Connecting { task, .. } => {
+                task.abort();
+                self.retired.push(task);
+            }
+            // Frames already handed to the socket are written by zeromq's
+            // writer after the halves are dropped; a spill sends its queue first.
+            DialState::Open(tx) => {
+                self.inbound.remove(d.epoch);
+                tx.retire(&mut self.retired);
+            }
         }
     }
 
     async fn recv(&mut self) -> Option<ChannelEvent> {
         loop {
-            let (epoch, ev) = match self.router_task.as_mut() {
-                None => self.events_rx.recv().await?,
-                Some(router) => {
-                    let ended = tokio::select! {
-                        ev = self.events_rx.recv() => Ok(ev),
-                        r = router => Err(r),
-                    };
-                    match ended {
-                        Ok(ev) => ev?,
-                        Err(result) => {
-                            // The listener never ends on its own: report it, never silently.
-                            error!(addr = %self.local_addr, ?result, "router task ended unexpectedly");
-                            self.router_task = None;
-                            return None;
+            let router = self.router.as_mut()?;
+            tokio::select! {
+                side = self.side_rx.recv() => match side {
+                    Some(Side::Event(epoch, ev)) => {
+                        let ChannelEvent::Failed { id, .. } = &ev else { return Some(ev) };
+                        if self.is_current(*id, epoch) {
+                            return Some(ev);
                         }
+                        debug!(%id, epoch, "dropped a failure of a replaced DEALER");
                     }
+                    Some(Side::Connected { epoch, id, sock }) => self.connected(epoch, id, sock),
+                    // The channel holds a sender itself.
+                    None => return None,
+                },
+                Some(msg) = router.rx.next() => match msg {
+                    Ok(msg) => {
+                        let mut frames = msg.into_vec();
+                        if frames.len() < 2 {
+                            continue;
+                        }
+                        // One control message per ZMQ message: the last frame.
+                        let bytes = frames.pop().unwrap_or_default();
+                        let rid = frames.swap_remove(0);
+                        return Some(ChannelEvent::Frame { link: Link::Accepted(rid), bytes });
+                    }
+                    Err(e) => debug!(error = %e, "router receive failed"),
+                },
+                (id, epoch, r) = std::future::poll_fn(|cx| self.inbound.poll_next(cx)) => {
+                    if !self.is_current(id, epoch) {
+                        debug!(%id, epoch, "dropped a frame of a replaced DEALER");
+                        continue;
+                    }
+                    return Some(match r {
+                        Ok(bytes) => ChannelEvent::Frame { link: Link::Dial(id), bytes },
+                        Err(reason) => ChannelEvent::Failed { id, reason },
+                    });
                 }
-            };
-            let id = match &ev {
-                ChannelEvent::Frame {
-                    link: Link::Dial(id),
-                    ..
-                }
-                | ChannelEvent::Failed { id, .. } => *id,
-                ChannelEvent::Frame {
-                    link: Link::Accepted(_),
-                    ..
-                } => return Some(ev),
-            };
-            if self.dials.get(&id).is_some_and(|d| d.epoch == epoch) {
-                return Some(ev);
             }
-            debug!(%id, epoch, "dropped event of a replaced DEALER");
         }
     }
 
@@ -217,77 +339,52 @@ impl Channel for ZmqChannel {
         for id in ids {
             self.disconnect(id);
         }
-        self.router_out = None;
-        let mut tasks: Vec<_> = self.retired.drain(..).collect();
-        tasks.extend(self.router_task.take());
-        for mut t in tasks {
-            if tokio::time::timeout(CLOSE_TIMEOUT * 2, &mut t)
-                .await
-                .is_err()
-            {
+        self.inbound.clear();
+        // Spilled frames (of dials and of the router) are sent before the
+        // listener and the accepted connections are released.
+        let router = self.router.take().map(|Router { rx, tx, binds }| {
+            tx.retire(&mut self.retired);
+            (rx, binds)
+        });
+        for mut t in self.retired.drain(..) {
+            if tokio::time::timeout(CLOSE_TIMEOUT, &mut t).await.is_err() {
                 warn!("socket task did not finish in time; aborting it");
                 t.abort();
             }
         }
-    }
-}
-
-async fn run_router(
-    mut sock: RouterSocket,
-    mut out: mpsc::Receiver<(Bytes, Bytes)>,
-    events: mpsc::Sender<Tagged>,
-) {
-    loop {
-        tokio::select! {
-            m = out.recv() => match m {
-                Some((rid, frame)) => {
-                    let msg = ZmqMessage::try_from(vec![rid, frame]);
-                    if let Ok(msg) = msg {
-                        match tokio::time::timeout(SEND_TIMEOUT, sock.send(msg)).await {
-                            Ok(Ok(())) => {}
-                            Ok(Err(e)) => debug!(error = %e, "router send failed"),
-                            Err(_) => warn!("router send timed out"),
-                        }
-                    }
-                }
-                None => break,
-            },
-            r = sock.recv() => match r {
-                Ok(msg) => {
-                    let mut frames = msg.into_vec();
-                    if frames.len() < 2 {
-                        continue;
-                    }
-                    let rid = frames.remove(0);
-                    // One control message per ZMQ message: the last frame.
-                    let bytes = frames.pop().unwrap_or_default();
-                    if events.send((0, ChannelEvent::Frame { link: Link::Accepted(rid), bytes })).await.is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    debug!(error = %e, "router receive failed");
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            },
+        if let Some((rx, binds)) = router {
+            if tokio::time::timeout(CLOSE_TIMEOUT, binds.close())
+                .await
+                .is_err()
+            {
+                warn!(addr = %self.local_addr, "router close timed out");
+            }
+            drop(rx);
         }
     }
-    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close())
-        .await
-        .is_err()
-    {
-        warn!("router close timed out");
-    }
 }
 
-async fn run_dealer(
+/// What the ROUTER receives. A receive error is not expected (the ROUTER
+/// waits while it has no peers); the stream pauses after one so it never spins.
+fn listen(half: RouterRecvHalf) -> BoxStream<'static, ZmqResult<ZmqMessage>> {
+    stream::unfold(half, |mut half| async move {
+        let r = half.recv().await;
+        if r.is_err() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Some((r, half))
+    })
+    .boxed()
+}
+
+/// Connects one DEALER (routing id `rid`) and hands it to the channel.
+async fn dial(
     epoch: u64,
     id: ConnectionId,
     addr: String,
     rid: Bytes,
     connect_timeout: Duration,
-    mut out: mpsc::Receiver<Bytes>,
-    events: mpsc::Sender<Tagged>,
+    side: mpsc::UnboundedSender<Side>,
 ) {
     let mut opts = SocketOptions::default();
     opts.connect_timeout(connect_timeout);
@@ -295,22 +392,14 @@ async fn run_dealer(
         opts.peer_identity(pid);
     }
     let mut sock = DealerSocket::with_options(opts);
-    let fail = |reason: String| (epoch, ChannelEvent::Failed { id, reason });
     let endpoint = format!("tcp://{addr}");
-    let connect = tokio::select! {
-        r = tokio::time::timeout(connect_timeout, sock.connect(&endpoint)) => Some(r),
-        // Disconnected before the connect finished.
-        () = sender_gone(&out) => None,
-    };
-    match connect {
-        Some(Ok(Ok(()))) => {}
-        Some(Ok(Err(e))) => {
-            let _ = events
-                .send(fail(format!("connect to {addr} failed: {e}")))
-                .await;
+    let reason = match tokio::time::timeout(connect_timeout, sock.connect(&endpoint)).await {
+        Ok(Ok(())) => {
+            let _ = side.send(Side::Connected { epoch, id, sock });
             return;
         }
-        Some(Err(_)) => {
+        Ok(Err(e)) => format!("connect to {addr} failed: {e}"),
+        Err(_) => {
             let os = match tokio::time::timeout(
                 Duration::from_millis(200),
                 tokio::net::TcpStream::connect(&addr),
@@ -320,54 +409,32 @@ async fn run_dealer(
                 Ok(Err(e)) => e.to_string(),
                 _ => "no ZMTP answer".into(),
             };
-            let _ = events
-                .send(fail(format!(
-                    "connect to {addr} timed out after {connect_timeout:?} ({os})"
-                )))
-                .await;
-            return;
+            format!("connect to {addr} timed out after {connect_timeout:?} ({os})")
         }
-        None => return,
-    }
-    loop {
-        tokio::select! {
-            m = out.recv() => match m {
-                Some(frame) => match tokio::time::timeout(SEND_TIMEOUT, sock.send(ZmqMessage::from(frame))).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        let _ = events.try_send(fail(format!("send to {addr} failed: {e}")));
-                    }
-                    Err(_) => {
-                        let _ = events.try_send(fail(format!("send to {addr} timed out")));
-                    }
-                },
-                None => break,
-            },
-            r = sock.recv() => match r {
-                Ok(msg) => {
-                    let bytes = msg.into_vec().pop().unwrap_or_default();
-                    if events.send((epoch, ChannelEvent::Frame { link: Link::Dial(id), bytes })).await.is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    let _ = events.try_send(fail(format!("receive from {addr} failed: {e}")));
-                    break;
-                }
-            },
-        }
-    }
-    if tokio::time::timeout(CLOSE_TIMEOUT, sock.close())
-        .await
-        .is_err()
-    {
-        warn!(%addr, "dealer close timed out");
-    }
+    };
+    let _ = side.send(Side::Event(epoch, ChannelEvent::Failed { id, reason }));
 }
 
-/// Resolves once the connection was disconnected (all senders dropped).
-async fn sender_gone(out: &mpsc::Receiver<Bytes>) {
-    while !out.is_closed() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// The frames a DEALER receives, ending after the first receive error. The
+/// pending receive lives in the stream, so it stays in flight between polls.
+fn receive(
+    id: ConnectionId,
+    epoch: u64,
+    addr: String,
+    half: DealerRecvHalf,
+) -> BoxStream<'static, Received> {
+    stream::unfold(Some((half, addr)), move |state| async move {
+        let (mut half, addr) = state?;
+        match half.recv().await {
+            Ok(msg) => {
+                let bytes = msg.into_vec().pop().unwrap_or_default();
+                Some(((id, epoch, Ok(bytes)), Some((half, addr))))
+            }
+            Err(e) => {
+                let reason = format!("receive from {addr} failed: {e}");
+                Some(((id, epoch, Err(reason)), None))
+            }
+        }
+    })
+    .boxed()
 }
