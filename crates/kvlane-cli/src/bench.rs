@@ -86,13 +86,15 @@ const SLICE: Duration = Duration::from_millis(200);
 enum Contender {
     Memcpy(MemcpyPoint),
     RawTcp(RawTcpPoint),
-    /// `pairs[index]` measured with `op` and `batch`.
-    Backend {
-        index: usize,
-        op: Op,
-        batch: usize,
-        sample: Sample,
-    },
+    Backend(BackendPoint),
+}
+
+/// `pairs[index]` measured with `op` and `batch`.
+struct BackendPoint {
+    index: usize,
+    op: Op,
+    batch: usize,
+    sample: Sample,
 }
 
 /// Runs the whole plan, calling `emit` for each row as soon as it is measured.
@@ -145,12 +147,12 @@ pub(crate) fn run(
         for (index, _) in plan.backends.iter().enumerate() {
             for &op in &plan.ops {
                 for &batch in &plan.batches {
-                    contenders.push(Contender::Backend {
+                    contenders.push(Contender::Backend(BackendPoint {
                         index,
                         op,
                         batch,
                         sample: Sample::default(),
-                    });
+                    }));
                 }
             }
         }
@@ -164,14 +166,9 @@ pub(crate) fn run(
                 match c {
                     Contender::Memcpy(m) => m.slice(slice, min_batches, round == 1),
                     Contender::RawTcp(r) => r.slice(slice, min_batches, round == 1)?,
-                    Contender::Backend {
-                        index,
-                        op,
-                        batch,
-                        sample,
-                    } => {
-                        let s = point(&mut pairs[*index], *op, *batch, slice, min_batches)?;
-                        sample.merge(s);
+                    Contender::Backend(b) => {
+                        let s = point(&mut pairs[b.index], b.op, b.batch, slice, min_batches)?;
+                        b.sample.merge(s);
                     }
                 }
             }
@@ -180,14 +177,9 @@ pub(crate) fn run(
             emit(&match c {
                 Contender::Memcpy(m) => m.row(),
                 Contender::RawTcp(r) => r.row()?,
-                Contender::Backend {
-                    index,
-                    op,
-                    batch,
-                    sample,
-                } => {
-                    let kind = pairs[index][0].kind;
-                    Sample::row(vec![sample], kind.as_str(), op, block, batch)
+                Contender::Backend(b) => {
+                    let kind = pairs[b.index][0].kind;
+                    Sample::row(vec![b.sample], kind.as_str(), b.op, block, b.batch)
                 }
             });
         }
