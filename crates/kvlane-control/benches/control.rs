@@ -2,7 +2,9 @@
 //! raw `zeromq` ROUTER/DEALER echo measured in the same run, and handshake
 //! latency (connect → Ready, then disconnect).
 //!
-//! Prints p50/p99 of each (fixed sample count) before the criterion runs.
+//! Prints p50/p99 of each (fixed sample count) before the criterion runs,
+//! twice: with the callers on a thread outside the runtime (where both round
+//! trips are mostly thread wake-ups) and in a task on a runtime worker.
 #![allow(missing_docs)] // criterion macros generate undocumented items
 
 use std::time::{Duration, Instant};
@@ -96,28 +98,54 @@ fn pct(mut v: Vec<Duration>) -> (Duration, Duration) {
     (v[v.len() / 2], v[v.len() * 99 / 100])
 }
 
+/// Raw echo RTT, control ping (API round trip) and the ping -> pong time
+/// the peer machine measured, `n` of each, interleaved so both see the same
+/// machine load.
+async fn rtts(raw: &mut RawEcho, pair: &Pair, n: usize) -> [Vec<Duration>; 3] {
+    let (mut r, mut c, mut wire) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..n {
+        r.push(raw.rtt().await);
+        let t = Instant::now();
+        wire.push(pair.a.ping(pair.id).await.expect("ping"));
+        c.push(t.elapsed());
+    }
+    [r, c, wire]
+}
+
+fn print_rtts(caller: &str, [r, c, wire]: [Vec<Duration>; 3]) {
+    let (rp50, rp99) = pct(r);
+    let (cp50, cp99) = pct(c);
+    let (wp50, wp99) = pct(wire);
+    eprintln!("callers {caller}:");
+    eprintln!("  raw zeromq echo RTT     p50 {rp50:?} p99 {rp99:?}");
+    eprintln!(
+        "  control ping RTT        p50 {cp50:?} p99 {cp99:?}  (ratio p50 {:.2}x)",
+        cp50.as_secs_f64() / rp50.as_secs_f64()
+    );
+    eprintln!(
+        "    of which ping -> pong p50 {wp50:?} p99 {wp99:?}  (ratio p50 {:.2}x; the rest is \
+         the caller -> driver -> caller hops)",
+        wp50.as_secs_f64() / rp50.as_secs_f64()
+    );
+}
+
 fn report() {
     let rt = rt();
     rt.block_on(async {
         let n = 3000;
         let mut raw = RawEcho::new().await;
         let pair = Pair::new().await;
-        for _ in 0..300 {
-            raw.rtt().await;
-            pair.a.ping(pair.id).await.expect("ping");
-        }
-        // Interleave the two so both see the same machine load.
-        let (mut r, mut c) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let mut wire = Vec::with_capacity(n);
-        for _ in 0..n {
-            r.push(raw.rtt().await);
-            let t = Instant::now();
-            wire.push(pair.a.ping(pair.id).await.expect("ping"));
-            c.push(t.elapsed());
-        }
-        let (rp50, rp99) = pct(r);
-        let (cp50, cp99) = pct(c);
-        let (wp50, wp99) = pct(wire);
+        rtts(&mut raw, &pair, 300).await; // warm-up
+                                          // Callers on a thread outside the runtime (as `BlockingAgent` and
+                                          // criterion's `block_on` below), then in a task on a runtime worker
+                                          // (as async engine code).
+        print_rtts("outside the runtime", rtts(&mut raw, &pair, n).await);
+        let pair = tokio::spawn(async move {
+            print_rtts("in a runtime task", rtts(&mut raw, &pair, n).await);
+            pair
+        })
+        .await
+        .expect("measuring task");
         let mut h = Vec::new();
         let addr = pair.b.local_addr().to_owned();
         let hs = ControlNode::bind(Config::default(), local("h"), "127.0.0.1:0")
@@ -127,16 +155,6 @@ fn report() {
             h.push(handshake(&hs, &addr).await);
         }
         let (hp50, hp99) = pct(h);
-        eprintln!("raw zeromq echo RTT     p50 {rp50:?} p99 {rp99:?}");
-        eprintln!(
-            "control ping RTT        p50 {cp50:?} p99 {cp99:?}  (ratio p50 {:.2}x)",
-            cp50.as_secs_f64() / rp50.as_secs_f64()
-        );
-        eprintln!(
-            "  of which ping -> pong p50 {wp50:?} p99 {wp99:?}  (ratio p50 {:.2}x; the rest is \
-             the caller -> driver -> caller hops)",
-            wp50.as_secs_f64() / rp50.as_secs_f64()
-        );
         eprintln!("handshake (connect)     p50 {hp50:?} p99 {hp99:?}");
         hs.close().await;
         pair.a.close().await;
