@@ -3,7 +3,7 @@
 //!
 //! The driver does the socket work itself, with no task between it and the
 //! sockets on the common path: [`Channel::send`] hands a frame straight to
-//! the socket's send half (see [`lane`](super::lane) for the rare send that
+//! the socket's send half (see the `lane` module for the rare send that
 //! would wait), and [`Channel::recv`] polls the ROUTER's and every DEALER's
 //! receive half in the driver's own `select!`. Only dialing (connect and
 //! ZMTP handshake) runs in a task per attempt.
