@@ -179,12 +179,28 @@ pub(crate) fn run(
                 Contender::RawTcp(r) => r.row()?,
                 Contender::Backend(b) => {
                     let kind = pairs[b.index][0].kind;
-                    Sample::row(vec![b.sample], kind.as_str(), b.op, block, b.batch)
+                    b.sample.row(kind.as_str(), op_name(b.op), block, b.batch)
                 }
             });
         }
     }
     Ok(())
+}
+
+/// Runs `batch` until `duration` has passed and at least `min_batches`
+/// times; the seconds it took.
+fn run_for<E>(
+    duration: Duration,
+    min_batches: u32,
+    mut batch: impl FnMut() -> Result<(), E>,
+) -> Result<f64, E> {
+    let start = Instant::now();
+    let mut batches = 0;
+    while batches < min_batches || start.elapsed() < duration {
+        batch()?;
+        batches += 1;
+    }
+    Ok(start.elapsed().as_secs_f64())
 }
 
 pub(crate) fn pool_blocks(block: u64, batch: usize) -> u64 {
@@ -214,6 +230,16 @@ struct Pair {
     done: Vec<Completion>,
 }
 
+/// Two regions of `len` bytes, every page touched (so first-use faults stay
+/// out of the timings) with different contents.
+fn buffers(len: u64) -> Result<(Region, Region), kvlane_data::DataError> {
+    let a = Region::alloc(len as usize, Access::ALL)?;
+    let b = Region::alloc(len as usize, Access::ALL)?;
+    a.fill(0, len, 0xa5)?;
+    b.fill(0, len, 0x5a)?;
+    Ok((a, b))
+}
+
 /// Wakes the benchmark thread when the backend announces completions.
 struct Unpark(std::thread::Thread);
 
@@ -236,12 +262,7 @@ impl Pair {
         };
         let mut init = factory(kind)?;
         let mut target = factory(kind)?;
-        let len = (block * pool) as usize;
-        let local = Region::alloc(len, Access::ALL).map_err(data)?;
-        let remote = Region::alloc(len, Access::ALL).map_err(data)?;
-        // Touch every page so first-use faults stay out of the timings.
-        local.fill(0, len as u64, 0xa5).map_err(data)?;
-        remote.fill(0, len as u64, 0x5a).map_err(data)?;
+        let (local, remote) = buffers(block * pool).map_err(data)?;
         let l = init.register(&local).map_err(data)?;
         let r = target.register(&remote).map_err(data)?;
         let (peer, _) = connect_pair(&mut *init, &[l], &mut *target, &[r]).map_err(data)?;
@@ -283,13 +304,9 @@ impl Pair {
             self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?;
             self.warmed.push((op, batch));
         }
-        let start = Instant::now();
-        let mut batches = 0;
-        while batches < min_batches || start.elapsed() < duration {
-            self.batch(op, batch, &mut s.lat, &mut s.prepare, &mut s.post)?;
-            batches += 1;
-        }
-        s.secs = start.elapsed().as_secs_f64();
+        s.secs = run_for(duration, min_batches, || {
+            self.batch(op, batch, &mut s.lat, &mut s.prepare, &mut s.post)
+        })?;
         Ok(s)
     }
 
@@ -433,20 +450,9 @@ impl Sample {
         self.secs += later.secs;
     }
 
-    /// The row for samples taken concurrently (bytes add up; the wall
-    /// time is the longest thread's).
-    pub(crate) fn row(
-        mut samples: Vec<Self>,
-        backend: &str,
-        op: Op,
-        block: u64,
-        batch: usize,
-    ) -> Row {
-        let secs = samples.iter().map(|s| s.secs).fold(0.0, f64::max);
-        let mut lat: Vec<Duration> = samples.iter_mut().flat_map(|s| s.lat.drain(..)).collect();
-        let prepare: Duration = samples.iter().map(|s| s.prepare).sum();
-        let post: Duration = samples.iter().map(|s| s.post).sum();
-        let n = lat.len() as u64;
+    /// The row of this sample (`op` as printed: `read`, `write`, `copy`).
+    pub(crate) fn row(mut self, backend: &str, op: &str, block: u64, batch: usize) -> Row {
+        let n = self.lat.len() as u64;
         let per = |d: Duration| {
             if n == 0 {
                 0.0
@@ -456,15 +462,15 @@ impl Sample {
         };
         Row {
             backend: backend.into(),
-            op: op_name(op).into(),
+            op: op.into(),
             block_size: block,
             batch,
-            gbps: (n * block) as f64 / secs / 1e9,
-            prepare_avg_us: per(prepare),
-            post_avg_us: per(post),
+            gbps: (n * block) as f64 / self.secs / 1e9,
+            prepare_avg_us: per(self.prepare),
+            post_avg_us: per(self.post),
             transfers: n,
-            seconds: secs,
-            ..latency(&mut lat)
+            seconds: self.secs,
+            ..latency(&mut self.lat)
         }
     }
 }
@@ -546,8 +552,7 @@ struct MemcpyPoint {
     block: u64,
     batch: usize,
     pool: u64,
-    lat: Vec<Duration>,
-    secs: f64,
+    sample: Sample,
 }
 
 impl MemcpyPoint {
@@ -563,16 +568,9 @@ impl MemcpyPoint {
             backend: "memcpy".into(),
             source,
         };
-        let len = block * pool;
         let (src, dst) = match buffers {
             Some(b) => b,
-            None => {
-                let src = Region::alloc(len as usize, Access::ALL).map_err(data)?;
-                let dst = Region::alloc(len as usize, Access::ALL).map_err(data)?;
-                src.fill(0, len, 0xa5).map_err(data)?;
-                dst.fill(0, len, 0x5a).map_err(data)?;
-                (src, dst)
-            }
+            None => self::buffers(block * pool).map_err(data)?,
         };
         Ok(Self {
             src,
@@ -580,8 +578,7 @@ impl MemcpyPoint {
             block,
             batch,
             pool,
-            lat: Vec::new(),
-            secs: 0.0,
+            sample: Sample::default(),
         })
     }
 
@@ -603,29 +600,17 @@ impl MemcpyPoint {
         if first {
             self.copy_batch(&mut Vec::new());
         }
-        let mut lat = std::mem::take(&mut self.lat);
-        let start = Instant::now();
-        let mut batches = 0;
-        while batches < min_batches || start.elapsed() < duration {
+        let mut lat = std::mem::take(&mut self.sample.lat);
+        let Ok(secs) = run_for(duration, min_batches, || {
             self.copy_batch(&mut lat);
-            batches += 1;
-        }
-        self.secs += start.elapsed().as_secs_f64();
-        self.lat = lat;
+            Ok::<_, std::convert::Infallible>(())
+        });
+        self.sample.secs += secs;
+        self.sample.lat = lat;
     }
 
-    fn row(mut self) -> Row {
-        let n = self.lat.len() as u64;
-        Row {
-            backend: "memcpy".into(),
-            op: "copy".into(),
-            block_size: self.block,
-            batch: self.batch,
-            gbps: (n * self.block) as f64 / self.secs / 1e9,
-            transfers: n,
-            seconds: self.secs,
-            ..latency(&mut self.lat)
-        }
+    fn row(self) -> Row {
+        self.sample.row("memcpy", "copy", self.block, self.batch)
     }
 }
 
@@ -645,8 +630,7 @@ struct RawTcpPoint {
     batch: usize,
     /// Batches written, the warm-up included.
     batches: u64,
-    lat: Vec<Duration>,
-    secs: f64,
+    sample: Sample,
 }
 
 impl RawTcpPoint {
@@ -674,8 +658,7 @@ impl RawTcpPoint {
             block,
             batch,
             batches: 0,
-            lat: Vec::new(),
-            secs: 0.0,
+            sample: Sample::default(),
         })
     }
 
@@ -689,7 +672,9 @@ impl RawTcpPoint {
         }
         let took = t0.elapsed();
         if record {
-            self.lat.extend(std::iter::repeat_n(took, self.batch));
+            self.sample
+                .lat
+                .extend(std::iter::repeat_n(took, self.batch));
         }
         self.batches += 1;
         Ok(())
@@ -704,13 +689,7 @@ impl RawTcpPoint {
         if first {
             self.send_batch(false)?;
         }
-        let start = Instant::now();
-        let mut batches = 0;
-        while batches < min_batches || start.elapsed() < duration {
-            self.send_batch(true)?;
-            batches += 1;
-        }
-        self.secs += start.elapsed().as_secs_f64();
+        self.sample.secs += run_for(duration, min_batches, || self.send_batch(true))?;
         Ok(())
     }
 
@@ -723,24 +702,14 @@ impl RawTcpPoint {
             .receiver
             .join()
             .map_err(|_| std::io::Error::other("receiver panicked"))??;
-        self.secs += drain.elapsed().as_secs_f64();
+        self.sample.secs += drain.elapsed().as_secs_f64();
         let sent = self.batches * self.batch as u64 * self.block;
         if received < sent {
             return Err(BenchError::Io(std::io::Error::other(format!(
                 "raw-tcp receiver got {received} bytes of {sent}"
             ))));
         }
-        let n = self.lat.len() as u64;
-        Ok(Row {
-            backend: "raw-tcp".into(),
-            op: "write".into(),
-            block_size: self.block,
-            batch: self.batch,
-            gbps: (n * self.block) as f64 / self.secs / 1e9,
-            transfers: n,
-            seconds: self.secs,
-            ..latency(&mut self.lat)
-        })
+        Ok(self.sample.row("raw-tcp", "write", self.block, self.batch))
     }
 }
 

@@ -6,7 +6,7 @@
 //! `B / 4 KiB` consecutive page ids, which the planner merges into one
 //! descriptor, so "prepare" measures real planning work.
 
-use crate::bench::{pool_blocks, BenchPlan, Row, Sample};
+use crate::bench::{op_name, pool_blocks, BenchPlan, Row, Sample};
 use crate::units::fmt_size;
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice, Error, Peer};
@@ -115,7 +115,7 @@ pub(crate) async fn initiator(
                     fmt_size(block)
                 ));
                 let sample = measure(&peer, op, pages, slots, batch, plan.duration).await?;
-                emit(&Sample::row(vec![sample], &backend, op, block, batch));
+                emit(&sample.row(&backend, op_name(op), block, batch));
             }
         }
     }
