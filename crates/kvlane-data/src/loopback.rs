@@ -123,74 +123,6 @@ impl LoopbackBackend {
         }
     }
 
-    /// Checks every segment of `t`, then copies them all (nothing moves
-    /// when any check fails); `now` is read once per `poll`, and `target`
-    /// is the node of the peer of the previous transfer of this `poll`, if
-    /// any (looked up again when the peer differs).
-    fn execute(
-        &mut self,
-        t: &Transfer,
-        now: Instant,
-        target: &mut Option<(PeerId, Arc<Node>)>,
-    ) -> Result<(), DataError> {
-        if now > t.deadline {
-            return Err(DataError::Timeout {
-                id: t.id,
-                peer: t.peer,
-                overdue: now - t.deadline,
-            });
-        }
-        let target = match target {
-            Some((peer, node)) if *peer == t.peer => node,
-            _ => &target.insert((t.peer, self.target(t.peer)?)).1,
-        };
-        // The target's table stays locked while the bytes move: a
-        // concurrent deregistration waits instead of racing the copy.
-        let remote_regions = lock(&target.regions);
-        let remote_of = |key| {
-            remote_regions
-                .get(&key)
-                .ok_or(DataError::UnknownKey { peer: t.peer, key })
-        };
-        let mut plan = std::mem::take(&mut self.scratch);
-        plan.clear();
-        let checked = (|| {
-            for seg in t.segments()? {
-                let local = self.local_region(seg.region, t.op)?;
-                local.check_range(seg.local_offset, seg.len)?;
-                let remote = remote_of(seg.key)?;
-                check_remote(t.peer, seg.key, remote, t.op, seg.remote_offset, seg.len)?;
-                plan.push(seg);
-            }
-            Ok::<_, DataError>(())
-        })();
-        let result = checked.and_then(|()| {
-            for seg in &plan {
-                let local = self
-                    .registry
-                    .get(seg.region)
-                    .ok_or(DataError::UnknownRegion(seg.region))?;
-                let remote = remote_of(seg.key)?;
-                match t.op {
-                    Op::Write => {
-                        local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?
-                    }
-                    Op::Read => {
-                        remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?
-                    }
-                }
-            }
-            Ok(())
-        });
-        drop(remote_regions);
-        self.scratch = plan;
-        result?;
-        if let Some(payload) = &t.notify {
-            lock(&target.notifications).push_back(payload.clone());
-        }
-        Ok(())
-    }
-
     fn target(&self, peer: PeerId) -> Result<Arc<Node>, DataError> {
         let state = self.peers.get(&peer).ok_or(DataError::UnknownPeer(peer))?;
         state
@@ -203,18 +135,75 @@ impl LoopbackBackend {
                 source: None,
             })
     }
+}
 
-    fn local_region(&self, id: RegionId, op: Op) -> Result<&Region, DataError> {
-        let region = self.registry.get(id).ok_or(DataError::UnknownRegion(id))?;
-        if op == Op::Read && !region.access().contains(Access::LOCAL_WRITE) {
+/// Checks every segment of `t`, then copies them all (nothing moves when
+/// any check fails). `now` is read once per `poll`; `regions` resolves
+/// against the target's region table, locked by the caller for a run of
+/// transfers; `plan` is scratch space.
+fn execute(
+    t: &Transfer,
+    now: Instant,
+    regions: &mut Regions<'_>,
+    plan: &mut Vec<Segment>,
+) -> Result<(), DataError> {
+    if now > t.deadline {
+        return Err(DataError::Timeout {
+            id: t.id,
+            peer: t.peer,
+            overdue: now - t.deadline,
+        });
+    }
+    plan.clear();
+    for seg in t.segments()? {
+        let (local, remote) = regions.of(t.peer, &seg)?;
+        if t.op == Op::Read && !local.access().contains(Access::LOCAL_WRITE) {
             return Err(DataError::AccessDenied {
-                op,
-                target: format!("local {id}"),
+                op: t.op,
+                target: format!("local {}", seg.region),
                 needed: Access::LOCAL_WRITE,
-                granted: region.access(),
+                granted: local.access(),
             });
         }
-        Ok(region)
+        local.check_range(seg.local_offset, seg.len)?;
+        check_remote(t.peer, seg.key, remote, t.op, seg.remote_offset, seg.len)?;
+        plan.push(seg);
+    }
+    for seg in plan.iter() {
+        let (local, remote) = regions.of(t.peer, seg)?;
+        match t.op {
+            Op::Write => local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?,
+            Op::Read => remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?,
+        }
+    }
+    Ok(())
+}
+
+/// Looks up the regions the segments of a run of transfers name, again
+/// only when a segment names different ones than the one before.
+struct Regions<'a> {
+    local: &'a HostRegistry,
+    remote: &'a FastMap<RemoteKey, Region>,
+    last: Option<(RegionId, RemoteKey, &'a Region, &'a Region)>,
+}
+
+impl<'a> Regions<'a> {
+    fn of(&mut self, peer: PeerId, seg: &Segment) -> Result<(&'a Region, &'a Region), DataError> {
+        if let Some((id, key, local, remote)) = self.last {
+            if id == seg.region && key == seg.key {
+                return Ok((local, remote));
+            }
+        }
+        let local = self
+            .local
+            .get(seg.region)
+            .ok_or(DataError::UnknownRegion(seg.region))?;
+        let remote = self
+            .remote
+            .get(&seg.key)
+            .ok_or(DataError::UnknownKey { peer, key: seg.key })?;
+        self.last = Some((seg.region, seg.key, local, remote));
+        Ok((local, remote))
     }
 }
 
@@ -363,16 +352,53 @@ impl Backend for LoopbackBackend {
         completions.extend(self.failed.drain(..));
         let mut budget = self.config.poll_budget;
         let now = Instant::now();
-        let mut target = None;
-        while let Some(t) = self.queue.pop_front() {
-            let result = self.execute(&t, now, &mut target);
-            let moved = if result.is_ok() { t.total_len() } else { 0 };
-            completions.push(Completion {
-                id: t.id,
-                peer: t.peer,
-                result,
-            });
-            budget = budget.saturating_sub(moved.max(1));
+        // Runs of queued transfers to one peer: the peer's node is looked up
+        // and its region table locked once per run, not per transfer, and
+        // consecutive segments naming the same regions share one lookup.
+        // The table stays locked while the bytes move, so a concurrent
+        // deregistration waits instead of racing the copy; `poll_budget`
+        // bounds that wait.
+        while let Some(peer) = self.queue.front().map(|t| t.peer) {
+            let node = match self.target(peer) {
+                Ok(node) => node,
+                Err(e) => {
+                    let t = self.queue.pop_front().expect("front was just read");
+                    completions.push(Completion {
+                        id: t.id,
+                        peer,
+                        result: Err(e),
+                    });
+                    budget = budget.saturating_sub(1);
+                    if budget == 0 {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let table = lock(&node.regions);
+            let mut regions = Regions {
+                local: &self.registry,
+                remote: &table,
+                last: None,
+            };
+            while self.queue.front().is_some_and(|t| t.peer == peer) && budget > 0 {
+                let t = self.queue.pop_front().expect("front was just read");
+                let result = execute(&t, now, &mut regions, &mut self.scratch);
+                let moved = match (&result, &t.notify) {
+                    (Ok(()), Some(payload)) => {
+                        lock(&node.notifications).push_back(payload.clone());
+                        t.total_len()
+                    }
+                    (Ok(()), None) => t.total_len(),
+                    (Err(_), _) => 0,
+                };
+                completions.push(Completion {
+                    id: t.id,
+                    peer,
+                    result,
+                });
+                budget = budget.saturating_sub(moved.max(1));
+            }
             if budget == 0 {
                 break;
             }
