@@ -3,7 +3,9 @@
 use crate::agent::{lock, Inner, KvAdvert, NotifyFrame};
 use crate::error::{Error, ErrorKind};
 use kvlane_control::ConnectionId;
-use kvlane_data::{plan, Descriptor, Op, PeerId, RemoteDescriptor, Transfer};
+use kvlane_data::{
+    plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, Transfer,
+};
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -152,7 +154,7 @@ impl Peer {
             )
         })?;
         let copies = plan(&local.layout, local_ids, &remote.layout, remote_ids, layers)?;
-        let (l, r) = copies
+        let (l, r): (Descriptors, RemoteDescriptors) = copies
             .iter()
             .map(|c| {
                 (

@@ -12,7 +12,7 @@
 
 use crate::units::fmt_size;
 use kvlane_data::{
-    connect_pair, Access, Backend, BackendKind, Completion, Descriptor, Op, Region,
+    connect_pair, smallvec, Access, Backend, BackendKind, Completion, Descriptor, Op, Region,
     RemoteDescriptor, SubmitError, Transfer, TransferId,
 };
 use serde::Serialize;
@@ -358,12 +358,12 @@ impl Pair {
                 id: TransferId(base + i as u64),
                 peer: self.peer,
                 op,
-                local: vec![Descriptor {
+                local: smallvec![Descriptor {
                     region: self.local.id(),
                     offset: off,
                     len: self.block,
                 }],
-                remote: vec![RemoteDescriptor {
+                remote: smallvec![RemoteDescriptor {
                     key: self.key,
                     offset: off,
                     len: self.block,

@@ -11,7 +11,10 @@ use crate::backend::{connect_pair, Backend};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region, RemoteRegion};
-use crate::transfer::{Completion, Descriptor, Notification, Op, RemoteDescriptor, Transfer};
+use crate::transfer::{
+    Completion, Descriptor, Descriptors, Notification, Op, RemoteDescriptor, RemoteDescriptors,
+    Transfer,
+};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -246,7 +249,7 @@ fn desc(s: &Setup<impl Backend>, lo: u64, ro: u64, len: u64) -> (Descriptor, Rem
 }
 
 fn transfer(s: &Setup<impl Backend>, op: Op, pieces: &[(u64, u64, u64)]) -> Transfer {
-    let (l, r) = pieces
+    let (l, r): (Descriptors, RemoteDescriptors) = pieces
         .iter()
         .map(|&(lo, ro, len)| desc(s, lo, ro, len))
         .unzip();

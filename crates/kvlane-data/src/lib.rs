@@ -76,8 +76,9 @@ pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};
 pub use memory::{Access, MemoryKind, Region, RemoteRegion, REGION_ALIGN};
+pub use smallvec::{smallvec, SmallVec};
 pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};
 pub use transfer::{
-    BackendKind, Completion, Descriptor, Endpoint, Notification, Op, RemoteDescriptor, Segment,
-    Segments, Transfer, DEFAULT_DEADLINE,
+    BackendKind, Completion, Descriptor, Descriptors, Endpoint, Notification, Op, RemoteDescriptor,
+    RemoteDescriptors, Segment, Segments, Transfer, DEFAULT_DEADLINE,
 };

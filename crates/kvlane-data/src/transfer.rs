@@ -4,6 +4,7 @@ use crate::error::DataError;
 use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,14 @@ pub struct RemoteDescriptor {
     pub len: u64,
 }
 
+/// The local spans of a transfer: one span is held inline (no allocation
+/// per transfer), more spill to the heap. Build it from a `Vec`, an array
+/// of one or the re-exported [`smallvec!`](crate::smallvec) macro.
+pub type Descriptors = SmallVec<[Descriptor; 1]>;
+
+/// The remote spans of a transfer, held like [`Descriptors`].
+pub type RemoteDescriptors = SmallVec<[RemoteDescriptor; 1]>;
+
 /// Default deadline of a transfer, from its creation.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -63,9 +72,9 @@ pub struct Transfer {
     /// READ or WRITE.
     pub op: Op,
     /// Local spans.
-    pub local: Vec<Descriptor>,
+    pub local: Descriptors,
     /// Remote spans.
-    pub remote: Vec<RemoteDescriptor>,
+    pub remote: RemoteDescriptors,
     /// Delivered to the target once every byte of the transfer has landed.
     pub notify: Option<Bytes>,
     /// When the transfer fails with [`DataError::Timeout`] if not done.
@@ -77,15 +86,15 @@ impl Transfer {
     pub fn new(
         peer: PeerId,
         op: Op,
-        local: Vec<Descriptor>,
-        remote: Vec<RemoteDescriptor>,
+        local: impl Into<Descriptors>,
+        remote: impl Into<RemoteDescriptors>,
     ) -> Self {
         Self {
             id: TransferId::next(),
             peer,
             op,
-            local,
-            remote,
+            local: local.into(),
+            remote: remote.into(),
             notify: None,
             deadline: Instant::now() + DEFAULT_DEADLINE,
         }
@@ -330,6 +339,20 @@ mod tests {
             flat,
             vec![(1, 0, 9, 50, 4), (1, 4, 8, 0, 6), (2, 100, 8, 6, 6)]
         );
+    }
+
+    #[test]
+    fn one_span_is_held_inline_and_more_spill() {
+        let one = Transfer::new(PeerId(1), Op::Read, vec![d(1, 0, 8)], [r(2, 0, 8)]);
+        assert!(!one.local.spilled() && !one.remote.spilled());
+        let two = Transfer::new(
+            PeerId(1),
+            Op::Read,
+            vec![d(1, 0, 8), d(1, 16, 8)],
+            vec![r(2, 0, 16)],
+        );
+        assert!(two.local.spilled() && !two.remote.spilled());
+        assert_eq!(two.check_lengths().unwrap(), 16);
     }
 
     #[test]
