@@ -85,6 +85,18 @@ pub(crate) type Factory = dyn Fn(BackendKind) -> Result<Box<dyn Backend>, BenchE
 /// ranged 0.82-0.95 between runs; with 20 ms, 0.91-0.93.
 const SLICE: Duration = Duration::from_millis(20);
 
+/// Payload a slice moves at least, so that it moves many times the
+/// last-level cache (32 MiB here). Past the caches, what one slice leaves
+/// behind (dirty lines, most likely) costs the next slice, of another
+/// point: with 20 ms slices alone (~240 MB at 1 MiB blocks) loopback WRITE
+/// at 1 MiB read 0.90-1.00x memcpy over three runs, with this floor
+/// 1.01-1.07x.
+const SLICE_BYTES: u64 = 1 << 30;
+
+/// Longest slice when `SLICE_BYTES` takes long (slow points, such as tcp
+/// at small blocks).
+const SLICE_MAX: Duration = Duration::from_millis(200);
+
 /// One point of a block size, measured slice by slice.
 enum Contender {
     Memcpy(MemcpyPoint),
@@ -158,7 +170,7 @@ pub(crate) fn run(
         for round in 1.. {
             let mut owed = false;
             for c in &mut contenders {
-                let Some(slice) = c.owed(plan.duration) else {
+                let Some(slice) = c.owed(plan.duration, block) else {
                     continue;
                 };
                 owed = true;
@@ -195,11 +207,21 @@ pub(crate) fn run(
     Ok(())
 }
 
+/// A stretch of measuring one point: one batch and `time` at least, then
+/// on until `batches` or `limit`, whichever comes first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Slice {
+    time: Duration,
+    batches: u64,
+    limit: Duration,
+}
+
 impl Contender {
     /// The next slice this point is owed: `SLICE` or what is left of
-    /// `duration`, whichever is shorter (a slice runs one batch at least);
+    /// `duration`, whichever is shorter, then on until it has moved
+    /// `SLICE_BYTES` of `block`s, or for `SLICE_MAX` or what is left;
     /// `None` once it has had `duration` and `MIN_BATCHES` batches.
-    fn owed(&self, duration: Duration) -> Option<Duration> {
+    fn owed(&self, duration: Duration, block: u64) -> Option<Slice> {
         let (sample, batch) = match self {
             Self::Memcpy(m) => (&m.sample, m.batch),
             Self::RawTcp(r) => (&r.sample, r.batch),
@@ -208,21 +230,28 @@ impl Contender {
         let had = Duration::from_secs_f64(sample.secs);
         let batches = sample.lat.len() / batch.max(1);
         if had >= duration && batches >= MIN_BATCHES as usize {
-            None
-        } else {
-            Some(duration.saturating_sub(had).min(SLICE))
+            return None;
         }
+        let left = duration.saturating_sub(had);
+        Some(Slice {
+            time: left.min(SLICE),
+            batches: SLICE_BYTES.div_ceil(block * batch as u64).max(1),
+            limit: left.min(SLICE_MAX),
+        })
     }
 }
 
-/// Runs `batch` until `duration` has passed, once at least; the seconds it
+/// Runs `batch` for `slice` (its time and its batches); the seconds it
 /// took.
-fn run_for<E>(duration: Duration, mut batch: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+fn run_for<E>(slice: Slice, mut batch: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
     let start = Instant::now();
+    let mut batches = 0;
     loop {
         batch()?;
-        if start.elapsed() >= duration {
-            return Ok(start.elapsed().as_secs_f64());
+        batches += 1;
+        let took = start.elapsed();
+        if took >= slice.time && (batches >= slice.batches || took >= slice.limit) {
+            return Ok(took.as_secs_f64());
         }
     }
 }
@@ -309,9 +338,9 @@ impl Pair {
         })
     }
 
-    /// Runs batches for `duration` (one at least), after one unmeasured
-    /// warm-up batch the first time `(op, batch)` runs.
-    fn measure(&mut self, op: Op, batch: usize, duration: Duration) -> Result<Sample, BenchError> {
+    /// Runs batches for `slice`, after one unmeasured warm-up batch the
+    /// first time `(op, batch)` runs.
+    fn measure(&mut self, op: Op, batch: usize, slice: Slice) -> Result<Sample, BenchError> {
         // Completions from the backend's own threads wake this one.
         self.init
             .set_waker(Waker::from(Arc::new(Unpark(std::thread::current()))));
@@ -322,7 +351,7 @@ impl Pair {
             self.batch(op, batch, &mut Vec::new(), &mut p0, &mut p1)?;
             self.warmed.push((op, batch));
         }
-        s.secs = run_for(duration, || {
+        s.secs = run_for(slice, || {
             self.batch(op, batch, &mut s.lat, &mut s.prepare, &mut s.post)
         })?;
         Ok(s)
@@ -495,17 +524,12 @@ impl Sample {
 
 /// Measures one slice of a point on every pair at once, one thread each;
 /// the threads' samples as one (their wall time is the longest thread's).
-fn point(
-    pairs: &mut [Pair],
-    op: Op,
-    batch: usize,
-    duration: Duration,
-) -> Result<Sample, BenchError> {
+fn point(pairs: &mut [Pair], op: Op, batch: usize, slice: Slice) -> Result<Sample, BenchError> {
     let kind = pairs[0].kind;
     let samples = std::thread::scope(|scope| {
         let handles: Vec<_> = pairs
             .iter_mut()
-            .map(|p| scope.spawn(move || p.measure(op, batch, duration)))
+            .map(|p| scope.spawn(move || p.measure(op, batch, slice)))
             .collect();
         handles
             .into_iter()
@@ -613,12 +637,12 @@ impl MemcpyPoint {
         }
     }
 
-    fn slice(&mut self, duration: Duration, first: bool) {
+    fn slice(&mut self, slice: Slice, first: bool) {
         if first {
             self.copy_batch(&mut Vec::new());
         }
         let mut lat = std::mem::take(&mut self.sample.lat);
-        let Ok(secs) = run_for(duration, || {
+        let Ok(secs) = run_for(slice, || {
             self.copy_batch(&mut lat);
             Ok::<_, std::convert::Infallible>(())
         });
@@ -697,11 +721,11 @@ impl RawTcpPoint {
         Ok(())
     }
 
-    fn slice(&mut self, duration: Duration, first: bool) -> Result<(), BenchError> {
+    fn slice(&mut self, slice: Slice, first: bool) -> Result<(), BenchError> {
         if first {
             self.send_batch(false)?;
         }
-        self.sample.secs += run_for(duration, || self.send_batch(true))?;
+        self.sample.secs += run_for(slice, || self.send_batch(true))?;
         Ok(())
     }
 
@@ -797,13 +821,18 @@ mod tests {
     #[test]
     fn raw_tcp_baseline_moves_bytes() {
         let mut p = RawTcpPoint::new(65536, 8).unwrap();
-        p.slice(Duration::from_millis(5), true).unwrap();
-        p.slice(Duration::from_millis(5), false).unwrap();
+        let slice = Slice {
+            time: Duration::from_millis(5),
+            batches: 2,
+            limit: Duration::from_secs(5),
+        };
+        p.slice(slice, true).unwrap();
+        p.slice(slice, false).unwrap();
         let r = p.row().unwrap();
         assert_eq!((r.backend.as_str(), r.op.as_str()), ("raw-tcp", "write"));
-        // Two slices of at least one batch of 8, the warm-up not counted.
+        // Two slices of at least two batches of 8, the warm-up not counted.
         assert!(
-            r.gbps > 0.0 && r.transfers >= 16 && r.transfers.is_multiple_of(8),
+            r.gbps > 0.0 && r.transfers >= 32 && r.transfers.is_multiple_of(8),
             "{r:?}"
         );
     }
@@ -811,29 +840,40 @@ mod tests {
     #[test]
     fn points_are_owed_slices_until_they_had_duration_and_min_batches() {
         let duration = Duration::from_millis(50);
-        let mut c = Contender::Memcpy(MemcpyPoint::new(4096, 4, 4, None).unwrap());
-        assert_eq!(c.owed(duration), Some(SLICE.min(duration)));
+        let (block, batch) = (4096, 4);
+        let mut c = Contender::Memcpy(MemcpyPoint::new(block, batch, 4, None).unwrap());
+        // Long durations: slices stop at SLICE_MAX if the bytes take longer.
+        let long = c.owed(Duration::from_secs(10), block).unwrap();
+        assert_eq!((long.time, long.limit), (SLICE, SLICE_MAX));
+        let floor = SLICE_BYTES / (block * batch as u64);
+        let slice = |ms, left| Slice {
+            time: Duration::from_millis(ms),
+            batches: floor,
+            limit: Duration::from_millis(left),
+        };
+        assert_eq!(c.owed(duration, block), Some(slice(20, 50)));
+        // Large blocks: one batch is already past the byte floor.
+        assert_eq!(c.owed(duration, 1 << 30).map(|s| s.batches), Some(1));
         let Contender::Memcpy(m) = &mut c else {
             unreachable!()
         };
         // 45 ms measured: only the rest is owed.
         m.sample.secs = 0.045;
-        m.sample.lat = vec![Duration::ZERO; 4 * MIN_BATCHES as usize];
-        assert_eq!(c.owed(duration), Some(Duration::from_millis(5)));
+        m.sample.lat = vec![Duration::ZERO; batch * MIN_BATCHES as usize];
+        assert_eq!(c.owed(duration, block), Some(slice(5, 5)));
         let Contender::Memcpy(m) = &mut c else {
             unreachable!()
         };
-        // The whole duration, but one batch short: one more (a slice of
-        // zero still runs one batch).
+        // The whole duration, but one batch short: one more slice.
         m.sample.secs = 0.05;
-        m.sample.lat.truncate(4 * (MIN_BATCHES as usize - 1));
-        assert_eq!(c.owed(duration), Some(Duration::ZERO));
+        m.sample.lat.truncate(batch * (MIN_BATCHES as usize - 1));
+        assert_eq!(c.owed(duration, block), Some(slice(0, 0)));
         let Contender::Memcpy(m) = &mut c else {
             unreachable!()
         };
-        m.slice(Duration::ZERO, false);
-        assert_eq!(m.sample.lat.len(), 4 * MIN_BATCHES as usize);
-        assert_eq!(c.owed(duration), None);
+        m.slice(slice(0, 0), false);
+        assert_eq!(m.sample.lat.len(), batch * MIN_BATCHES as usize);
+        assert_eq!(c.owed(duration, block), None);
     }
 
     #[test]
