@@ -350,7 +350,8 @@ impl Backend for LoopbackBackend {
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
         let before = completions.len();
         completions.extend(self.failed.drain(..));
-        let mut budget = self.config.poll_budget;
+        // One transfer at least per `poll`, even with a budget of zero.
+        let mut budget = self.config.poll_budget.max(1);
         let now = Instant::now();
         // Runs of queued transfers to one peer: the peer's node is looked up
         // and its region table locked once per run, not per transfer, and
@@ -358,7 +359,10 @@ impl Backend for LoopbackBackend {
         // The table stays locked while the bytes move, so a concurrent
         // deregistration waits instead of racing the copy; `poll_budget`
         // bounds that wait.
-        while let Some(peer) = self.queue.front().map(|t| t.peer) {
+        while budget > 0 {
+            let Some(peer) = self.queue.front().map(|t| t.peer) else {
+                break;
+            };
             let node = match self.target(peer) {
                 Ok(node) => node,
                 Err(e) => {
@@ -368,10 +372,7 @@ impl Backend for LoopbackBackend {
                         peer,
                         result: Err(e),
                     });
-                    budget = budget.saturating_sub(1);
-                    if budget == 0 {
-                        break;
-                    }
+                    budget -= 1;
                     continue;
                 }
             };
@@ -398,9 +399,6 @@ impl Backend for LoopbackBackend {
                     result,
                 });
                 budget = budget.saturating_sub(moved.max(1));
-            }
-            if budget == 0 {
-                break;
             }
         }
         completions.len() - before

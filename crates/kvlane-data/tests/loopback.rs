@@ -285,3 +285,86 @@ mod panicking {
             .is_err());
     }
 }
+
+/// `poll_budget` bounds the bytes one `poll` copies, and every `poll`
+/// finishes one transfer at least, whatever the budget.
+mod budget {
+    use kvlane_data::{
+        connect_pair, Access, Backend, DataError, Descriptor, LoopbackBackend, LoopbackConfig, Op,
+        PeerId, Region, RemoteDescriptor, RemoteKey, Transfer,
+    };
+
+    const KIB: u64 = 1024;
+
+    fn setup(poll_budget: u64) -> (LoopbackBackend, LoopbackBackend, Region, RemoteKey, PeerId) {
+        let config = LoopbackConfig {
+            poll_budget,
+            ..LoopbackConfig::default()
+        };
+        let mut init = LoopbackBackend::new(config.clone());
+        let mut target = LoopbackBackend::new(config);
+        let src = Region::from_vec(vec![7u8; 8 * KIB as usize], Access::ALL).unwrap();
+        let dst = Region::alloc(8 * KIB as usize, Access::ALL).unwrap();
+        let a = init.register(&src).unwrap();
+        let b = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[a], &mut target, &[b]).unwrap();
+        (init, target, src, b.key, peer)
+    }
+
+    fn submit_writes(b: &mut LoopbackBackend, src: &Region, key: RemoteKey, peer: PeerId) {
+        for i in 0..4 {
+            let local = [Descriptor {
+                region: src.id(),
+                offset: i * KIB,
+                len: KIB,
+            }];
+            let remote = [RemoteDescriptor {
+                key,
+                offset: i * KIB,
+                len: KIB,
+            }];
+            b.submit(Transfer::new(peer, Op::Write, local, remote))
+                .unwrap();
+        }
+    }
+
+    fn polls(b: &mut LoopbackBackend) -> Vec<Vec<bool>> {
+        let mut out = Vec::new();
+        while b.in_flight() > 0 {
+            let mut done = Vec::new();
+            b.poll(&mut done);
+            out.push(done.iter().map(|c| c.result.is_ok()).collect());
+        }
+        out
+    }
+
+    #[test]
+    fn a_budget_of_two_blocks_finishes_two_transfers_per_poll() {
+        let (mut init, _target, src, key, peer) = setup(2 * KIB);
+        submit_writes(&mut init, &src, key, peer);
+        assert_eq!(polls(&mut init), vec![vec![true, true], vec![true, true]]);
+    }
+
+    #[test]
+    fn a_zero_budget_still_finishes_one_transfer_per_poll() {
+        let (mut init, _target, src, key, peer) = setup(0);
+        submit_writes(&mut init, &src, key, peer);
+        assert_eq!(polls(&mut init), vec![vec![true]; 4]);
+    }
+
+    #[test]
+    fn transfers_to_a_lost_peer_fail_one_budget_unit_each() {
+        let (mut init, target, src, key, peer) = setup(0);
+        submit_writes(&mut init, &src, key, peer);
+        drop(target);
+        assert_eq!(polls(&mut init), vec![vec![false]; 4]);
+        let mut done = Vec::new();
+        submit_writes(&mut init, &src, key, peer);
+        init.poll(&mut done);
+        assert!(
+            matches!(done[0].result, Err(DataError::PeerLost { peer: p, .. }) if p == peer),
+            "{:?}",
+            done[0].result
+        );
+    }
+}
