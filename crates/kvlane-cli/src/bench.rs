@@ -217,27 +217,14 @@ struct Slice {
 }
 
 impl Contender {
-    /// The next slice this point is owed: `SLICE` or what is left of
-    /// `duration`, whichever is shorter, then on until it has moved
-    /// `SLICE_BYTES` of `block`s, or for `SLICE_MAX` or what is left;
-    /// `None` once it has had `duration` and `MIN_BATCHES` batches.
+    /// See [`Sample::owed`].
     fn owed(&self, duration: Duration, block: u64) -> Option<Slice> {
         let (sample, batch) = match self {
             Self::Memcpy(m) => (&m.sample, m.batch),
             Self::RawTcp(r) => (&r.sample, r.batch),
             Self::Backend(b) => (&b.sample, b.batch),
         };
-        let had = Duration::from_secs_f64(sample.secs);
-        let batches = sample.lat.len() / batch.max(1);
-        if had >= duration && batches >= MIN_BATCHES as usize {
-            return None;
-        }
-        let left = duration.saturating_sub(had);
-        Some(Slice {
-            time: left.min(SLICE),
-            batches: SLICE_BYTES.div_ceil(block * batch as u64).max(1),
-            limit: left.min(SLICE_MAX),
-        })
+        sample.owed(duration, block, batch)
     }
 }
 
@@ -495,6 +482,25 @@ impl Sample {
         self.prepare += later.prepare;
         self.post += later.post;
         self.secs += later.secs;
+    }
+
+    /// The next slice a point with this sample (of `batch`es of `block`s)
+    /// is owed: `SLICE` or what is left of `duration`, whichever is
+    /// shorter, then on until it has moved `SLICE_BYTES`, or for `SLICE_MAX`
+    /// or what is left; `None` once it has had `duration` and `MIN_BATCHES`
+    /// batches.
+    fn owed(&self, duration: Duration, block: u64, batch: usize) -> Option<Slice> {
+        let had = Duration::from_secs_f64(self.secs);
+        let batches = self.lat.len() / batch.max(1);
+        if had >= duration && batches >= MIN_BATCHES as usize {
+            return None;
+        }
+        let left = duration.saturating_sub(had);
+        Some(Slice {
+            time: left.min(SLICE),
+            batches: SLICE_BYTES.div_ceil(block * batch as u64).max(1),
+            limit: left.min(SLICE_MAX),
+        })
     }
 
     /// The row of this sample (`op` as printed: `read`, `write`, `copy`).
@@ -849,9 +855,9 @@ mod tests {
     fn points_are_owed_slices_until_they_had_duration_and_min_batches() {
         let duration = Duration::from_millis(50);
         let (block, batch) = (4096, 4);
-        let mut c = Contender::Memcpy(MemcpyPoint::new(block, batch, 4, None).unwrap());
+        let mut s = Sample::default();
         // Long durations: slices stop at SLICE_MAX if the bytes take longer.
-        let long = c.owed(Duration::from_secs(10), block).unwrap();
+        let long = s.owed(Duration::from_secs(10), block, batch).unwrap();
         assert_eq!((long.time, long.limit), (SLICE, SLICE_MAX));
         let floor = SLICE_BYTES / (block * batch as u64);
         let slice = |ms, left| Slice {
@@ -859,29 +865,22 @@ mod tests {
             batches: floor,
             limit: Duration::from_millis(left),
         };
-        assert_eq!(c.owed(duration, block), Some(slice(20, 50)));
+        assert_eq!(s.owed(duration, block, batch), Some(slice(20, 50)));
         // Large blocks: one batch is already past the byte floor.
-        assert_eq!(c.owed(duration, 1 << 30).map(|s| s.batches), Some(1));
-        let Contender::Memcpy(m) = &mut c else {
-            unreachable!()
-        };
+        assert_eq!(s.owed(duration, 1 << 30, batch).map(|s| s.batches), Some(1));
         // 45 ms measured: only the rest is owed.
-        m.sample.secs = 0.045;
-        m.sample.lat = vec![Duration::ZERO; batch * MIN_BATCHES as usize];
-        assert_eq!(c.owed(duration, block), Some(slice(5, 5)));
-        let Contender::Memcpy(m) = &mut c else {
-            unreachable!()
-        };
+        s.secs = 0.045;
+        s.lat = vec![Duration::ZERO; batch * MIN_BATCHES as usize];
+        assert_eq!(s.owed(duration, block, batch), Some(slice(5, 5)));
         // The whole duration, but one batch short: one more slice.
-        m.sample.secs = 0.05;
-        m.sample.lat.truncate(batch * (MIN_BATCHES as usize - 1));
-        assert_eq!(c.owed(duration, block), Some(slice(0, 0)));
-        let Contender::Memcpy(m) = &mut c else {
-            unreachable!()
-        };
+        s.secs = 0.05;
+        s.lat.truncate(batch * (MIN_BATCHES as usize - 1));
+        assert_eq!(s.owed(duration, block, batch), Some(slice(0, 0)));
+        let mut m = MemcpyPoint::new(block, batch, 4, None).unwrap();
+        m.sample = s;
         m.slice(slice(0, 0), false);
         assert_eq!(m.sample.lat.len(), batch * MIN_BATCHES as usize);
-        assert_eq!(c.owed(duration, block), None);
+        assert_eq!(Contender::Memcpy(m).owed(duration, block), None);
     }
 
     #[test]
