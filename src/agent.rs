@@ -136,6 +136,7 @@ pub struct AgentBuilder {
     ranks: Ranks,
     listen: String,
     data_listen: Option<String>,
+    advertise: Option<String>,
     backend: BackendChoice,
     control: Config,
     fingerprint: String,
@@ -165,6 +166,7 @@ impl Default for AgentBuilder {
             },
             listen: "127.0.0.1:0".into(),
             data_listen: None,
+            advertise: None,
             backend: BackendChoice::Auto,
             control: Config::default(),
             fingerprint: "kvlane".into(),
@@ -201,6 +203,15 @@ impl AgentBuilder {
     /// host with port 0.
     pub fn data_listen(mut self, addr: impl Into<String>) -> Self {
         self.data_listen = Some(addr.into());
+        self
+    }
+
+    /// The host (IP address or name) peers are told to reach this agent's
+    /// data plane at, when it listens on a wildcard address (`0.0.0.0`,
+    /// `::`). Without it, each peer is given the address its own control
+    /// connection reached this agent at.
+    pub fn advertise(mut self, host: impl Into<String>) -> Self {
+        self.advertise = Some(host.into());
         self
     }
 
@@ -257,7 +268,7 @@ impl AgentBuilder {
         };
         let mut backend = match self.custom {
             Some(b) => b,
-            None => crate::backend::create(self.backend, &data_listen)?,
+            None => crate::backend::create(self.backend, &data_listen, self.advertise.as_deref())?,
         };
         let mut kv = Vec::new();
         let mut adverts = Vec::new();

@@ -37,7 +37,8 @@ pub(crate) enum Role {
 /// Options of `kvlane bench`.
 #[derive(Args, Debug)]
 pub(crate) struct BenchArgs {
-    /// Backends to measure (comma list).
+    /// Backends to measure (comma list). With `--role target|initiator`
+    /// the one non-loopback entry is the agent's backend.
     #[arg(long, value_delimiter = ',', default_value = "loopback,auto")]
     backend: Vec<BackendArg>,
     /// Operations (comma list).
@@ -76,6 +77,31 @@ pub(crate) struct BenchArgs {
     /// Pre-shared key for the handshake (both roles).
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     psk: Option<String>,
+    /// Host the target tells peers to reach its data plane at when it
+    /// listens on a wildcard address (`--role target`); default: the
+    /// address each peer's control connection reached.
+    #[arg(long)]
+    advertise: Option<String>,
+}
+
+/// The agent backend of `--role target|initiator`: the one entry of
+/// `--backend` that is not loopback (the default list gives `auto`).
+fn role_backend(args: &[BackendArg]) -> Result<kvlane::BackendChoice, String> {
+    let mut network = args.iter().filter(|b| **b != BackendArg::Loopback);
+    match (network.next(), network.next()) {
+        (Some(b), None) => Ok(match b {
+            BackendArg::Tcp => kvlane::BackendChoice::Tcp,
+            BackendArg::Verbs => kvlane::BackendChoice::Verbs,
+            _ => kvlane::BackendChoice::Auto,
+        }),
+        (None, _) => Err(
+            "--role target|initiator needs a network backend (tcp, verbs or auto), not loopback"
+                .into(),
+        ),
+        (Some(_), Some(_)) => {
+            Err("--role target|initiator takes one network backend in --backend".into())
+        }
+    }
 }
 
 fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
@@ -198,10 +224,18 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         baselines: !args.no_baseline,
         threads: args.threads,
     };
-    let psk = args.psk.as_deref();
+    let opts = bench_remote::RemoteOpts {
+        backend: if args.role == Role::Local {
+            kvlane::BackendChoice::Auto
+        } else {
+            role_backend(&args.backend)?
+        },
+        psk: args.psk.clone(),
+        advertise: args.advertise.clone(),
+    };
     match args.role {
         Role::Target => {
-            Ok(crate::runtime().block_on(bench_remote::target(&args.listen, args.pool, psk))?)
+            Ok(crate::runtime().block_on(bench_remote::target(&args.listen, args.pool, &opts))?)
         }
         Role::Initiator => {
             let addr = args
@@ -213,7 +247,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
             let r = crate::runtime().block_on(bench_remote::initiator(
                 addr,
                 &plan,
-                psk,
+                &opts,
                 |w| out.progress(w),
                 |r| out.row(r),
             ));

@@ -29,19 +29,33 @@ fn flat_layout(bytes: u64) -> Result<KvLayout, BoxError> {
     )?)
 }
 
-fn builder(psk: Option<&str>) -> kvlane::AgentBuilder {
-    let b = Agent::builder().backend(BackendChoice::Tcp);
-    match psk {
-        Some(k) => b.psk(k.as_bytes().to_vec()),
-        None => b,
+/// Agent settings both roles take from the command line.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RemoteOpts {
+    /// The data-plane backend.
+    pub(crate) backend: BackendChoice,
+    /// Pre-shared key of the handshake.
+    pub(crate) psk: Option<String>,
+    /// Host the target tells peers to reach its data plane at.
+    pub(crate) advertise: Option<String>,
+}
+
+fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
+    let mut b = Agent::builder().backend(opts.backend);
+    if let Some(k) = &opts.psk {
+        b = b.psk(k.as_bytes().to_vec());
     }
+    if let Some(a) = &opts.advertise {
+        b = b.advertise(a);
+    }
+    b
 }
 
 /// Serves `pool` bytes until Ctrl-C.
-pub(crate) async fn target(listen: &str, pool: u64, psk: Option<&str>) -> Result<(), BoxError> {
+pub(crate) async fn target(listen: &str, pool: u64, opts: &RemoteOpts) -> Result<(), BoxError> {
     let layout = flat_layout(pool)?;
     let region = Region::alloc(layout.required_len().unwrap_or(pool) as usize, Access::ALL)?;
-    let agent = builder(psk)
+    let agent = builder(opts)
         .engine_id("kvlane-bench-target")
         .listen(listen)
         .register_kv(layout, region)
@@ -66,7 +80,7 @@ pub(crate) async fn target(listen: &str, pool: u64, psk: Option<&str>) -> Result
 pub(crate) async fn initiator(
     addr: &str,
     plan: &BenchPlan,
-    psk: Option<&str>,
+    opts: &RemoteOpts,
     mut progress: impl FnMut(&str),
     mut emit: impl FnMut(&Row),
 ) -> Result<(), BoxError> {
@@ -89,7 +103,7 @@ pub(crate) async fn initiator(
         Access::ALL,
     )?;
     region.fill(0, region.len(), 0xa5)?;
-    let agent = builder(psk)
+    let agent = builder(opts)
         .engine_id("kvlane-bench-initiator")
         .register_kv(layout, region)
         .build()

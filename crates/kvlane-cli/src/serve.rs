@@ -16,6 +16,11 @@ pub(crate) struct ServeArgs {
     /// Data-plane (tcp backend) address; default: the control host, any port.
     #[arg(long)]
     pub(crate) data_listen: Option<String>,
+    /// Host peers are told to reach the data plane at when listening on a
+    /// wildcard address; default: the address each peer's control
+    /// connection reached.
+    #[arg(long)]
+    pub(crate) advertise: Option<String>,
     /// Engine id shown to peers.
     #[arg(long, default_value = "kvlane-serve")]
     pub(crate) engine_id: String,
@@ -65,6 +70,9 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
         .register_kv(layout, region);
     if let Some(d) = &args.data_listen {
         b = b.data_listen(d);
+    }
+    if let Some(a) = &args.advertise {
+        b = b.advertise(a);
     }
     if let Some(k) = &args.psk {
         b = b.psk(k.as_bytes().to_vec());
