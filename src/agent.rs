@@ -387,10 +387,17 @@ impl Agent {
     }
 
     /// Connects to the agent at `addr` (`host:port`): handshake, then the
-    /// data plane. A live connection to `addr` is reused.
+    /// data plane. A live connection to `addr` is reused. When the data
+    /// plane cannot be attached, the connection is closed and the error
+    /// says why (with the OS error); calling again dials afresh.
     pub async fn connect(&self, addr: &str) -> Result<Peer, Error> {
         let (id, info) = self.inner.control.connect(addr).await?;
-        self.inner.await_attach(id, info.incarnation, addr).await?;
+        if let Err(e) = self.inner.await_attach(id, info.incarnation, addr).await {
+            // No half-attached connection stays behind: the next `connect`
+            // dials afresh.
+            self.inner.release(id).await;
+            return Err(e);
+        }
         Ok(Peer::new(self.inner.clone(), id, addr.to_owned()))
     }
 
@@ -428,8 +435,7 @@ impl Agent {
                 .collect());
         }
         for m in &members {
-            self.inner.detach(m.id, "a rank of its group failed");
-            let _ = self.inner.control.disconnect(m.id).await;
+            self.inner.release(m.id).await;
         }
         let kind = failures[0].1.kind();
         let causes: Vec<String> = failures

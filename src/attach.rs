@@ -37,6 +37,23 @@ fn refused(msg: String) -> Error {
     Error::msg(ErrorKind::Refused, msg)
 }
 
+/// `e`'s message followed by those of its causes that it does not already
+/// contain (an attach's outcome is kept as text: `connect` gets the whole
+/// story, the OS error included).
+fn with_causes(e: &Error) -> String {
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let m = s.to_string();
+        if !msg.contains(&m) {
+            msg.push_str(": ");
+            msg.push_str(&m);
+        }
+        source = s.source();
+    }
+    msg
+}
+
 /// What an attach task needs of the handshake.
 struct Target {
     id: ConnectionId,
@@ -67,7 +84,7 @@ impl Inner {
             match frames::decode("a data-plane description", &addr, &info.data_plane) {
                 Ok(dp) => dp,
                 Err(e) => {
-                    self.record_failure(id, &addr, info.incarnation, role, e);
+                    self.attach_failed(id, &addr, &info.engine_id, info.incarnation, role, e);
                     return;
                 }
             };
@@ -356,51 +373,59 @@ impl Inner {
     }
 
     /// Publishes an attach's outcome to `connect` and as a peer event.
-    ///
-    /// A peer that dialed us and whose data plane cannot be reached from
-    /// here (it listens on loopback on another host, say) is still up:
-    /// it can move bytes to and from our memory, only we cannot initiate.
-    /// That is said once at `info`, not as a refusal.
     fn report(&self, t: &Target, role: Role, r: Result<(), Error>) {
-        let kind = match &r {
-            Ok(()) => PeerEventKind::Up {
-                engine_id: t.engine_id.clone(),
-                incarnation: t.incarnation,
-            },
-            Err(e) if role == Role::Acceptor && e.kind() == ErrorKind::Io => {
-                info!(peer = %t.id, engine = %t.engine_id, reason = %e,
-                    "peer is up; its data plane cannot be reached from here, so transfers go only from it to us");
-                PeerEventKind::Up {
-                    engine_id: t.engine_id.clone(),
-                    incarnation: t.incarnation,
-                }
+        match r {
+            Ok(()) => {
+                self.set_attach(t.id, t.incarnation, Ok(()));
+                self.emit(
+                    t.id,
+                    t.addr.clone(),
+                    PeerEventKind::Up {
+                        engine_id: t.engine_id.clone(),
+                        incarnation: t.incarnation,
+                    },
+                );
             }
-            Err(e) => {
-                warn!(peer = %t.id, addr = %t.addr, error = %e, "peer is up but its data plane is not");
-                PeerEventKind::Refused {
-                    reason: e.to_string(),
-                }
-            }
-        };
-        self.set_attach(
-            t.id,
-            t.incarnation,
-            r.map_err(|e| (e.kind(), e.to_string())),
-        );
-        self.emit(t.id, t.addr.clone(), kind);
+            Err(e) => self.attach_failed(t.id, &t.addr, &t.engine_id, t.incarnation, role, e),
+        }
     }
 
-    /// A handshake whose data-plane description is unusable.
-    fn record_failure(&self, id: ConnectionId, addr: &str, incarnation: u64, role: Role, e: Error) {
-        warn!(peer = %id, %addr, ?role, error = %e, "peer is up but its data plane is not");
-        self.set_attach(id, incarnation, Err((e.kind(), e.to_string())));
-        self.emit(
-            id,
-            addr.to_owned(),
-            PeerEventKind::Refused {
-                reason: e.to_string(),
-            },
-        );
+    /// An attach that failed.
+    ///
+    /// A peer that dialed us and whose data plane cannot be reached from
+    /// here (it listens on loopback on another host, say) is still up: it
+    /// can move bytes to and from our memory, only we cannot initiate.
+    /// That is said once at `info`, not as a refusal. Otherwise the peer
+    /// is `Refused`; `connect` (which reads this outcome) then closes the
+    /// connection, so that the next `connect` dials afresh.
+    fn attach_failed(
+        &self,
+        id: ConnectionId,
+        addr: &str,
+        engine_id: &str,
+        incarnation: u64,
+        role: Role,
+        e: Error,
+    ) {
+        let reason = with_causes(&e);
+        self.set_attach(id, incarnation, Err((e.kind(), reason.clone())));
+        if role == Role::Acceptor && e.kind() == ErrorKind::Io {
+            info!(peer = %id, engine = %engine_id, %reason,
+                "peer is up; its data plane cannot be reached from here, so transfers go only from it to us");
+            let kind = PeerEventKind::Up {
+                engine_id: engine_id.to_owned(),
+                incarnation,
+            };
+            return self.emit(id, addr.to_owned(), kind);
+        }
+        warn!(peer = %id, %addr, ?role, %reason, "peer is up but its data plane is not");
+        self.emit(id, addr.to_owned(), PeerEventKind::Refused { reason });
+    }
+
+    /// Detaches `id` and closes its control connection. Idempotent.
+    pub(crate) async fn release(&self, id: ConnectionId) {
+        self.detach(id, "its data plane could not be attached");
+        let _ = self.control.disconnect(id).await;
     }
 
     fn set_attach(
