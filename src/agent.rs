@@ -1,17 +1,24 @@
 //! [`Agent`]: one engine's endpoint — its registered KV cache, its control
-//! node and its data-plane backend.
+//! node and its data-plane backend — and the task that turns control-plane
+//! events into peer events, attachments and notifications.
 
 use crate::error::{Error, ErrorKind};
-use crate::peer::{Peer, PeerEntry};
-use bytes::Bytes;
-use kvlane_control::{Config, ConnectionId, ControlNode, Event, LocalInfo, Ranks, RemoteInfo};
-use kvlane_data::{Backend, Endpoint, KvLayout, Region, RemoteRegion, Transport};
-use serde::{Deserialize, Serialize};
+use crate::events::{Notification, PeerEvent, PeerEventKind};
+use crate::frames::{self, DataPlaneInfo, KvAdvert, DP_ANSWER, DP_OFFER};
+use crate::peer::Peer;
+use crate::state::{lock, Inner, LocalKv};
+use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
+use kvlane_data::{Backend, KvLayout, Region, Transport};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
-use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
+
+/// How long a backend's connect may take on top of the handshake, as far
+/// as `connect` waiting for the data plane is concerned: the tcp backend
+/// dials 4 streams, each bounded by its 5 s connect timeout.
+const CONNECT_BOUND: Duration = Duration::from_secs(25);
 
 /// Which data-plane backend an agent uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -27,107 +34,6 @@ pub enum BackendChoice {
     Loopback,
     /// libibverbs (feature `verbs`).
     Verbs,
-}
-
-/// One KV cache as advertised in the handshake.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct KvAdvert {
-    pub(crate) region: RemoteRegion,
-    pub(crate) layout: KvLayout,
-}
-
-/// The data-plane blob this agent puts in its handshake.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct DataPlaneInfo {
-    /// `None` when the backend needs an endpoint per peer.
-    pub(crate) endpoint: Option<Endpoint>,
-    pub(crate) kv: Vec<KvAdvert>,
-}
-
-/// A notification delivered to this agent.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Notification {
-    /// Engine id of the sender.
-    pub from: String,
-    /// What the sender attached.
-    pub payload: Bytes,
-}
-
-/// Notification framing on the data plane: who sent it, then the payload.
-#[derive(Serialize, Deserialize)]
-pub(crate) struct NotifyFrame {
-    pub(crate) from: String,
-    #[serde(with = "serde_bytes_vec")]
-    pub(crate) payload: Vec<u8>,
-}
-
-mod serde_bytes_vec {
-    use serde::{Deserializer, Serializer};
-    pub(crate) fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(v)
-    }
-    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Vec<u8>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("bytes")
-            }
-            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
-                Ok(v.to_vec())
-            }
-        }
-        d.deserialize_bytes(V)
-    }
-}
-
-/// What happened to a peer, as seen by the agent.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum PeerEventKind {
-    /// Handshake done; the peer's KV cache is reachable.
-    Up {
-        /// Its engine id.
-        engine_id: String,
-        /// Its incarnation.
-        incarnation: u64,
-    },
-    /// Keep-alives went unanswered.
-    Suspect,
-    /// It answered again.
-    Recovered,
-    /// It is dead; its in-flight transfers failed with `PeerLost`.
-    Dead {
-        /// Attempts or unanswered pings.
-        attempts: u32,
-        /// Last error.
-        last_error: String,
-    },
-    /// It restarted; transfers prepared against `old` fail as stale.
-    Restarted {
-        /// Old incarnation.
-        old: u64,
-        /// New incarnation.
-        new: u64,
-    },
-    /// The handshake was refused.
-    Refused {
-        /// Why.
-        reason: String,
-    },
-    /// Connection released.
-    Closed,
-}
-
-/// A peer event.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerEvent {
-    /// The connection.
-    pub peer: ConnectionId,
-    /// Its address.
-    pub addr: String,
-    /// What happened.
-    pub kind: PeerEventKind,
 }
 
 /// Builds an [`Agent`].
@@ -296,13 +202,12 @@ impl AgentBuilder {
             backend.remove_peer(probe_peer);
             Some(endpoint)
         };
-        let exchange_timeout = self.control.handshake_timeout + std::time::Duration::from_secs(1);
+        let exchange_timeout = self.control.handshake_timeout + Duration::from_secs(1);
         let blob = DataPlaneInfo {
             endpoint,
             kv: adverts,
         };
-        let blob = rmp_serde::to_vec_named(&blob)
-            .map_err(|e| Error::msg(ErrorKind::InvalidInput, format!("encode handshake: {e}")))?;
+        let blob = frames::encode("the handshake's data-plane description", &blob)?;
         let mut local = LocalInfo::new(self.engine_id.clone(), self.ranks, self.fingerprint);
         local = local.with_data_plane(blob);
         let incarnation = local.incarnation;
@@ -323,10 +228,10 @@ impl AgentBuilder {
             note_tx,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
-            conn_locks: Mutex::new(HashMap::new()),
             per_peer,
             offers: Mutex::new(HashMap::new()),
             exchange_timeout,
+            attach_timeout: exchange_timeout + CONNECT_BOUND,
         });
         let mut control_events = inner.control.events();
         let weak = Arc::downgrade(&inner);
@@ -341,7 +246,7 @@ impl AgentBuilder {
                     Err(broadcast::error::RecvError::Closed) => break,
                 };
                 let Some(inner) = weak.upgrade() else { break };
-                inner.on_control_event(ev).await;
+                inner.on_control_event(ev);
             }
         });
         let weak = Arc::downgrade(&inner);
@@ -349,26 +254,14 @@ impl AgentBuilder {
             let Some(mut rx) = data_notes else { return };
             while let Some(n) = rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
-                match rmp_serde::from_slice::<NotifyFrame>(&n.payload) {
-                    Ok(f) => {
-                        let _ = inner.note_tx.send(Notification {
-                            from: f.from,
-                            payload: Bytes::from(f.payload),
-                        });
-                    }
-                    Err(e) => warn!(error = %e, "dropping a malformed data-plane notification"),
-                }
+                let note = frames::notification(n.payload.to_vec(), || "a data-plane peer".into());
+                let _ = inner.note_tx.send(note);
             }
         });
         lock(&inner.tasks).extend([control_task, note_task]);
         info!(engine = %inner.engine_id, addr = inner.control.local_addr(), "agent up");
         Ok(Agent { inner })
     }
-}
-
-/// Whether a control address names a peer that dialed us.
-pub(crate) fn is_inbound(addr: &str) -> bool {
-    addr.starts_with("inbound:")
 }
 
 fn host_of(addr: &str) -> &str {
@@ -378,69 +271,13 @@ fn host_of(addr: &str) -> &str {
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-pub(crate) struct LocalKv {
-    pub(crate) layout: KvLayout,
-    pub(crate) region: Region,
-}
-
-pub(crate) struct Inner {
-    pub(crate) engine_id: String,
-    pub(crate) incarnation: u64,
-    pub(crate) control: ControlNode,
-    pub(crate) transport: Transport,
-    pub(crate) kv: Vec<LocalKv>,
-    pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
-    events: broadcast::Sender<PeerEvent>,
-    notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
-    pub(crate) note_tx: mpsc::UnboundedSender<Notification>,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
-    /// The runtime the agent was built on (posts from plain threads use it).
-    pub(crate) runtime: tokio::runtime::Handle,
-    /// Per-connection locks: `connect` and the event task may both attach
-    /// the same connection.
-    pub(crate) conn_locks: Mutex<HashMap<ConnectionId, Arc<tokio::sync::Mutex<()>>>>,
-    /// The backend needs an endpoint per peer (verbs): exchanged over the
-    /// control connection after the handshake.
-    pub(crate) per_peer: bool,
-    /// Endpoint offers waiting for their answer.
-    pub(crate) offers:
-        Mutex<HashMap<ConnectionId, tokio::sync::oneshot::Sender<crate::attach::DpFrame>>>,
-    /// Bound of one endpoint exchange.
-    pub(crate) exchange_timeout: std::time::Duration,
-}
-
 impl Inner {
-    async fn on_control_event(self: &Arc<Self>, ev: kvlane_control::PeerEvent) {
+    /// The event task's step: never waits (attaching runs in tasks of its
+    /// own), so one slow peer delays no other peer's events.
+    fn on_control_event(self: &Arc<Self>, ev: kvlane_control::PeerEvent) {
         let (id, addr) = (ev.id, ev.addr.clone());
         let kind = match ev.event {
-            Event::Ready(info) => {
-                if self.per_peer {
-                    // Endpoints are exchanged over the control connection;
-                    // `Up` follows once the exchange completed.
-                    if let Err(e) = self.record_remote(id, &addr, &info) {
-                        PeerEventKind::Refused {
-                            reason: e.to_string(),
-                        }
-                    } else if is_inbound(&addr) {
-                        return;
-                    } else {
-                        let this = self.clone();
-                        self.runtime.spawn(async move {
-                            let r = this.dial_exchange(id, &addr).await;
-                            this.report_attach(id, addr, &info, r);
-                        });
-                        return;
-                    }
-                } else {
-                    let r = self.attach_shared(id, &addr, &info).await;
-                    self.report_attach(id, addr, &info, r);
-                    return;
-                }
-            }
+            Event::Ready(info) => return self.on_ready(id, addr, ev.role, info),
             Event::Suspect => PeerEventKind::Suspect,
             Event::Recovered => PeerEventKind::Recovered,
             Event::Dead {
@@ -464,12 +301,10 @@ impl Inner {
             Event::Closed => {
                 self.detach(id, "connection closed");
                 lock(&self.peers).remove(&id);
-                // Connection ids are never reused: its attach lock goes too.
-                lock(&self.conn_locks).remove(&id);
                 PeerEventKind::Closed
             }
             Event::Notification {
-                transfer_id: crate::attach::DP_OFFER,
+                transfer_id: DP_OFFER,
                 payload,
             } => {
                 let this = self.clone();
@@ -478,54 +313,24 @@ impl Inner {
                 return;
             }
             Event::Notification {
-                transfer_id: crate::attach::DP_ANSWER,
+                transfer_id: DP_ANSWER,
                 payload,
             } => {
-                self.on_answer(id, &payload);
+                self.on_answer(id, &addr, &payload);
                 return;
             }
             Event::Notification { payload, .. } => {
-                let note = match rmp_serde::from_slice::<NotifyFrame>(&payload) {
-                    Ok(f) => Notification {
-                        from: f.from,
-                        payload: Bytes::from(f.payload),
-                    },
-                    Err(_) => Notification {
-                        from: addr.clone(),
-                        payload: Bytes::from(payload),
-                    },
-                };
+                let note = frames::notification(payload, || {
+                    lock(&self.peers)
+                        .get(&id)
+                        .map(|e| e.engine_id.clone())
+                        .filter(|e| !e.is_empty())
+                        .unwrap_or_else(|| addr.clone())
+                });
                 let _ = self.note_tx.send(note);
                 return;
             }
             _ => return,
-        };
-        self.emit(id, addr, kind);
-    }
-
-    pub(crate) fn emit(&self, peer: ConnectionId, addr: String, kind: PeerEventKind) {
-        debug!(%peer, %addr, ?kind, "peer event");
-        let _ = self.events.send(PeerEvent { peer, addr, kind });
-    }
-
-    fn report_attach(
-        &self,
-        id: ConnectionId,
-        addr: String,
-        info: &RemoteInfo,
-        r: Result<(), Error>,
-    ) {
-        let kind = match r {
-            Ok(()) => PeerEventKind::Up {
-                engine_id: info.engine_id.clone(),
-                incarnation: info.incarnation,
-            },
-            Err(e) => {
-                warn!(peer = %id, %addr, error = %e, "peer is up but its data plane is not");
-                PeerEventKind::Refused {
-                    reason: e.to_string(),
-                }
-            }
         };
         self.emit(id, addr, kind);
     }
@@ -585,13 +390,14 @@ impl Agent {
     /// data plane. A live connection to `addr` is reused.
     pub async fn connect(&self, addr: &str) -> Result<Peer, Error> {
         let (id, info) = self.inner.control.connect(addr).await?;
-        self.inner.attach(id, addr, &info).await?;
+        self.inner.await_attach(id, info.incarnation, addr).await?;
         Ok(Peer::new(self.inner.clone(), id, addr.to_owned()))
     }
 
     /// Connects to every tensor-parallel rank of `dp_rank` of a remote
-    /// engine (ports `base + dp_rank * tp_size + tp_rank`). All ranks, or an
-    /// error naming every failing rank with its cause.
+    /// engine (ports `base + dp_rank * tp_size + tp_rank`). All ranks with
+    /// their data planes attached, or an error naming every failing rank
+    /// with its cause, after which no rank stays connected.
     pub async fn connect_group(
         &self,
         host: &str,
@@ -604,12 +410,41 @@ impl Agent {
             .control
             .connect_group(host, base_port, dp_rank, tp_size)
             .await?;
-        let mut peers = Vec::new();
-        for m in members {
-            self.inner.attach(m.id, &m.addr, &m.remote).await?;
-            peers.push(Peer::new(self.inner.clone(), m.id, m.addr.clone()));
+        // Every rank's attach runs in its own task already; collect them all.
+        let mut failures = Vec::new();
+        for m in &members {
+            if let Err(e) = self
+                .inner
+                .await_attach(m.id, m.remote.incarnation, &m.addr)
+                .await
+            {
+                failures.push((m, e));
+            }
         }
-        Ok(peers)
+        if failures.is_empty() {
+            return Ok(members
+                .iter()
+                .map(|m| Peer::new(self.inner.clone(), m.id, m.addr.clone()))
+                .collect());
+        }
+        for m in &members {
+            self.inner.detach(m.id, "a rank of its group failed");
+            let _ = self.inner.control.disconnect(m.id).await;
+        }
+        let kind = failures[0].1.kind();
+        let causes: Vec<String> = failures
+            .iter()
+            .map(|(m, e)| format!("tp rank {} at {}: {e}", m.ranks.tp_rank, m.addr))
+            .collect();
+        Err(Error::msg(
+            kind,
+            format!(
+                "group {host}:{base_port} dp rank {dp_rank}: {} of {tp_size} ranks have no data \
+                 plane ({}); every rank was disconnected",
+                failures.len(),
+                causes.join("; ")
+            ),
+        ))
     }
 
     /// Peer events (up, suspect, recovered, dead, restarted, refused,

@@ -1,192 +1,232 @@
 //! Attaching the data plane to a peer whose control handshake completed.
 //!
+//! Attaching starts in one place, [`Inner::on_ready`], which the agent's
+//! event task calls for every `Ready` and which returns at once: the slow
+//! work (dials, authentication, the endpoint exchange) runs in a task of its
+//! own per connection, and the backend is held only for its short steps
+//! ([`Transport::connect_peer`](kvlane_data::Transport::connect_peer)), so a
+//! peer whose data endpoint hangs delays nobody's transfers or events but
+//! its own. [`Agent::connect`](crate::Agent::connect) waits for the outcome
+//! ([`Inner::await_attach`]).
+//!
 //! Backends with one endpoint for all peers (tcp, loopback) advertise it in
-//! the handshake, and each side connects on `Ready`. Backends that need an
-//! endpoint per peer (verbs: a queue pair per peer) exchange endpoints over
-//! the control connection once it is ready: the side that dialed sends an
-//! offer (`DP_OFFER`), the other side connects to it and answers with its
-//! own endpoint (`DP_ANSWER`), and the dialer connects to that. Both steps
-//! are bounded by the handshake deadline.
+//! the handshake, and each side connects on `Ready`; an endpoint advertised
+//! on a wildcard address is dialed at the host the control connection
+//! reached ([`Endpoint::reached_at`]). Backends that need an endpoint per
+//! peer (verbs: a queue pair per peer) exchange endpoints over the control
+//! connection once it is ready: the side that dialed sends an offer
+//! (`DP_OFFER`), the other side connects to it and answers with its own
+//! endpoint (`DP_ANSWER`), and the dialer connects to that. Both steps are
+//! bounded by the handshake deadline.
 //!
 //! Every attachment is tied to a generation of its connection: a `Dead`,
 //! `Restarted` or `Closed` event bumps it, and an attachment that finishes
 //! after that is dropped instead of installed, so no transfer goes out on a
 //! data-plane peer of an older life of the connection.
 
-use crate::agent::{lock, DataPlaneInfo, Inner, KvAdvert, PeerEventKind};
 use crate::error::{Error, ErrorKind};
-use crate::peer::PeerEntry;
-use kvlane_control::{ConnectionId, RemoteInfo};
-use kvlane_data::{DataError, Endpoint, PeerId, RemoteRegion};
-use serde::{Deserialize, Serialize};
+use crate::events::PeerEventKind;
+use crate::frames::{self, DataPlaneInfo, DpFrame, KvAdvert, DP_ANSWER, DP_OFFER};
+use crate::state::{lock, Attach, Inner, PeerEntry};
+use kvlane_control::{ConnectionId, RemoteInfo, Role};
+use kvlane_data::{DataError, Endpoint, PeerId, RemoteRegion, Transport};
 use std::sync::Arc;
-use tracing::{debug, warn};
-
-/// Control-plane notification id of an endpoint offer.
-pub(crate) const DP_OFFER: u64 = u64::MAX - 1;
-/// Control-plane notification id of the answer to an offer.
-pub(crate) const DP_ANSWER: u64 = u64::MAX - 2;
-
-/// Offer or answer of a per-peer endpoint exchange.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct DpFrame {
-    /// Incarnation of the sender.
-    pub(crate) incarnation: u64,
-    /// The sender's endpoint for this connection.
-    pub(crate) endpoint: Option<Endpoint>,
-    /// Why the sender could not connect (answers only).
-    pub(crate) error: Option<String>,
-}
+use tracing::{debug, info, warn};
 
 fn refused(msg: String) -> Error {
     Error::msg(ErrorKind::Refused, msg)
 }
 
-impl Inner {
-    fn conn_lock(&self, id: ConnectionId) -> Arc<tokio::sync::Mutex<()>> {
-        lock(&self.conn_locks).entry(id).or_default().clone()
-    }
+/// What an attach task needs of the handshake.
+struct Target {
+    id: ConnectionId,
+    addr: String,
+    generation: u64,
+    incarnation: u64,
+    engine_id: String,
+    kv: Vec<KvAdvert>,
+}
 
-    /// Attaches the data plane for `connect`/`connect_group`.
-    pub(crate) async fn attach(
+impl Target {
+    fn regions(&self) -> Vec<RemoteRegion> {
+        self.kv.iter().map(|k| k.region).collect()
+    }
+}
+
+impl Inner {
+    /// The Ready path: records what the handshake said and starts
+    /// attaching the data plane in a task of its own. Never waits.
+    pub(crate) fn on_ready(
         self: &Arc<Self>,
         id: ConnectionId,
-        addr: &str,
-        info: &RemoteInfo,
-    ) -> Result<(), Error> {
+        addr: String,
+        role: Role,
+        info: RemoteInfo,
+    ) {
+        let dp: DataPlaneInfo =
+            match frames::decode("a data-plane description", &addr, &info.data_plane) {
+                Ok(dp) => dp,
+                Err(e) => {
+                    self.record_failure(id, &addr, info.incarnation, role, e);
+                    return;
+                }
+            };
+        let target = {
+            let mut peers = lock(&self.peers);
+            let entry = peers.entry(id).or_insert_with(PeerEntry::new);
+            entry.engine_id.clone_from(&info.engine_id);
+            entry.incarnation = info.incarnation;
+            entry.kv.clone_from(&dp.kv);
+            entry.attach.send_replace(Attach::Pending {
+                incarnation: info.incarnation,
+            });
+            Target {
+                id,
+                addr,
+                generation: entry.generation,
+                incarnation: info.incarnation,
+                engine_id: info.engine_id,
+                kv: dp.kv,
+            }
+        };
         if self.per_peer {
-            self.record_remote(id, addr, info)?;
-            self.dial_exchange(id, addr).await
-        } else {
-            self.attach_shared(id, addr, info).await
+            // The dialer offers; the acceptor waits for the offer
+            // (`accept_offer`), which arrives after this `Ready`.
+            if role == Role::Initiator {
+                let this = self.clone();
+                self.runtime.spawn(async move {
+                    let r = this.dial_exchange(&target).await;
+                    this.report(&target, role, r);
+                });
+            }
+            return;
         }
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            let r = this
+                .attach_shared(&target, dp.endpoint, info.peer_host)
+                .await;
+            this.report(&target, role, r);
+        });
     }
 
-    /// Records what the handshake told us (per-peer mode, before the
-    /// endpoint exchange).
-    pub(crate) fn record_remote(
+    /// Waits until the data plane of `id`'s `incarnation` is attached (or
+    /// failed to be), for `connect`.
+    pub(crate) async fn await_attach(
         &self,
         id: ConnectionId,
+        incarnation: u64,
         addr: &str,
-        info: &RemoteInfo,
     ) -> Result<(), Error> {
-        let dp = decode_blob(addr, info)?;
-        let mut peers = lock(&self.peers);
-        let entry = peers.entry(id).or_insert_with(PeerEntry::new);
-        entry.engine_id.clone_from(&info.engine_id);
-        entry.incarnation = info.incarnation;
-        entry.kv = dp.kv;
-        Ok(())
+        let mut rx = lock(&self.peers)
+            .entry(id)
+            .or_insert_with(PeerEntry::new)
+            .attach
+            .subscribe();
+        let wait = async {
+            loop {
+                if let Attach::Done {
+                    incarnation: done,
+                    result,
+                } = &*rx.borrow_and_update()
+                {
+                    if *done == incarnation {
+                        return result.clone().map_err(|(kind, msg)| Error::msg(kind, msg));
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return Err(Error::msg(
+                        ErrorKind::PeerLost,
+                        format!("{addr} ({id}) closed before its data plane was attached"),
+                    ));
+                }
+            }
+        };
+        tokio::time::timeout(self.attach_timeout, wait)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::msg(
+                    ErrorKind::Timeout,
+                    format!(
+                        "{addr} ({id}): the data plane was not attached within {:?} of the handshake",
+                        self.attach_timeout
+                    ),
+                ))
+            })
     }
 
     /// Connects to the endpoint the peer advertised in its handshake.
-    /// Idempotent per (connection, incarnation).
-    pub(crate) async fn attach_shared(
+    async fn attach_shared(
         self: &Arc<Self>,
-        id: ConnectionId,
-        addr: &str,
-        info: &RemoteInfo,
+        t: &Target,
+        endpoint: Option<Endpoint>,
+        peer_host: Option<std::net::IpAddr>,
     ) -> Result<(), Error> {
-        let conn = self.conn_lock(id);
-        let _serial = conn.lock().await;
-        let generation = {
-            let peers = lock(&self.peers);
-            match peers.get(&id) {
-                Some(e) if e.incarnation == info.incarnation && e.data_peer.is_some() => {
-                    return Ok(())
-                }
-                Some(e) => e.generation,
-                None => 0,
-            }
-        };
-        let dp = decode_blob(addr, info)?;
-        let endpoint = dp.endpoint.clone().ok_or_else(|| {
+        let endpoint = endpoint.ok_or_else(|| {
             refused(format!(
-                "{addr} uses a backend with per-peer endpoints (verbs); this agent's backend \
-                 cannot reach it"
+                "{} uses a backend with per-peer endpoints (verbs); this agent's backend \
+                 cannot reach it",
+                t.addr
             ))
         })?;
-        let regions: Vec<RemoteRegion> = dp.kv.iter().map(|k| k.region).collect();
+        let endpoint = endpoint.reached_at(peer_host)?;
+        let regions = t.regions();
         let (data_peer, _) = self
-            .blocking(move |b| prepare_and_connect(b, &endpoint, &regions))
+            .off_thread(move |tr| tr.connect_peer(&endpoint, &regions))
             .await?;
-        self.install(
-            id,
-            generation,
-            info.incarnation,
-            &info.engine_id,
-            dp.kv,
-            data_peer,
-        )
+        self.install(t, data_peer)
     }
 
     /// Per-peer mode, dialing side: offer an endpoint, connect to the answer.
-    pub(crate) async fn dial_exchange(
-        self: &Arc<Self>,
-        id: ConnectionId,
-        addr: &str,
-    ) -> Result<(), Error> {
-        let conn = self.conn_lock(id);
-        let _serial = conn.lock().await;
-        let (generation, incarnation, engine_id, kv) = {
-            let peers = lock(&self.peers);
-            let e = peers
-                .get(&id)
-                .ok_or_else(|| refused(format!("{addr}: no handshake recorded")))?;
-            if e.data_peer.is_some() {
-                return Ok(());
-            }
-            (
-                e.generation,
-                e.incarnation,
-                e.engine_id.clone(),
-                e.kv.clone(),
-            )
-        };
-        let (peer, endpoint) = self.blocking(|b| b.prepare_peer()).await?;
+    async fn dial_exchange(self: &Arc<Self>, t: &Target) -> Result<(), Error> {
+        let (peer, endpoint) = self
+            .off_thread(|tr| tr.with_backend(|b| b.prepare_peer()))
+            .await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        lock(&self.offers).insert(id, tx);
+        lock(&self.offers).insert(t.id, tx);
         let result = async {
             let offer = DpFrame {
                 incarnation: self.incarnation,
                 endpoint: Some(endpoint),
                 error: None,
             };
-            self.control.notify(id, DP_OFFER, encode(&offer)?).await?;
+            let frame = frames::encode("an endpoint offer", &offer)?;
+            self.control.notify(t.id, DP_OFFER, frame).await?;
             let answer = tokio::time::timeout(self.exchange_timeout, rx)
                 .await
                 .map_err(|_| {
                     Error::msg(
                         ErrorKind::Timeout,
                         format!(
-                            "{addr} did not answer the endpoint offer within {:?}",
-                            self.exchange_timeout
+                            "{} did not answer the endpoint offer within {:?}",
+                            t.addr, self.exchange_timeout
                         ),
                     )
                 })?
                 .map_err(|_| {
                     Error::msg(
                         ErrorKind::PeerLost,
-                        format!("{addr}: connection ended during the endpoint exchange"),
+                        format!("{}: connection ended during the endpoint exchange", t.addr),
                     )
                 })?;
             let remote = match (answer.endpoint, answer.error) {
                 (Some(ep), _) => ep,
                 (None, e) => {
                     return Err(refused(format!(
-                        "{addr} could not connect to our endpoint: {}",
+                        "{} could not connect to our endpoint: {}",
+                        t.addr,
                         e.unwrap_or_else(|| "no reason given".into())
                     )))
                 }
             };
-            let regions: Vec<RemoteRegion> = kv.iter().map(|k| k.region).collect();
-            self.blocking(move |b| b.connect_peer(peer, &remote, &regions))
+            let regions = t.regions();
+            self.off_thread(move |tr| tr.connect_prepared(peer, &remote, &regions))
                 .await
         }
         .await;
-        lock(&self.offers).remove(&id);
+        lock(&self.offers).remove(&t.id);
         match result {
-            Ok(()) => self.install(id, generation, incarnation, &engine_id, kv, peer),
+            Ok(()) => self.install(t, peer),
             Err(e) => {
                 self.transport.with_backend(|b| b.remove_peer(peer));
                 Err(e)
@@ -202,19 +242,12 @@ impl Inner {
         payload: Vec<u8>,
     ) {
         let result = self.accept(id, &addr, &payload).await;
-        let answer = match &result {
-            Ok((_, endpoint)) => DpFrame {
-                incarnation: self.incarnation,
-                endpoint: Some(endpoint.clone()),
-                error: None,
-            },
-            Err(e) => DpFrame {
-                incarnation: self.incarnation,
-                endpoint: None,
-                error: Some(e.to_string()),
-            },
+        let answer = DpFrame {
+            incarnation: self.incarnation,
+            endpoint: result.as_ref().ok().map(|(_, ep)| ep.clone()),
+            error: result.as_ref().err().map(ToString::to_string),
         };
-        let sent = match encode(&answer) {
+        let sent = match frames::encode("an endpoint answer", &answer) {
             Ok(frame) => self
                 .control
                 .notify(id, DP_ANSWER, frame)
@@ -223,10 +256,11 @@ impl Inner {
             Err(e) => Err(e),
         };
         match (result, sent) {
-            (Ok((kind, _)), Ok(())) => self.emit(id, addr, kind),
-            (Ok(_), Err(e)) => {
+            (Ok((t, _)), Ok(())) => self.report(&t, Role::Acceptor, Ok(())),
+            (Ok((t, _)), Err(e)) => {
                 warn!(peer = %id, %addr, error = %e, "could not answer an endpoint offer");
                 self.detach(id, "answer not delivered");
+                self.report(&t, Role::Acceptor, Err(e));
             }
             (Err(e), _) => {
                 warn!(peer = %id, %addr, error = %e, "refused an endpoint offer");
@@ -246,18 +280,12 @@ impl Inner {
         id: ConnectionId,
         addr: &str,
         payload: &[u8],
-    ) -> Result<(PeerEventKind, Endpoint), Error> {
-        let offer: DpFrame = rmp_serde::from_slice(payload).map_err(|e| {
-            refused(format!(
-                "{addr} sent an endpoint offer that does not decode: {e}"
-            ))
-        })?;
+    ) -> Result<(Target, Endpoint), Error> {
+        let offer: DpFrame = frames::decode("an endpoint offer", addr, payload)?;
         let remote = offer
             .endpoint
             .ok_or_else(|| refused(format!("{addr} offered no endpoint")))?;
-        let conn = self.conn_lock(id);
-        let _serial = conn.lock().await;
-        let (generation, incarnation, engine_id, kv) = {
+        let t = {
             let peers = lock(&self.peers);
             let e = peers
                 .get(&id)
@@ -268,72 +296,125 @@ impl Inner {
                     offer.incarnation, e.incarnation
                 )));
             }
-            (
-                e.generation,
-                e.incarnation,
-                e.engine_id.clone(),
-                e.kv.clone(),
-            )
+            Target {
+                id,
+                addr: addr.to_owned(),
+                generation: e.generation,
+                incarnation: e.incarnation,
+                engine_id: e.engine_id.clone(),
+                kv: e.kv.clone(),
+            }
         };
-        let regions: Vec<RemoteRegion> = kv.iter().map(|k| k.region).collect();
+        let regions = t.regions();
         let (peer, endpoint) = self
-            .blocking(move |b| prepare_and_connect(b, &remote, &regions))
+            .off_thread(move |tr| tr.connect_peer(&remote, &regions))
             .await?;
-        self.install(id, generation, incarnation, &engine_id, kv, peer)?;
-        Ok((
-            PeerEventKind::Up {
-                engine_id,
-                incarnation,
-            },
-            endpoint,
-        ))
+        self.install(&t, peer)?;
+        Ok((t, endpoint))
     }
 
     /// Routes an answer to the offer waiting for it.
-    pub(crate) fn on_answer(&self, id: ConnectionId, payload: &[u8]) {
-        match rmp_serde::from_slice::<DpFrame>(payload) {
+    pub(crate) fn on_answer(&self, id: ConnectionId, addr: &str, payload: &[u8]) {
+        match frames::decode::<DpFrame>("an endpoint answer", addr, payload) {
             Ok(answer) => match lock(&self.offers).remove(&id) {
                 Some(tx) => {
                     let _ = tx.send(answer);
                 }
                 None => debug!(peer = %id, "endpoint answer without a pending offer"),
             },
-            Err(e) => {
-                warn!(peer = %id, error = %e, "dropping an endpoint answer that does not decode")
-            }
+            Err(e) => warn!(peer = %id, error = %e, "dropping an endpoint answer"),
         }
     }
 
     /// Installs a connected data-plane peer unless the connection changed
-    /// (died, restarted, closed) since `generation`.
-    fn install(
-        &self,
-        id: ConnectionId,
-        generation: u64,
-        incarnation: u64,
-        engine_id: &str,
-        kv: Vec<KvAdvert>,
-        data_peer: PeerId,
-    ) -> Result<(), Error> {
+    /// (died, restarted, closed) since the attach began.
+    fn install(&self, t: &Target, data_peer: PeerId) -> Result<(), Error> {
         let mut peers = lock(&self.peers);
-        let entry = peers.entry(id).or_insert_with(PeerEntry::new);
-        if entry.generation != generation {
+        let Some(entry) = peers
+            .get_mut(&t.id)
+            .filter(|e| e.generation == t.generation)
+        else {
             drop(peers);
             self.transport.with_backend(|b| b.remove_peer(data_peer));
             return Err(Error::msg(
                 ErrorKind::PeerLost,
-                format!("{id} died or restarted while its data plane was being connected"),
+                format!(
+                    "{} ({}) died or restarted while its data plane was being connected",
+                    t.addr, t.id
+                ),
             ));
-        }
+        };
         let old = entry.data_peer.replace(data_peer);
-        entry.incarnation = incarnation;
-        entry.engine_id = engine_id.to_owned();
-        entry.kv = kv;
+        entry.incarnation = t.incarnation;
+        entry.engine_id.clone_from(&t.engine_id);
+        entry.kv.clone_from(&t.kv);
         drop(peers);
         if let Some(old) = old {
             self.transport.with_backend(|b| b.remove_peer(old));
         }
         Ok(())
+    }
+
+    /// Publishes an attach's outcome to `connect` and as a peer event.
+    ///
+    /// A peer that dialed us and whose data plane cannot be reached from
+    /// here (it listens on loopback on another host, say) is still up:
+    /// it can move bytes to and from our memory, only we cannot initiate.
+    /// That is said once at `info`, not as a refusal.
+    fn report(&self, t: &Target, role: Role, r: Result<(), Error>) {
+        let kind = match &r {
+            Ok(()) => PeerEventKind::Up {
+                engine_id: t.engine_id.clone(),
+                incarnation: t.incarnation,
+            },
+            Err(e) if role == Role::Acceptor && e.kind() == ErrorKind::Io => {
+                info!(peer = %t.id, engine = %t.engine_id, reason = %e,
+                    "peer is up; its data plane cannot be reached from here, so transfers go only from it to us");
+                PeerEventKind::Up {
+                    engine_id: t.engine_id.clone(),
+                    incarnation: t.incarnation,
+                }
+            }
+            Err(e) => {
+                warn!(peer = %t.id, addr = %t.addr, error = %e, "peer is up but its data plane is not");
+                PeerEventKind::Refused {
+                    reason: e.to_string(),
+                }
+            }
+        };
+        self.set_attach(
+            t.id,
+            t.incarnation,
+            r.map_err(|e| (e.kind(), e.to_string())),
+        );
+        self.emit(t.id, t.addr.clone(), kind);
+    }
+
+    /// A handshake whose data-plane description is unusable.
+    fn record_failure(&self, id: ConnectionId, addr: &str, incarnation: u64, role: Role, e: Error) {
+        warn!(peer = %id, %addr, ?role, error = %e, "peer is up but its data plane is not");
+        self.set_attach(id, incarnation, Err((e.kind(), e.to_string())));
+        self.emit(
+            id,
+            addr.to_owned(),
+            PeerEventKind::Refused {
+                reason: e.to_string(),
+            },
+        );
+    }
+
+    fn set_attach(
+        &self,
+        id: ConnectionId,
+        incarnation: u64,
+        result: Result<(), (ErrorKind, String)>,
+    ) {
+        if let Some(e) = lock(&self.peers).get(&id) {
+            e.attach.send_replace(Attach::Done {
+                incarnation,
+                result,
+            });
+        }
     }
 
     /// Drops a peer's data-plane connection (its in-flight transfers fail
@@ -353,48 +434,16 @@ impl Inner {
         }
     }
 
-    /// Runs `f` on the backend off the async threads (connecting may open
-    /// sockets or create queue pairs).
-    async fn blocking<R: Send + 'static>(
+    /// Runs `f` on a blocking thread (dials wait on the network; the
+    /// transport holds its backend only for the short steps).
+    async fn off_thread<R: Send + 'static>(
         self: &Arc<Self>,
-        f: impl FnOnce(&mut dyn kvlane_data::Backend) -> Result<R, DataError> + Send + 'static,
+        f: impl FnOnce(&Transport) -> Result<R, DataError> + Send + 'static,
     ) -> Result<R, Error> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || this.transport.with_backend(f))
+        tokio::task::spawn_blocking(move || f(&this.transport))
             .await
             .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane task: {e}")))?
             .map_err(Error::from)
     }
-}
-
-/// A new data-plane peer connected to `remote`; returns it with this side's
-/// endpoint for it. Nothing is left behind when connecting fails.
-fn prepare_and_connect(
-    b: &mut dyn kvlane_data::Backend,
-    remote: &Endpoint,
-    regions: &[RemoteRegion],
-) -> Result<(PeerId, Endpoint), DataError> {
-    let (peer, endpoint) = b.prepare_peer()?;
-    if let Err(e) = b.connect_peer(peer, remote, regions) {
-        b.remove_peer(peer);
-        return Err(e);
-    }
-    Ok((peer, endpoint))
-}
-
-fn decode_blob(addr: &str, info: &RemoteInfo) -> Result<DataPlaneInfo, Error> {
-    rmp_serde::from_slice(&info.data_plane).map_err(|e| {
-        refused(format!(
-            "{addr} sent a data-plane description that does not decode: {e}"
-        ))
-    })
-}
-
-fn encode(frame: &DpFrame) -> Result<Vec<u8>, Error> {
-    rmp_serde::to_vec_named(frame).map_err(|e| {
-        Error::msg(
-            ErrorKind::InvalidInput,
-            format!("encode endpoint frame: {e}"),
-        )
-    })
 }

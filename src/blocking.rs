@@ -1,7 +1,8 @@
 //! A blocking wrapper for engines that do not run tokio.
 
-use crate::agent::{Agent, AgentBuilder, Notification, PeerEvent};
+use crate::agent::{Agent, AgentBuilder};
 use crate::error::{Error, ErrorKind};
+use crate::events::{Notification, PeerEvent};
 use crate::peer::Peer;
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};

@@ -136,7 +136,9 @@ fn data_kind(e: &DataError) -> ErrorKind {
         DataError::Unsupported { .. } => ErrorKind::Unsupported,
         DataError::Shutdown(_) => ErrorKind::Closed,
         DataError::UnknownPeer(_) => ErrorKind::PeerLost,
-        DataError::Io { .. } | DataError::Rdma { .. } => ErrorKind::Io,
+        DataError::Io { .. } | DataError::Rdma { .. } | DataError::Unreachable { .. } => {
+            ErrorKind::Io
+        }
         #[cfg(feature = "verbs")]
         DataError::Verbs(kvlane_data::verbs::VerbsError::Unsupported(_)) => ErrorKind::Unsupported,
         #[cfg(feature = "verbs")]

@@ -61,11 +61,15 @@ mod attach;
 mod backend;
 pub mod blocking;
 mod error;
+mod events;
+mod frames;
 mod peer;
+mod state;
 
-pub use agent::{Agent, AgentBuilder, BackendChoice, Notification, PeerEvent, PeerEventKind};
+pub use agent::{Agent, AgentBuilder, BackendChoice};
 pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};
+pub use events::{Notification, PeerEvent, PeerEventKind};
 pub use kvlane_control as control;
 pub use kvlane_data as data;
 pub use peer::{Peer, PreparedTransfer, TransferHandle, DEFAULT_TRANSFER_DEADLINE};

@@ -1,7 +1,8 @@
 //! [`Peer`]: a connected remote agent, and the transfers to it.
 
-use crate::agent::{lock, Inner, KvAdvert, NotifyFrame};
 use crate::error::{Error, ErrorKind};
+use crate::frames;
+use crate::state::{lock, Inner};
 use kvlane_control::ConnectionId;
 use kvlane_data::{
     plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, Transfer,
@@ -13,30 +14,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
-
-/// What the agent knows of one connection.
-pub(crate) struct PeerEntry {
-    pub(crate) engine_id: String,
-    pub(crate) incarnation: u64,
-    /// Data-plane peer of the current incarnation; `None` while dead.
-    pub(crate) data_peer: Option<PeerId>,
-    pub(crate) kv: Vec<KvAdvert>,
-    /// Bumped whenever the data-plane peer is dropped (dead, restarted,
-    /// closed); attachments begun in an older generation are discarded.
-    pub(crate) generation: u64,
-}
-
-impl PeerEntry {
-    pub(crate) fn new() -> Self {
-        Self {
-            engine_id: String::new(),
-            incarnation: 0,
-            data_peer: None,
-            kv: Vec::new(),
-            generation: 0,
-        }
-    }
-}
 
 /// A block transfer planned against one incarnation of a peer, ready to
 /// [`post`](Peer::post). Posting it after the peer restarted fails with
@@ -141,9 +118,11 @@ impl Peer {
         })?;
         let peers = lock(&self.inner.peers);
         let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-        let data_peer = entry
-            .data_peer
-            .ok_or_else(|| self.lost("dead or restarting"))?;
+        let Some(data_peer) = entry.data_peer else {
+            return Err(entry
+                .attach_error()
+                .unwrap_or_else(|| self.lost("dead or restarting")));
+        };
         let remote = entry.kv.first().ok_or_else(|| {
             Error::msg(
                 ErrorKind::InvalidInput,
@@ -173,13 +152,9 @@ impl Peer {
             .unzip();
         let mut transfer = Transfer::new(data_peer, op, l, r)
             .with_deadline(Instant::now() + DEFAULT_TRANSFER_DEADLINE);
-        let frame = notify.map(|p| {
-            rmp_serde::to_vec_named(&NotifyFrame {
-                from: self.inner.engine_id.clone(),
-                payload: p.to_vec(),
-            })
-            .unwrap_or_default()
-        });
+        let frame = notify
+            .map(|p| frames::notify_frame(&self.inner.engine_id, p))
+            .transpose()?;
         let mut notify_after_read = None;
         match (op, frame) {
             (Op::Write, Some(f)) => transfer = transfer.with_notify(f),
@@ -280,11 +255,7 @@ impl Peer {
 
     /// Sends a notification through the control plane.
     pub async fn notify(&self, payload: &[u8]) -> Result<(), Error> {
-        let frame = rmp_serde::to_vec_named(&NotifyFrame {
-            from: self.inner.engine_id.clone(),
-            payload: payload.to_vec(),
-        })
-        .map_err(|e| Error::msg(ErrorKind::InvalidInput, format!("encode notification: {e}")))?;
+        let frame = frames::notify_frame(&self.inner.engine_id, payload)?;
         Ok(self.inner.control.notify(self.conn, 0, frame).await?)
     }
 

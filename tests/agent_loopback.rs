@@ -1,5 +1,7 @@
 //! Two agents in one process over the loopback backend and real ZMQ.
 
+mod common;
+
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice, ErrorKind, PeerEventKind};
 use std::time::Duration;
@@ -187,36 +189,18 @@ async fn connect_then_write_immediately_never_races_the_event_task() {
     }
 }
 
-/// Binds `n` agents on consecutive ports (`base + rank`), retrying bases
-/// until all bind.
+/// Binds `n` decode ranks on consecutive ports.
 async fn rank_agents(n: u16) -> (u16, Vec<Agent>) {
-    'base: for attempt in 0..50u16 {
-        let base = 20_000 + (std::process::id() as u16 % 20_000) + attempt * 97;
-        let mut agents = Vec::new();
-        for rank in 0..n {
-            let len = layout().required_len().unwrap() as usize;
-            let r = Region::alloc(len, Access::ALL).unwrap();
-            match Agent::builder()
-                .engine_id("decode")
-                .ranks(0, u32::from(rank), u32::from(n))
-                .listen(format!("127.0.0.1:{}", base + rank))
-                .backend(BackendChoice::Loopback)
-                .register_kv(layout(), r)
-                .build()
-                .await
-            {
-                Ok(a) => agents.push(a),
-                Err(_) => {
-                    for a in agents {
-                        a.close().await;
-                    }
-                    continue 'base;
-                }
-            }
-        }
-        return (base, agents);
-    }
-    panic!("no free run of {n} ports");
+    common::rank_agents(n, |rank, port| {
+        let len = layout().required_len().unwrap() as usize;
+        Agent::builder()
+            .engine_id("decode")
+            .ranks(0, u32::from(rank), u32::from(n))
+            .listen(format!("127.0.0.1:{port}"))
+            .backend(BackendChoice::Loopback)
+            .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -37,11 +37,36 @@ pub(crate) struct ServeArgs {
     /// Initial contents: byte i of the cache is `pattern_byte(seed, i)`.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u8,
+    /// Data-plane backend (`auto`: verbs when built with it and a device is
+    /// usable, else tcp).
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub(crate) backend: ServeBackend,
     /// Pre-shared key peers must prove.
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     pub(crate) psk: Option<String>,
     #[command(flatten)]
     pub(crate) liveness: LivenessArgs,
+}
+
+/// Backends `serve` can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ServeBackend {
+    /// Software one-sided RDMA over TCP.
+    Tcp,
+    /// libibverbs (built with the `verbs` feature).
+    Verbs,
+    /// Verbs if usable here, else tcp.
+    Auto,
+}
+
+impl From<ServeBackend> for BackendChoice {
+    fn from(b: ServeBackend) -> Self {
+        match b {
+            ServeBackend::Tcp => Self::Tcp,
+            ServeBackend::Verbs => Self::Verbs,
+            ServeBackend::Auto => Self::Auto,
+        }
+    }
 }
 
 /// The cache contents `serve --seed` starts with (tests recompute it).
@@ -73,7 +98,7 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
     let mut b = Agent::builder()
         .engine_id(&args.engine_id)
         .listen(&args.listen)
-        .backend(BackendChoice::Tcp)
+        .backend(args.backend.into())
         .control_config(control)
         .register_kv(layout, region);
     if let Some(d) = &args.data_listen {

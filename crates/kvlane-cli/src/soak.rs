@@ -16,7 +16,8 @@ mod report;
 
 use crate::liveness::LivenessArgs;
 use crate::units;
-use clap::{Args, ValueEnum};
+use crate::serve::ServeBackend;
+use clap::Args;
 use kvlane::control::keepalive::Backoff;
 use kvlane::control::ConnectionId;
 use kvlane::data::tcp::{TcpBackend, TcpConfig};
@@ -31,15 +32,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::broadcast;
 
 type BoxError = Box<dyn std::error::Error>;
-
-/// Backend of the soaking agent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum SoakBackend {
-    Tcp,
-    Verbs,
-    /// verbs when usable here, else tcp.
-    Auto,
-}
 
 /// Options of `kvlane soak`.
 #[derive(Args, Debug)]
@@ -61,7 +53,7 @@ pub(crate) struct SoakArgs {
     blocks: u32,
     /// Data-plane backend of the soaking agent.
     #[arg(long, value_enum, default_value = "tcp")]
-    backend: SoakBackend,
+    backend: ServeBackend,
     /// Data-plane dial timeout per stream (tcp backend).
     #[arg(long, default_value = "5s", value_parser = units::parse_duration)]
     connect_timeout: Duration,
@@ -673,12 +665,12 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         .control_config(control.clone())
         .register_kv(layout, region.clone());
     builder = match args.backend {
-        SoakBackend::Tcp => builder.backend_instance(TcpBackend::new(TcpConfig {
+        ServeBackend::Tcp => builder.backend_instance(TcpBackend::new(TcpConfig {
             connect_timeout: args.connect_timeout,
             ..TcpConfig::default()
         })?),
-        SoakBackend::Verbs => builder.backend(BackendChoice::Verbs),
-        SoakBackend::Auto => builder.backend(BackendChoice::Auto),
+        ServeBackend::Verbs => builder.backend(BackendChoice::Verbs),
+        ServeBackend::Auto => builder.backend(BackendChoice::Auto),
     };
     if let Some(k) = &args.psk {
         builder = builder.psk(k.as_bytes().to_vec());
@@ -689,9 +681,9 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         liveness_budget: control.liveness_budget,
         liveness_budget_ms: ms(control.death_bound()),
         handshake_timeout_ms: ms(control.handshake_timeout),
-        connect_timeout_ms: (args.backend == SoakBackend::Tcp).then(|| ms(args.connect_timeout)),
+        connect_timeout_ms: (args.backend == ServeBackend::Tcp).then(|| ms(args.connect_timeout)),
     };
-    let dial = if args.backend == SoakBackend::Tcp {
+    let dial = if args.backend == ServeBackend::Tcp {
         args.connect_timeout * TCP_STREAMS
     } else {
         Duration::from_secs(10)

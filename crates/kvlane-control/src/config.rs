@@ -223,6 +223,24 @@ pub struct RemoteInfo {
     pub data_plane: Vec<u8>,
     /// Remote capabilities.
     pub capabilities: Vec<String>,
+    /// The peer's IP address as this side reaches it: the address dialed
+    /// (connections this side made), or the address the peer says its
+    /// packets to us leave from (connections it made). `None` when
+    /// unknown (a name that did not resolve, an old peer). A data plane
+    /// advertised on a wildcard address is dialed at this host.
+    pub peer_host: Option<std::net::IpAddr>,
+}
+
+/// How a dialed connection reaches its peer, found by the driver before it
+/// dials (the state machine does no I/O): the peer's address, and this
+/// side's address towards it, which the `hello` carries so that the peer
+/// can dial back a data plane advertised on a wildcard address.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Route {
+    /// The peer's resolved IP address.
+    pub peer: Option<std::net::IpAddr>,
+    /// This side's source address towards it.
+    pub source: Option<std::net::IpAddr>,
 }
 
 /// Port layout of an engine: `base + dp_rank * tp_size + tp_rank`.

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 use tracing::{error, info_span, Instrument};
 
 use crate::channel::{Channel, ChannelEvent, ZmqChannel};
-use crate::config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo};
+use crate::config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo, Route};
 use crate::error::{ControlError, GroupError, PeerError};
 use crate::group::{GroupHandshake, GroupMember};
 use crate::peer::{Event, State, Stats, Transmit};
@@ -26,6 +26,32 @@ const DRIVER_GRACE: Duration = Duration::from_secs(1);
 /// tests control it).
 fn now() -> Instant {
     tokio::time::Instant::now().into_std()
+}
+
+/// Resolves `addr` (`host:port`) and asks the kernel which local address
+/// it would send to it from (a connected UDP socket sends nothing). Runs in
+/// the caller's task, bounded by `bound`, never in the driver loop; a name
+/// that does not resolve gives an empty route (the dial reports the error).
+async fn route_to(addr: &str, bound: Duration) -> Route {
+    let Ok(Ok(mut addrs)) = tokio::time::timeout(bound, tokio::net::lookup_host(addr)).await else {
+        return Route::default();
+    };
+    let Some(peer) = addrs.next() else {
+        return Route::default();
+    };
+    let unspecified: std::net::SocketAddr = if peer.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let source = std::net::UdpSocket::bind(unspecified)
+        .and_then(|s| s.connect(peer).and_then(|()| s.local_addr()))
+        .ok()
+        .map(|a| a.ip());
+    Route {
+        peer: Some(peer.ip()),
+        source,
+    }
 }
 
 /// A peer as seen by [`ControlNode::peers`].
@@ -46,6 +72,7 @@ type ConnectReply = oneshot::Sender<Result<(ConnectionId, RemoteInfo), ControlEr
 enum Command {
     Connect {
         addr: String,
+        route: Route,
         reply: ConnectReply,
     },
     Notify {
@@ -123,6 +150,7 @@ impl ControlNode {
                 let _ = watch_events.send(PeerEvent {
                     id: ConnectionId(0),
                     addr: watch_addr,
+                    role: crate::Role::Acceptor,
                     event: Event::Closed,
                 });
             }
@@ -186,8 +214,10 @@ impl ControlNode {
     /// deadline). A live connection to `addr` is returned as is.
     pub async fn connect(&self, addr: &str) -> Result<(ConnectionId, RemoteInfo), ControlError> {
         let bound = self.config.handshake_timeout + DRIVER_GRACE;
+        let route = route_to(addr, self.config.handshake_timeout).await;
         let make = |reply| Command::Connect {
             addr: addr.to_owned(),
+            route,
             reply,
         };
         match self.call("connect", make, bound).await {
@@ -213,12 +243,19 @@ impl ControlNode {
     ) -> Result<Vec<GroupMember>, GroupError> {
         let plan = PortPlan::new(base_port, &[dp_rank], tp_size)?;
         let deadline = now() + self.config.handshake_timeout + DRIVER_GRACE;
+        // One host: resolved once (ports do not change the route).
+        let route = route_to(
+            &format!("{host}:{base_port}"),
+            self.config.handshake_timeout,
+        )
+        .await;
         let mut pending = Vec::new();
         for ranks in plan.ranks() {
             let addr = format!("{host}:{}", plan.port(ranks)?);
             let (tx, rx) = oneshot::channel();
             let cmd = Command::Connect {
                 addr: addr.clone(),
+                route,
                 reply: tx,
             };
             let sent = matches!(
@@ -478,36 +515,38 @@ impl<C: Channel> Driver<C> {
     fn command(&mut self, cmd: Command) {
         let t = now();
         match cmd {
-            Command::Connect { addr, reply } => match self.reg.connect(t, &addr) {
-                Ok(id) => self
-                    .waiters
-                    .entry(id)
-                    .or_default()
-                    .push(Waiter { addr, reply }),
-                Err(ConnectRefused::Duplicate { existing, .. }) => {
-                    let ready = self
-                        .reg
-                        .peer(existing)
-                        .filter(|p| matches!(p.state(), State::Ready | State::Suspect))
-                        .and_then(|p| p.remote().cloned());
-                    match ready {
-                        Some(info) => {
-                            let _ = reply.send(Ok((existing, info)));
+            Command::Connect { addr, route, reply } => {
+                match self.reg.connect_via(t, &addr, route) {
+                    Ok(id) => self
+                        .waiters
+                        .entry(id)
+                        .or_default()
+                        .push(Waiter { addr, reply }),
+                    Err(ConnectRefused::Duplicate { existing, .. }) => {
+                        let ready = self
+                            .reg
+                            .peer(existing)
+                            .filter(|p| matches!(p.state(), State::Ready | State::Suspect))
+                            .and_then(|p| p.remote().cloned());
+                        match ready {
+                            Some(info) => {
+                                let _ = reply.send(Ok((existing, info)));
+                            }
+                            None => self
+                                .waiters
+                                .entry(existing)
+                                .or_default()
+                                .push(Waiter { addr, reply }),
                         }
-                        None => self
-                            .waiters
-                            .entry(existing)
-                            .or_default()
-                            .push(Waiter { addr, reply }),
+                    }
+                    Err(ConnectRefused::PeerCap { cap, addr }) => {
+                        let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
+                    }
+                    Err(ConnectRefused::Closed { .. }) => {
+                        let _ = reply.send(Err(ControlError::Closed));
                     }
                 }
-                Err(ConnectRefused::PeerCap { cap, addr }) => {
-                    let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
-                }
-                Err(ConnectRefused::Closed { .. }) => {
-                    let _ = reply.send(Err(ControlError::Closed));
-                }
-            },
+            }
             Command::Notify {
                 id,
                 transfer_id,

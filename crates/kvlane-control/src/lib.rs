@@ -109,7 +109,7 @@ pub mod registry;
 pub mod timer;
 pub mod wire;
 
-pub use config::{Config, ConfigError, LocalInfo, PortPlan, Psk, Ranks, RemoteInfo};
+pub use config::{Config, ConfigError, LocalInfo, PortPlan, Psk, Ranks, RemoteInfo, Route};
 pub use error::{
     ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError,
 };

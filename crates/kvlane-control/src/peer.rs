@@ -7,7 +7,7 @@ use std::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::auth;
-use crate::config::{Config, LocalInfo, RemoteInfo};
+use crate::config::{Config, LocalInfo, RemoteInfo, Route};
 use crate::error::{PeerError, Refusal, WireError};
 use crate::keepalive::{Backoff, KeepAlive};
 use crate::timer::{Timer, TimerTable};
@@ -163,6 +163,8 @@ enum Hs {
 pub struct Peer {
     role: Role,
     addr: String,
+    /// How a dialed peer is reached (what the driver resolved).
+    route: Route,
     config: Arc<Config>,
     local: Arc<LocalInfo>,
     state: State,
@@ -206,6 +208,7 @@ impl Peer {
         Self {
             role,
             addr,
+            route: Route::default(),
             backoff: Backoff::new(config.backoff_min, config.backoff_max, seed),
             config,
             local,
@@ -236,7 +239,21 @@ impl Peer {
         config: Arc<Config>,
         local: Arc<LocalInfo>,
     ) -> Self {
+        Self::initiator_via(now, addr, Route::default(), config, local)
+    }
+
+    /// [`initiator`](Self::initiator) with the route the driver resolved:
+    /// the `hello` tells the peer `route.source`, and the peer's
+    /// [`RemoteInfo::peer_host`] is `route.peer`.
+    pub fn initiator_via(
+        now: Instant,
+        addr: String,
+        route: Route,
+        config: Arc<Config>,
+        local: Arc<LocalInfo>,
+    ) -> Self {
         let mut p = Self::new(Role::Initiator, now, addr, config, local);
+        p.route = route;
         p.start_attempt(now);
         p
     }
@@ -523,6 +540,7 @@ impl Peer {
             auth: keyed,
             nonce: if keyed { nonce_i.clone() } else { Vec::new() },
             data_plane: (!keyed).then(|| serde_bytes::ByteBuf::from(l.data_plane.clone())),
+            source: self.route.source.map(|ip| ip.to_string()),
         };
         self.transmits.push_back(Transmit::Connect);
         self.transmits

@@ -8,7 +8,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use tracing::{debug, info_span, warn};
 
-use crate::config::{Config, LocalInfo, Ranks};
+use crate::config::{Config, LocalInfo, Ranks, Route};
 use crate::error::{Refusal, WireError};
 use crate::peer::{Event, Peer, Role, State, Stats, Transmit};
 use crate::wire::Message;
@@ -30,6 +30,8 @@ pub struct PeerEvent {
     pub id: ConnectionId,
     /// Peer address (`host:port` for peers we dialed, `inbound:<routing id>` otherwise).
     pub addr: String,
+    /// Whether this side dialed the connection (`Initiator`) or accepted it.
+    pub role: Role,
     /// What happened.
     pub event: Event,
 }
@@ -158,6 +160,17 @@ impl Registry {
     /// Dials `addr`. A dead connection to the same address is retired first;
     /// a live one is handed back as [`ConnectRefused::Duplicate`].
     pub fn connect(&mut self, now: Instant, addr: &str) -> Result<ConnectionId, ConnectRefused> {
+        self.connect_via(now, addr, Route::default())
+    }
+
+    /// [`connect`](Self::connect) with the route the driver resolved for
+    /// `addr` (see [`Peer::initiator_via`]).
+    pub fn connect_via(
+        &mut self,
+        now: Instant,
+        addr: &str,
+        route: Route,
+    ) -> Result<ConnectionId, ConnectRefused> {
         self.reap_dead();
         if let Some(&existing) = self.by_addr.get(addr) {
             let dead = self
@@ -187,9 +200,10 @@ impl Registry {
         let id = self.alloc();
         let span = info_span!("peer", %id, %addr);
         let peer = span.in_scope(|| {
-            Peer::initiator(
+            Peer::initiator_via(
                 now,
                 addr.to_owned(),
+                route,
                 Arc::clone(&self.config),
                 Arc::clone(&self.local),
             )
@@ -451,6 +465,7 @@ impl Registry {
             self.events.push_back(PeerEvent {
                 id,
                 addr: e.peer.addr().to_owned(),
+                role: e.peer.role(),
                 event: ev,
             });
         }

@@ -70,6 +70,10 @@ pub struct Hello {
     /// Data-plane blob; absent when a key is used.
     #[serde(default)]
     pub data_plane: Option<serde_bytes::ByteBuf>,
+    /// The sender's IP address towards the acceptor (where a data plane it
+    /// advertised on a wildcard address can be dialed back).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// `hello_ack`: the acceptor's half.

@@ -279,6 +279,7 @@ fn invariant_6_dead_reaped_before_inbound_routing() {
             auth: false,
             nonce: vec![],
             data_plane: Some(serde_bytes::ByteBuf::from(b"blob".to_vec())),
+            source: None,
         })
         .encode()
         .expect("encode")

@@ -292,3 +292,36 @@ fn port_plan_rejects_collisions_and_zero_tp() {
     let any = PortPlan::new(0, &[0, 1], 2).expect("port 0 binds any");
     assert!(any.ranks().all(|r| any.port(r) == Ok(0)));
 }
+
+/// The route the driver resolved reaches both sides' `RemoteInfo`: the
+/// dialer learns the address it dialed, the acceptor the address the
+/// dialer's `hello` said it sends from (where a data plane advertised on a
+/// wildcard is dialed back), and each side knows its role.
+#[test]
+fn the_dialers_route_reaches_both_sides_remote_info() {
+    let mut c = Cluster::new();
+    let a = c.add("a:1", config(), local("a", 0, 0, 1));
+    let b = c.add("b:1", config(), local("b", 0, 0, 1));
+    let route = kvlane_control::Route {
+        peer: Some("10.231.0.2".parse().unwrap()),
+        source: Some("10.231.0.1".parse().unwrap()),
+    };
+    let now = c.now;
+    c.nodes[a]
+        .reg
+        .connect_via(now, "b:1", route)
+        .expect("connect");
+    c.drive();
+    let ready = |i: usize| {
+        c.nodes[i]
+            .events
+            .iter()
+            .find_map(|(_, e)| match &e.event {
+                Event::Ready(info) => Some((e.role, info.peer_host)),
+                _ => None,
+            })
+            .expect("ready")
+    };
+    assert_eq!(ready(a), (kvlane_control::Role::Initiator, route.peer));
+    assert_eq!(ready(b), (kvlane_control::Role::Acceptor, route.source));
+}

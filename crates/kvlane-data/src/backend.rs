@@ -4,7 +4,68 @@ use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RegionId};
 use crate::memory::{Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
+use std::any::Any;
 use std::task::Waker;
+
+/// The part of connecting a peer that may wait on the network (dialing,
+/// authenticating), returned by [`Backend::start_connect`] and run by the
+/// caller **without** holding the backend, so that polling and posting for
+/// other peers go on meanwhile. Its result goes back to
+/// [`Backend::finish_connect`].
+#[must_use = "a started connect does nothing until it is run and finished"]
+pub struct Connecting {
+    work: Option<Box<dyn FnOnce() -> Result<Connected, DataError> + Send>>,
+}
+
+impl std::fmt::Debug for Connecting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connecting")
+            .field("pending", &self.work.is_some())
+            .finish()
+    }
+}
+
+impl Connecting {
+    /// Nothing is left to do (the backend connected in `start_connect`).
+    pub fn done() -> Self {
+        Self { work: None }
+    }
+
+    /// `work` runs without the backend; what it returns is handed to
+    /// [`Backend::finish_connect`].
+    pub fn new(
+        work: impl FnOnce() -> Result<Box<dyn Any + Send>, DataError> + Send + 'static,
+    ) -> Self {
+        Self {
+            work: Some(Box::new(move || work().map(|v| Connected(Some(v))))),
+        }
+    }
+
+    /// Does the slow part. Blocks for as long as the backend's connect
+    /// timeout allows.
+    pub fn run(self) -> Result<Connected, DataError> {
+        match self.work {
+            Some(work) => work(),
+            None => Ok(Connected(None)),
+        }
+    }
+}
+
+/// What [`Connecting::run`] produced, for [`Backend::finish_connect`].
+pub struct Connected(Option<Box<dyn Any + Send>>);
+
+impl std::fmt::Debug for Connected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Connected")
+    }
+}
+
+impl Connected {
+    /// The value the backend's work returned, if it is a `T`.
+    pub fn take<T: Any>(self) -> Option<Box<T>> {
+        self.0.and_then(|v| v.downcast::<T>().ok())
+    }
+}
 
 /// A data-plane provider: registers memory and moves bytes with one-sided
 /// READ and WRITE.
@@ -24,6 +85,12 @@ use std::task::Waker;
 /// side (the control plane's handshake does this), and then calls
 /// [`connect_peer`](Self::connect_peer) with what it received. Verbs needs a
 /// queue pair per peer, hence the per-peer endpoint.
+///
+/// Connecting may wait on the network. A caller that shares the backend
+/// with other work (a [`Transport`](crate::Transport)) connects in three
+/// steps instead: [`start_connect`](Self::start_connect) (short, with the
+/// backend), [`Connecting::run`] (slow, without it) and
+/// [`finish_connect`](Self::finish_connect) (short, with it).
 pub trait Backend: Send + 'static {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
@@ -46,6 +113,27 @@ pub trait Backend: Send + 'static {
         remote: &Endpoint,
         regions: &[RemoteRegion],
     ) -> Result<(), DataError>;
+
+    /// Starts connecting a prepared peer: checks what can be checked at
+    /// once and returns the part that may wait on the network. The default
+    /// connects right away (backends whose connect does not wait).
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        self.connect_peer(peer, remote, regions)?;
+        Ok(Connecting::done())
+    }
+
+    /// Installs what a started connect produced. Fails with
+    /// [`DataError::UnknownPeer`] (releasing what was connected) when the
+    /// peer was removed meanwhile.
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        let _ = (peer, connected);
+        Ok(())
+    }
 
     /// Drops a peer; its in-flight transfers complete with
     /// [`DataError::PeerLost`].
@@ -107,6 +195,17 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         regions: &[RemoteRegion],
     ) -> Result<(), DataError> {
         (**self).connect_peer(peer, remote, regions)
+    }
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        (**self).start_connect(peer, remote, regions)
+    }
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        (**self).finish_connect(peer, connected)
     }
     fn remove_peer(&mut self, peer: PeerId) {
         (**self).remove_peer(peer)

@@ -123,6 +123,20 @@ pub enum DataError {
         /// The backend's limit.
         max: usize,
     },
+    /// A peer's advertised data-plane address cannot be reached from where
+    /// this side reached the peer.
+    #[error(
+        "data endpoint {advertised} (the target listens on {listen}) cannot be reached: {why}"
+    )]
+    Unreachable {
+        /// The address the target advertised.
+        advertised: std::net::SocketAddr,
+        /// What its listener is bound to.
+        listen: std::net::SocketAddr,
+        /// Why it cannot be reached (naming the host this side reached the
+        /// target's control plane at).
+        why: String,
+    },
     /// An endpoint from a peer could not be decoded.
     #[error("endpoint for the {backend} backend could not be decoded: {reason}")]
     BadEndpoint {

@@ -229,6 +229,40 @@ impl Transport {
         r
     }
 
+    /// Prepares a data-plane peer and connects it to `remote`, holding the
+    /// backend only for the short steps: the dial and its authentication
+    /// ([`Connecting::run`](crate::Connecting::run)) run on the calling
+    /// thread while the progress thread and other callers go on. Returns
+    /// the peer and this side's endpoint for it; on failure nothing is
+    /// left behind. Blocks for up to the backend's connect timeout.
+    pub fn connect_peer(
+        &self,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(PeerId, Endpoint), DataError> {
+        let (peer, endpoint) = self.with_backend(|b| b.prepare_peer())?;
+        self.connect_prepared(peer, remote, regions)?;
+        Ok((peer, endpoint))
+    }
+
+    /// Connects a peer from [`Backend::prepare_peer`] (see
+    /// [`connect_peer`](Self::connect_peer)); on failure the peer is removed.
+    pub fn connect_prepared(
+        &self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        let result = self
+            .with_backend(|b| b.start_connect(peer, remote, regions))
+            .and_then(|connecting| connecting.run())
+            .and_then(|connected| self.with_backend(|b| b.finish_connect(peer, connected)));
+        if result.is_err() {
+            self.with_backend(|b| b.remove_peer(peer));
+        }
+        result
+    }
+
     /// Submits a transfer. A full queue hands it back
     /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
     pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {

@@ -69,7 +69,7 @@ mod transfer;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
-pub use backend::{connect_pair, Backend};
+pub use backend::{connect_pair, Backend, Connected, Connecting};
 pub use error::{DataError, SubmitError};
 pub use handle::{TransferHandle, Transport};
 pub use ids::{PeerId, RegionId, RemoteKey, TransferId};

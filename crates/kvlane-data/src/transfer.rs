@@ -267,6 +267,24 @@ pub struct Endpoint {
     pub data: Vec<u8>,
 }
 
+impl Endpoint {
+    /// This endpoint as dialed by a peer that reached this endpoint's
+    /// owner's control plane at `host`: a tcp endpoint advertised on a
+    /// wildcard address gets `host`, and one that `host`'s side cannot
+    /// reach fails with [`DataError::Unreachable`] naming both addresses
+    /// ([`TcpEndpoint::reached_at`](crate::TcpEndpoint::reached_at)).
+    /// Other backends' endpoints do not carry an IP address and are
+    /// returned as they are.
+    pub fn reached_at(&self, host: Option<std::net::IpAddr>) -> Result<Self, DataError> {
+        match self.backend {
+            BackendKind::Tcp => Ok(crate::tcp::TcpEndpoint::from_endpoint(self)?
+                .reached_at(host)?
+                .to_endpoint()),
+            _ => Ok(self.clone()),
+        }
+    }
+}
+
 /// Serializes `Vec<u8>` as a msgpack bin (not an array of integers).
 mod serde_bytes_compat {
     use serde::{Deserializer, Serializer};

@@ -285,8 +285,10 @@ mod faults {
     /// accepted socket to `behave`.
     fn fake_target(behave: fn(TcpStream)) -> (TcpEndpoint, RemoteRegion) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
         let ep = TcpEndpoint {
-            addr: listener.local_addr().unwrap(),
+            addr,
+            listen: addr,
             token: [5; 16],
         };
         std::thread::spawn(move || {
@@ -632,5 +634,86 @@ mod target_refusals {
             (1, 1, 1),
             "{c:?}"
         );
+    }
+}
+
+/// Connecting through a [`Transport`](kvlane_data::Transport) holds the
+/// backend only for the short steps: a peer whose data endpoint accepts but
+/// never answers the authentication stalls only its own connect.
+mod attach_off_lock {
+    use kvlane_data::{
+        Access, Backend, Descriptor, Op, Region, RemoteDescriptor, TcpBackend, TcpConfig,
+        TcpEndpoint, Transfer, Transport,
+    };
+    use std::net::TcpListener;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_silent_endpoint_does_not_stall_another_peers_transfers() {
+        let config = TcpConfig {
+            connect_timeout: Duration::from_secs(3),
+            ..TcpConfig::default()
+        };
+        let mut init = TcpBackend::new(config.clone()).unwrap();
+        let mut target = TcpBackend::new(config).unwrap();
+        let src = Region::from_vec(vec![0x5a; 128 << 10], Access::ALL).unwrap();
+        let dst = Region::alloc(128 << 10, Access::ALL).unwrap();
+        init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (_, target_ep) = target.prepare_peer().unwrap();
+        let transport = std::sync::Arc::new(Transport::new(init).unwrap());
+        let (good, _) = transport.connect_peer(&target_ep, &[dst_ad]).unwrap();
+
+        // A data endpoint that accepts connections and never answers them.
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_ep = TcpEndpoint {
+            addr: silent.local_addr().unwrap(),
+            listen: silent.local_addr().unwrap(),
+            token: [1; 16],
+        }
+        .to_endpoint();
+        let (done_tx, done_rx) = mpsc::channel();
+        let t = transport.clone();
+        let dialer = std::thread::spawn(move || {
+            let r = t.connect_peer(&silent_ep, &[]);
+            let _ = done_tx.send(());
+            r
+        });
+        // Wait until the dial is inside its authentication read.
+        let (_held, _) = silent.accept().unwrap();
+
+        for i in 0..20u64 {
+            let w = Transfer::new(
+                good,
+                Op::Write,
+                vec![Descriptor {
+                    region: src.id(),
+                    offset: 0,
+                    len: 4096,
+                }],
+                vec![RemoteDescriptor {
+                    key: dst_ad.key,
+                    offset: i * 4096,
+                    len: 4096,
+                }],
+            );
+            transport.submit(w).unwrap().wait().unwrap();
+        }
+        assert!(
+            done_rx.try_recv().is_err(),
+            "the silent dial finished before the other peer's 20 writes: it was not the one waiting"
+        );
+        assert_eq!(
+            dst.to_vec().unwrap()[..20 * 4096],
+            vec![0x5a; 20 * 4096][..]
+        );
+        let err = dialer.join().unwrap().unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&silent.local_addr().unwrap().to_string()),
+            "{msg}"
+        );
+        assert!(msg.contains("authentication"), "{msg}");
     }
 }

@@ -130,6 +130,8 @@ impl ZmqChannel {
                     reason: e.to_string(),
                 })?;
         let local_addr = match endpoint {
+            // `host:port` as peers dial it: an IPv6 host in brackets.
+            Endpoint::Tcp(zeromq::Host::Ipv6(ip), port) => format!("[{ip}]:{port}"),
             Endpoint::Tcp(host, port) => format!("{host}:{port}"),
             other => other.to_string(),
         };

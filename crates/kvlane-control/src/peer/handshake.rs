@@ -46,6 +46,7 @@ impl Peer {
             fingerprint: h.fingerprint,
             data_plane: Vec::new(),
             capabilities: h.capabilities,
+            peer_host: h.source.as_deref().and_then(|s| s.parse().ok()),
         };
         let l = Arc::clone(&self.local);
         let mut ack = HelloAck {
@@ -120,6 +121,7 @@ impl Peer {
             fingerprint: ack.fingerprint,
             data_plane: Vec::new(),
             capabilities: ack.capabilities,
+            peer_host: self.route.peer,
         };
         match self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()) {
             None => {

@@ -10,10 +10,8 @@
 //! the notification is acknowledged.
 
 use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
-use super::wire::{
-    Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN, TOKEN_LEN,
-};
-use super::{lock, IdMap, Shared};
+use super::wire::{Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN};
+use super::{lock, IdMap, Shared, TcpEndpoint};
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region};
@@ -125,12 +123,24 @@ fn io_err(op: String, source: io::Error) -> DataError {
 
 fn open_stream(
     peer: PeerId,
-    addr: SocketAddr,
-    token: &[u8; TOKEN_LEN],
+    ep: &TcpEndpoint,
     i: usize,
     cfg: &ConnectConfig,
 ) -> Result<TcpStream, DataError> {
-    let what = || format!("connect tcp stream {i} to {peer} at {addr}");
+    let (addr, token) = (ep.addr, &ep.token);
+    // A dial that fails names the listen address too when it differs from
+    // the dialed one (advertised, or a wildcard filled in with the host the
+    // control connection reached), so a wrong `advertise` is easy to tell.
+    let what = || {
+        if ep.listen == addr {
+            format!("connect tcp stream {i} to {peer} at {addr}")
+        } else {
+            format!(
+                "connect tcp stream {i} to {peer} at {addr} (advertised; the target listens on {})",
+                ep.listen
+            )
+        }
+    };
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
     tune_socket(&s, cfg.socket);
     let mut ack = [0u8; HELLO_ACK.len()];
@@ -153,14 +163,14 @@ impl PeerConn {
     /// threads. Blocks up to `cfg.timeout` per stream.
     pub(crate) fn connect(
         peer: PeerId,
-        addr: SocketAddr,
-        token: &[u8; TOKEN_LEN],
+        ep: &TcpEndpoint,
         cfg: &ConnectConfig,
         shared: Arc<Shared>,
     ) -> Result<Arc<Self>, DataError> {
+        let addr = ep.addr;
         let mut sockets = Vec::new();
         for i in 0..cfg.streams.max(1) {
-            sockets.push(open_stream(peer, addr, token, i, cfg)?);
+            sockets.push(open_stream(peer, ep, i, cfg)?);
         }
         let mut senders = Vec::new();
         let mut receivers = Vec::new();

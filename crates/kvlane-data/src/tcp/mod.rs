@@ -76,7 +76,7 @@ pub mod wire;
 pub use server::fuzz_request;
 pub use server::TcpCounters;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
 use crate::memory::{Access, Region, RemoteRegion};
@@ -105,7 +105,9 @@ pub struct TcpConfig {
     /// port; the real port is advertised in the endpoint).
     pub listen: SocketAddr,
     /// Host advertised to peers when `listen` is a wildcard address
-    /// (`0.0.0.0`, `::`). Default: none, which advertises loopback.
+    /// (`0.0.0.0`, `::`). Default: none: the wildcard is advertised and
+    /// each peer dials the host it reached this side's control plane at
+    /// ([`TcpEndpoint::reached_at`]).
     pub advertise: Option<IpAddr>,
     /// TCP connections per peer. Default 4: on a 2-core host (loopback,
     /// `examples/tcp_bench`) 4 streams matched or beat 1 and 2 for 64 KiB
@@ -169,8 +171,13 @@ impl TcpConfig {
 /// its connections must present.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct TcpEndpoint {
-    /// The target's `host:port`.
+    /// The target's `host:port` as advertised. An unspecified host
+    /// (`0.0.0.0`, `::`: a wildcard listen without `advertise`) means "the
+    /// host you reached my control plane at"; see [`reached_at`](Self::reached_at).
     pub addr: SocketAddr,
+    /// What the target's listener is bound to (named in dial errors, so an
+    /// unreachable advertised address can be told from a wrong listen).
+    pub listen: SocketAddr,
     /// The per-backend secret every connection presents first.
     pub token: [u8; TOKEN_LEN],
 }
@@ -180,6 +187,7 @@ impl std::fmt::Debug for TcpEndpoint {
         // The token is a secret: never logged.
         f.debug_struct("TcpEndpoint")
             .field("addr", &self.addr)
+            .field("listen", &self.listen)
             .finish_non_exhaustive()
     }
 }
@@ -188,6 +196,9 @@ impl std::fmt::Debug for TcpEndpoint {
 struct EndpointWire {
     addr: String,
     token: String,
+    /// Absent from older peers: then the listen address is `addr`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
 }
 
 impl TcpEndpoint {
@@ -196,6 +207,7 @@ impl TcpEndpoint {
         let wire = EndpointWire {
             addr: self.addr.to_string(),
             token: self.token.iter().map(|b| format!("{b:02x}")).collect(),
+            listen: (self.listen != self.addr).then(|| self.listen.to_string()),
         };
         Endpoint {
             backend: BackendKind::Tcp,
@@ -215,10 +227,14 @@ impl TcpEndpoint {
         }
         let wire: EndpointWire =
             rmp_serde::from_slice(&e.data).map_err(|err| bad(err.to_string()))?;
-        let addr = wire
-            .addr
-            .parse()
-            .map_err(|_| bad(format!("bad address {:?}", wire.addr)))?;
+        let parse = |a: &str| -> Result<SocketAddr, DataError> {
+            a.parse().map_err(|_| bad(format!("bad address {a:?}")))
+        };
+        let addr = parse(&wire.addr)?;
+        let listen = match &wire.listen {
+            Some(l) => parse(l)?,
+            None => addr,
+        };
         let hex = wire.token.as_bytes();
         if hex.len() != 2 * TOKEN_LEN {
             return Err(bad(format!("token of {} hex digits", hex.len())));
@@ -228,7 +244,57 @@ impl TcpEndpoint {
             let s = std::str::from_utf8(pair).map_err(|_| bad("token is not hex".into()))?;
             token[i] = u8::from_str_radix(s, 16).map_err(|_| bad("token is not hex".into()))?;
         }
-        Ok(Self { addr, token })
+        Ok(Self {
+            addr,
+            listen,
+            token,
+        })
+    }
+
+    /// The address to dial for a peer whose control plane this side
+    /// reached at `host`: a wildcard (unspecified) advertised host becomes
+    /// `host`. Fails, naming both addresses, when the endpoint cannot be
+    /// reached from `host`'s side: a loopback address advertised to a peer
+    /// that is not on this host's loopback, a wildcard whose host is not
+    /// known (`None`), or an IPv4 wildcard reached over IPv6.
+    pub fn reached_at(mut self, host: Option<IpAddr>) -> Result<Self, DataError> {
+        let unreachable = |why: &str| DataError::Unreachable {
+            advertised: self.addr,
+            listen: self.listen,
+            why: match host {
+                Some(h) => format!("{why} (its control plane was reached at {h})"),
+                None => why.to_owned(),
+            },
+        };
+        let ip = self.addr.ip();
+        let Some(host) = host else {
+            if ip.is_unspecified() {
+                return Err(unreachable(
+                    "it advertises a wildcard address and its host is not known here",
+                ));
+            }
+            return Ok(self);
+        };
+        if ip.is_unspecified() {
+            let host = match (ip, host) {
+                (IpAddr::V4(_), IpAddr::V4(_)) | (IpAddr::V6(_), IpAddr::V6(_)) => host,
+                (IpAddr::V6(_), IpAddr::V4(v4)) => IpAddr::V6(v4.to_ipv6_mapped()),
+                (IpAddr::V4(_), IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+                    Some(v4) => IpAddr::V4(v4),
+                    None => {
+                        return Err(unreachable(
+                            "it listens on IPv4 only and was reached over IPv6",
+                        ))
+                    }
+                },
+            };
+            self.addr.set_ip(host);
+        } else if ip.is_loopback() && !host.is_loopback() {
+            return Err(unreachable(
+                "it advertises a loopback address; listen on a routable address or set `advertise`",
+            ));
+        }
+        Ok(self)
     }
 }
 
@@ -338,20 +404,18 @@ impl TcpBackend {
             shared.clone(),
             counters.clone(),
         )?;
-        let mut addr = server.local_addr();
-        if addr.ip().is_unspecified() {
-            let host = config.advertise.unwrap_or_else(|| {
-                tracing::warn!(%addr, "listening on a wildcard address without `advertise`; advertising loopback");
-                match addr {
-                    SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
-                    SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-                }
-            });
+        let listen = server.local_addr();
+        let mut addr = listen;
+        if let (true, Some(host)) = (listen.ip().is_unspecified(), config.advertise) {
             addr.set_ip(host);
         }
         Ok(Self {
             config,
-            endpoint: TcpEndpoint { addr, token },
+            endpoint: TcpEndpoint {
+                addr,
+                listen,
+                token,
+            },
             regions,
             counters,
             shared,
@@ -547,6 +611,16 @@ impl Backend for TcpBackend {
         remote: &Endpoint,
         regions: &[RemoteRegion],
     ) -> Result<(), DataError> {
+        let connected = self.start_connect(peer, remote, regions)?.run()?;
+        self.finish_connect(peer, connected)
+    }
+
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
         if !self.peers.contains_key(&peer) {
             return Err(DataError::UnknownPeer(peer));
         }
@@ -556,16 +630,30 @@ impl Backend for TcpBackend {
             timeout: self.config.connect_timeout,
             socket: self.config.socket_options(),
         };
-        let conn = PeerConn::connect(peer, ep.addr, &ep.token, &cfg, self.shared.clone())?;
-        let slot = self
-            .peers
-            .get_mut(&peer)
-            .ok_or(DataError::UnknownPeer(peer))?;
+        let shared = self.shared.clone();
+        let regions: FastMap<RemoteKey, RemoteRegion> =
+            regions.iter().map(|r| (r.key, *r)).collect();
+        Ok(Connecting::new(move || {
+            let conn = PeerConn::connect(peer, &ep, &cfg, shared)?;
+            Ok(Box::new((conn, regions)))
+        }))
+    }
+
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        type Made = (Arc<PeerConn>, FastMap<RemoteKey, RemoteRegion>);
+        let (conn, regions) = *connected.take::<Made>().ok_or(DataError::BadEndpoint {
+            backend: "tcp",
+            reason: "finish_connect was given another backend's connect".into(),
+        })?;
+        let Some(slot) = self.peers.get_mut(&peer) else {
+            conn.fail("peer removed while connecting", None);
+            return Err(DataError::UnknownPeer(peer));
+        };
         slot.staged.clear();
         if let Some(old) = slot.conn.replace(conn) {
             old.fail("peer reconnected", None);
         }
-        slot.regions = regions.iter().map(|r| (r.key, *r)).collect();
+        slot.regions = regions;
         Ok(())
     }
 
@@ -691,5 +779,104 @@ impl Drop for TcpBackend {
                 conn.fail("backend dropped", None);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(addr: &str, listen: &str) -> TcpEndpoint {
+        TcpEndpoint {
+            addr: addr.parse().unwrap(),
+            listen: listen.parse().unwrap(),
+            token: [9; TOKEN_LEN],
+        }
+    }
+
+    #[test]
+    fn endpoints_round_trip_with_their_listen_address() {
+        for e in [
+            ep("10.0.0.1:4000", "0.0.0.0:4000"),
+            ep("0.0.0.0:4000", "0.0.0.0:4000"),
+            ep("[::1]:4000", "[::1]:4000"),
+        ] {
+            let back = TcpEndpoint::from_endpoint(&e.to_endpoint()).unwrap();
+            assert!(back == e, "{e:?} came back as {back:?}");
+        }
+    }
+
+    #[test]
+    fn a_wildcard_is_dialed_at_the_host_the_control_plane_reached() {
+        let host: IpAddr = "10.231.0.1".parse().unwrap();
+        let got = ep("0.0.0.0:4000", "0.0.0.0:4000")
+            .reached_at(Some(host))
+            .unwrap();
+        assert_eq!(got.addr, "10.231.0.1:4000".parse().unwrap());
+        assert_eq!(got.listen, "0.0.0.0:4000".parse().unwrap());
+        // A loopback peer gets loopback, an IPv6 peer of a `::` listener
+        // its IPv6 address, an IPv4 peer of a dual-stack `::` listener the
+        // mapped address.
+        let lo = ep("0.0.0.0:4000", "0.0.0.0:4000")
+            .reached_at(Some(Ipv4Addr::LOCALHOST.into()))
+            .unwrap();
+        assert_eq!(lo.addr, "127.0.0.1:4000".parse().unwrap());
+        let v6 = ep("[::]:4000", "[::]:4000")
+            .reached_at(Some("fd00::2".parse().unwrap()))
+            .unwrap();
+        assert_eq!(v6.addr, "[fd00::2]:4000".parse().unwrap());
+        let mapped = ep("[::]:4000", "[::]:4000").reached_at(Some(host)).unwrap();
+        assert_eq!(mapped.addr, "[::ffff:10.231.0.1]:4000".parse().unwrap());
+        // A routable advertised address is kept as it is.
+        let kept = ep("10.9.9.9:4000", "0.0.0.0:4000")
+            .reached_at(Some(host))
+            .unwrap();
+        assert_eq!(kept.addr, "10.9.9.9:4000".parse().unwrap());
+    }
+
+    #[test]
+    fn an_endpoint_the_peer_cannot_reach_is_an_error_naming_both_addresses() {
+        let remote: IpAddr = "10.231.0.2".parse().unwrap();
+        let cases = [
+            (
+                ep("127.0.0.1:4000", "127.0.0.1:4000"),
+                Some(remote),
+                "loopback",
+            ),
+            (
+                ep("0.0.0.0:4000", "0.0.0.0:4000"),
+                Some("fd00::2".parse().unwrap()),
+                "IPv4 only",
+            ),
+            (ep("0.0.0.0:4000", "0.0.0.0:4000"), None, "not known"),
+        ];
+        for (e, host, why) in cases {
+            let err = e.reached_at(host).unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, DataError::Unreachable { .. }), "{msg}");
+            assert!(msg.contains(&e.addr.to_string()), "{msg}");
+            assert!(msg.contains(&format!("listens on {}", e.listen)), "{msg}");
+            assert!(msg.contains(why), "{msg}");
+        }
+    }
+
+    #[test]
+    fn a_wildcard_listener_advertises_the_wildcard_or_the_advertised_host() {
+        let wild = TcpBackend::new(TcpConfig {
+            listen: "0.0.0.0:0".parse().unwrap(),
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        assert!(wild.local_addr().ip().is_unspecified());
+        let adv = TcpBackend::new(TcpConfig {
+            listen: "0.0.0.0:0".parse().unwrap(),
+            advertise: Some("10.231.0.1".parse().unwrap()),
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let e = TcpEndpoint::from_endpoint(&adv.endpoint.to_endpoint()).unwrap();
+        assert_eq!(e.addr.ip(), "10.231.0.1".parse::<IpAddr>().unwrap());
+        assert!(e.listen.ip().is_unspecified());
+        assert_eq!(e.addr.port(), e.listen.port());
     }
 }

@@ -1,0 +1,128 @@
+//! What agents send each other inside the control plane's opaque fields:
+//! the data-plane description of the handshake, per-peer endpoint offers
+//! and answers, and notification frames. One policy for all of them: msgpack
+//! maps with named fields; an encode failure is this side's
+//! [`ErrorKind::InvalidInput`], a frame from a peer that does not decode is
+//! [`ErrorKind::Refused`] naming the peer.
+
+use crate::error::{Error, ErrorKind};
+use crate::events::Notification;
+use bytes::Bytes;
+use kvlane_data::{Endpoint, KvLayout, RemoteRegion};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Control-plane notification id of an endpoint offer.
+pub(crate) const DP_OFFER: u64 = u64::MAX - 1;
+/// Control-plane notification id of the answer to an offer.
+pub(crate) const DP_ANSWER: u64 = u64::MAX - 2;
+
+/// One KV cache as advertised in the handshake.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct KvAdvert {
+    pub(crate) region: RemoteRegion,
+    pub(crate) layout: KvLayout,
+}
+
+/// The data-plane blob an agent puts in its handshake.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct DataPlaneInfo {
+    /// `None` when the backend needs an endpoint per peer.
+    pub(crate) endpoint: Option<Endpoint>,
+    pub(crate) kv: Vec<KvAdvert>,
+}
+
+/// Offer or answer of a per-peer endpoint exchange.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct DpFrame {
+    /// Incarnation of the sender.
+    pub(crate) incarnation: u64,
+    /// The sender's endpoint for this connection.
+    pub(crate) endpoint: Option<Endpoint>,
+    /// Why the sender could not connect (answers only).
+    pub(crate) error: Option<String>,
+}
+
+/// A notification on the wire (data plane or control plane): who sent
+/// it, then the payload.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct NotifyFrame {
+    pub(crate) from: String,
+    #[serde(with = "serde_bytes")]
+    pub(crate) payload: Vec<u8>,
+}
+
+/// Encodes a frame; `what` names it in the error.
+pub(crate) fn encode<T: Serialize>(what: &str, frame: &T) -> Result<Vec<u8>, Error> {
+    rmp_serde::to_vec_named(frame)
+        .map_err(|e| Error::msg(ErrorKind::InvalidInput, format!("encode {what}: {e}")))
+}
+
+/// Decodes a frame `peer` sent; `what` names it in the error.
+pub(crate) fn decode<T: DeserializeOwned>(
+    what: &str,
+    peer: &str,
+    bytes: &[u8],
+) -> Result<T, Error> {
+    rmp_serde::from_slice(bytes).map_err(|e| {
+        Error::msg(
+            ErrorKind::Refused,
+            format!("{peer} sent {what} that does not decode: {e}"),
+        )
+    })
+}
+
+/// The notification frame of `from` carrying `payload`.
+pub(crate) fn notify_frame(from: &str, payload: &[u8]) -> Result<Vec<u8>, Error> {
+    encode(
+        "a notification",
+        &NotifyFrame {
+            from: from.to_owned(),
+            payload: payload.to_vec(),
+        },
+    )
+}
+
+/// A received notification: a [`NotifyFrame`] names its sender; any other
+/// payload (a peer that is not a kvlane agent) is delivered as it is, from
+/// `sender` — nothing is dropped.
+pub(crate) fn notification(payload: Vec<u8>, sender: impl FnOnce() -> String) -> Notification {
+    match rmp_serde::from_slice::<NotifyFrame>(&payload) {
+        Ok(f) => Notification {
+            from: f.from,
+            payload: Bytes::from(f.payload),
+        },
+        Err(_) => Notification {
+            from: sender(),
+            payload: Bytes::from(payload),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notification_frames_round_trip_and_foreign_payloads_are_kept() {
+        let frame = notify_frame("prefill-0", b"req-17").unwrap();
+        let n = notification(frame, || unreachable!("the frame names its sender"));
+        assert_eq!(
+            (n.from.as_str(), &n.payload[..]),
+            ("prefill-0", &b"req-17"[..])
+        );
+        let n = notification(b"raw".to_vec(), || "peer at 10.0.0.2:5555".into());
+        assert_eq!(
+            (n.from.as_str(), &n.payload[..]),
+            ("peer at 10.0.0.2:5555", &b"raw"[..])
+        );
+    }
+
+    #[test]
+    fn a_frame_that_does_not_decode_is_refused_naming_the_peer() {
+        let e = decode::<DpFrame>("an endpoint offer", "10.0.0.2:5555", b"\xc1").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Refused);
+        assert!(e.to_string().contains("10.0.0.2:5555"), "{e}");
+        assert!(e.to_string().contains("an endpoint offer"), "{e}");
+    }
+}

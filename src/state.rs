@@ -1,0 +1,117 @@
+//! The agent's shared state. `agent` (the builder and the event task),
+//! `attach` (each connection's data plane) and `peer` (transfers) all work
+//! on it, so it lives here rather than in one of them.
+
+use crate::error::{Error, ErrorKind};
+use crate::events::{Notification, PeerEvent, PeerEventKind};
+use crate::frames::{DpFrame, KvAdvert};
+use kvlane_control::{ConnectionId, ControlNode};
+use kvlane_data::{KvLayout, PeerId, Region, Transport};
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tracing::debug;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A KV cache this agent registered.
+pub(crate) struct LocalKv {
+    pub(crate) layout: KvLayout,
+    pub(crate) region: Region,
+}
+
+/// Where a connection's data plane stands. `connect` waits on it; the
+/// Ready path (the one place an attach starts) moves it on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Attach {
+    /// No handshake has finished.
+    Idle,
+    /// The handshake with `incarnation` finished; the data plane is being
+    /// connected.
+    Pending {
+        /// The incarnation being attached.
+        incarnation: u64,
+    },
+    /// Attaching to `incarnation` ended with `result`.
+    Done {
+        /// The incarnation attached.
+        incarnation: u64,
+        /// Its outcome (an [`Error`] is not `Clone`: kind and message).
+        result: Result<(), (ErrorKind, String)>,
+    },
+}
+
+/// What the agent knows of one connection.
+pub(crate) struct PeerEntry {
+    pub(crate) engine_id: String,
+    pub(crate) incarnation: u64,
+    /// Data-plane peer of the current incarnation; `None` while dead,
+    /// attaching, or when the peer's data plane cannot be reached from here.
+    pub(crate) data_peer: Option<PeerId>,
+    pub(crate) kv: Vec<KvAdvert>,
+    /// Bumped whenever the data-plane peer is dropped (dead, restarted,
+    /// closed); attachments begun in an older generation are discarded.
+    pub(crate) generation: u64,
+    pub(crate) attach: watch::Sender<Attach>,
+}
+
+impl PeerEntry {
+    pub(crate) fn new() -> Self {
+        Self {
+            engine_id: String::new(),
+            incarnation: 0,
+            data_peer: None,
+            kv: Vec::new(),
+            generation: 0,
+            attach: watch::Sender::new(Attach::Idle),
+        }
+    }
+
+    /// Why there is no data-plane peer, when attaching it failed.
+    pub(crate) fn attach_error(&self) -> Option<Error> {
+        match &*self.attach.borrow() {
+            Attach::Done {
+                incarnation,
+                result: Err((kind, msg)),
+            } if *incarnation == self.incarnation => Some(Error::msg(*kind, msg.clone())),
+            _ => None,
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) engine_id: String,
+    pub(crate) incarnation: u64,
+    pub(crate) control: ControlNode,
+    pub(crate) transport: Transport,
+    pub(crate) kv: Vec<LocalKv>,
+    pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
+    pub(crate) events: broadcast::Sender<PeerEvent>,
+    pub(crate) notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
+    pub(crate) note_tx: mpsc::UnboundedSender<Notification>,
+    pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The runtime the agent was built on (posts from plain threads use it).
+    pub(crate) runtime: tokio::runtime::Handle,
+    /// The backend needs an endpoint per peer (verbs): exchanged over the
+    /// control connection after the handshake.
+    pub(crate) per_peer: bool,
+    /// Endpoint offers waiting for their answer.
+    pub(crate) offers: Mutex<HashMap<ConnectionId, oneshot::Sender<DpFrame>>>,
+    /// Bound of one endpoint exchange.
+    pub(crate) exchange_timeout: Duration,
+    /// Bound of `connect` waiting for the data plane after the handshake
+    /// (every attach step is bounded on its own; this one is the net
+    /// under them).
+    pub(crate) attach_timeout: Duration,
+}
+
+impl Inner {
+    pub(crate) fn emit(&self, peer: ConnectionId, addr: String, kind: PeerEventKind) {
+        debug!(%peer, %addr, ?kind, "peer event");
+        let _ = self.events.send(PeerEvent { peer, addr, kind });
+    }
+}
