@@ -265,11 +265,13 @@ fn mode() -> Result<Mode, BoxError> {
     if args.is_empty() {
         return Ok(Mode::OneProcess);
     }
-    match (value("--role").as_deref(), value("--listen"), value("--connect")) {
+    match (
+        value("--role").as_deref(),
+        value("--listen"),
+        value("--connect"),
+    ) {
         (Some("decode"), Some(listen), None) if args.len() == 4 => Ok(Mode::Decode { listen }),
-        (Some("prefill"), None, Some(connect)) if args.len() == 4 => {
-            Ok(Mode::Prefill { connect })
-        }
+        (Some("prefill"), None, Some(connect)) if args.len() == 4 => Ok(Mode::Prefill { connect }),
         _ => Err(usage.into()),
     }
 }

@@ -15,8 +15,8 @@
 mod report;
 
 use crate::liveness::LivenessArgs;
-use crate::units;
 use crate::serve::ServeBackend;
+use crate::units;
 use clap::Args;
 use kvlane::control::keepalive::Backoff;
 use kvlane::control::ConnectionId;
@@ -277,8 +277,13 @@ impl Ctx {
     /// Whether `peer` has a data plane now; keeps a transfer prepared
     /// against its current incarnation for the restart check.
     fn refresh_canary(&self, t: &Target, peer: &Peer) -> bool {
-        let Ok(prepared) = peer.prepare(Op::Read, 0..1, &[t.canary_local], &[t.remote.len() as u32], None)
-        else {
+        let Ok(prepared) = peer.prepare(
+            Op::Read,
+            0..1,
+            &[t.canary_local],
+            &[t.remote.len() as u32],
+            None,
+        ) else {
             return false;
         };
         let mut slot = lock(&t.canary);
@@ -375,9 +380,8 @@ impl Ctx {
     async fn round(&self, t: &Target, peer: &Peer, round: u64) -> bool {
         let len = self.layout.block_bytes as usize;
         let parts = self.layout.parts.count();
-        let seed = |i: usize, part: u64| {
-            (t.index as u64) << 48 ^ round << 16 ^ (i as u64) << 1 ^ part
-        };
+        let seed =
+            |i: usize, part: u64| (t.index as u64) << 48 ^ round << 16 ^ (i as u64) << 1 ^ part;
         for (i, &b) in t.src.iter().enumerate() {
             for part in 0..parts {
                 let _ = self

@@ -193,7 +193,9 @@ fn text_line(t: f64, line: &Line) -> String {
         match v {
             serde_json::Value::Null => {}
             serde_json::Value::String(x) => s.push_str(&format!(" {k}={x}")),
-            serde_json::Value::Array(items) if k == "peers" && items.iter().all(|i| i.is_object()) => {
+            serde_json::Value::Array(items)
+                if k == "peers" && items.iter().all(|i| i.is_object()) =>
+            {
                 for item in items {
                     s.push_str(&format!("\n           peer {item}"));
                 }
@@ -210,7 +212,8 @@ pub(crate) struct Latencies(Vec<u32>);
 
 impl Latencies {
     pub(crate) fn push(&mut self, d: Duration) {
-        self.0.push(u32::try_from(d.as_micros()).unwrap_or(u32::MAX));
+        self.0
+            .push(u32::try_from(d.as_micros()).unwrap_or(u32::MAX));
     }
 
     pub(crate) fn take(&mut self) -> Self {

@@ -172,7 +172,10 @@ fn prepare_machine() {
             };
             apt(&["update"]);
             apt(&["install", package]);
-            assert!(have(tool), "{package} is installed but `{tool}` is not on PATH");
+            assert!(
+                have(tool),
+                "{package} is installed but `{tool}` is not on PATH"
+            );
         }
         remove_stale();
     });
@@ -390,7 +393,9 @@ impl Net {
 
 /// Sum of the `counter packets N` of table `table` in namespace `ns`.
 fn counted(ns: &str, table: &str) -> u64 {
-    let text = sh(&["ip", "netns", "exec", ns, "nft", "list", "table", "inet", table]);
+    let text = sh(&[
+        "ip", "netns", "exec", ns, "nft", "list", "table", "inet", table,
+    ]);
     let words: Vec<&str> = text.split_whitespace().collect();
     words
         .windows(2)
@@ -671,10 +676,7 @@ async fn accept_loop(
             let _ = outbound.set_nodelay(true);
             let (ri, wi) = inbound.into_split();
             let (ro, wo) = outbound.into_split();
-            tokio::join!(
-                pump(ri, wo, delay, fwd.clone()),
-                pump(ro, wi, delay, fwd)
-            );
+            tokio::join!(pump(ri, wo, delay, fwd.clone()), pump(ro, wi, delay, fwd));
         });
     }
 }
