@@ -81,6 +81,23 @@ fn cache(layout: &KvLayout, seed: u8) -> Result<Region, Error> {
     Ok(region)
 }
 
+/// An engine's agent on the tcp backend with `kv` registered.
+async fn engine(
+    id: &str,
+    layout: KvLayout,
+    kv: &Region,
+    listen: Option<&str>,
+) -> Result<Agent, Error> {
+    let mut b = Agent::builder()
+        .engine_id(id)
+        .backend(BackendChoice::Tcp)
+        .register_kv(layout, kv.clone());
+    if let Some(addr) = listen {
+        b = b.listen(addr);
+    }
+    b.build().await
+}
+
 /// Prefill's finished request: 64 sequential blocks into two runs on decode.
 fn write_blocks() -> (Vec<u32>, Vec<u32>) {
     ((10..74).collect(), (100..132).chain(200..232).collect())
@@ -122,18 +139,8 @@ async fn one_process() -> Result<(), BoxError> {
 
     let prefill_kv = cache(&layout, PREFILL_SEED)?;
     let decode_kv = cache(&layout, DECODE_SEED)?;
-    let prefill = Agent::builder()
-        .engine_id("prefill-0")
-        .backend(BackendChoice::Tcp)
-        .register_kv(layout, prefill_kv.clone())
-        .build()
-        .await?;
-    let decode = Agent::builder()
-        .engine_id("decode-0")
-        .backend(BackendChoice::Tcp)
-        .register_kv(layout, decode_kv.clone())
-        .build()
-        .await?;
+    let prefill = engine("prefill-0", layout, &prefill_kv, None).await?;
+    let decode = engine("decode-0", layout, &decode_kv, None).await?;
     let mut decode_notes = decode.notifications().expect("first call");
 
     // The prefill engine pushes a finished request's blocks to decode.
@@ -187,13 +194,7 @@ async fn next_note(
 async fn decode_role(listen: &str) -> Result<(), BoxError> {
     let layout = layout()?;
     let decode_kv = cache(&layout, DECODE_SEED)?;
-    let decode = Agent::builder()
-        .engine_id("decode-0")
-        .listen(listen)
-        .backend(BackendChoice::Tcp)
-        .register_kv(layout, decode_kv.clone())
-        .build()
-        .await?;
+    let decode = engine("decode-0", layout, &decode_kv, Some(listen)).await?;
     let mut notes = decode.notifications().expect("first call");
     println!("listening {}", decode.local_addr());
     let note = next_note(&mut notes).await?;
@@ -224,12 +225,7 @@ async fn decode_role(listen: &str) -> Result<(), BoxError> {
 async fn prefill_role(addr: &str) -> Result<(), BoxError> {
     let layout = layout()?;
     let prefill_kv = cache(&layout, PREFILL_SEED)?;
-    let prefill = Agent::builder()
-        .engine_id("prefill-0")
-        .backend(BackendChoice::Tcp)
-        .register_kv(layout, prefill_kv.clone())
-        .build()
-        .await?;
+    let prefill = engine("prefill-0", layout, &prefill_kv, None).await?;
     let peer = tokio::time::timeout(PATIENCE, prefill.connect(addr))
         .await
         .map_err(|_| format!("connect to {addr}: no answer within {PATIENCE:?}"))??;

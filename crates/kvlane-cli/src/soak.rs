@@ -13,6 +13,7 @@
 //! against the old incarnation is posted and must fail with `Stale`.
 
 mod report;
+mod round;
 
 use crate::liveness::LivenessArgs;
 use crate::serve::ServeBackend;
@@ -22,9 +23,9 @@ use kvlane::control::keepalive::Backoff;
 use kvlane::control::ConnectionId;
 use kvlane::data::tcp::{TcpBackend, TcpConfig};
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};
-use kvlane::{Agent, BackendChoice, Error, ErrorKind, Peer, PeerEvent, PeerEventKind};
+use kvlane::{Agent, BackendChoice, ErrorKind, Peer, PeerEvent, PeerEventKind};
 use kvlane::{PreparedTransfer, DEFAULT_TRANSFER_DEADLINE};
-use report::{ms, Latencies, Line, Liveness, Out, PeerSummary};
+use report::{ms, secs, Latencies, Line, Liveness, Out, PeerSummary};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -70,13 +71,9 @@ pub(crate) struct SoakArgs {
     json: bool,
 }
 
-/// Streams per peer of the tcp backend (its default), for the connect bound.
-const TCP_STREAMS: u32 = 4;
 /// Backoff between failed rounds and connect attempts.
 const RETRY_MIN: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(1);
-/// Contents of local blocks before a READ lands in them.
-const POISON: u8 = 0xee;
 
 /// What the event stream last said about a target's current connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,31 +158,9 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Pattern byte `i` of a block, different for every round, block and part.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 /// Payload GB/s (10^9 bytes/s), four decimals.
 fn gbps(bytes: u64, secs: f64) -> f64 {
     (bytes as f64 / secs.max(1e-9) / 1e5).round() / 1e4
-}
-
-fn op_name(op: Op) -> &'static str {
-    match op {
-        Op::Read => "read",
-        Op::Write => "write",
-    }
 }
 
 impl Ctx {
@@ -299,132 +274,6 @@ impl Ctx {
             });
         }
         true
-    }
-
-    fn failed(&self, t: &Target, op: Op, e: &Error, in_flight: Duration) {
-        let (kind, error) = (e.kind().to_string(), chain(e));
-        self.failed_as(t, op, kind, error, in_flight);
-    }
-
-    fn failed_as(&self, t: &Target, op: Op, kind: String, error: String, in_flight: Duration) {
-        {
-            let mut c = lock(&t.counters);
-            c.failed += 1;
-            *c.failures.entry(kind.clone()).or_default() += 1;
-            c.last_error = Some(error.clone());
-        }
-        self.out.emit(&Line::TransferFailed {
-            peer: t.addr.clone(),
-            op: op_name(op),
-            kind,
-            error,
-            elapsed_ms: ms(in_flight),
-        });
-    }
-
-    /// Posts one single-block transfer per pair, then waits for all.
-    async fn transfers(&self, t: &Target, peer: &Peer, op: Op, local: &[u32]) -> bool {
-        let bytes = self.layout.block_bytes * self.layout.parts.count();
-        let mut posted = Vec::with_capacity(local.len());
-        let mut all_ok = true;
-        for (&l, &r) in local.iter().zip(&t.remote) {
-            let t0 = Instant::now();
-            match peer
-                .prepare(op, 0..1, &[l], &[r], None)
-                .and_then(|p| peer.post(p))
-            {
-                Ok(h) => posted.push((t0, h)),
-                Err(e) => {
-                    self.failed(t, op, &e, Duration::ZERO);
-                    all_ok = false;
-                }
-            }
-        }
-        for (t0, h) in posted {
-            match tokio::time::timeout_at((t0 + self.transfer_bound).into(), h).await {
-                Ok(Ok(())) => {
-                    let lat = t0.elapsed();
-                    let mut c = lock(&t.counters);
-                    c.ok += 1;
-                    c.interval_ok += 1;
-                    c.bytes += bytes;
-                    c.interval_bytes += bytes;
-                    c.lat.push(lat);
-                    c.interval_lat.push(lat);
-                }
-                Ok(Err(e)) => {
-                    self.failed(t, op, &e, t0.elapsed());
-                    all_ok = false;
-                }
-                Err(_) => {
-                    let msg = format!(
-                        "{} transfer to {} did not end within {:?} although its deadline is {:?}",
-                        op_name(op),
-                        t.addr,
-                        self.transfer_bound,
-                        DEFAULT_TRANSFER_DEADLINE
-                    );
-                    self.failed_as(t, op, ErrorKind::Timeout.to_string(), msg, t0.elapsed());
-                    all_ok = false;
-                }
-            }
-        }
-        all_ok
-    }
-
-    fn offset(&self, part: u64, block: u32) -> u64 {
-        self.layout.offset(0, part, block).unwrap_or(0)
-    }
-
-    /// One round: WRITE a fresh pattern, READ it back, compare.
-    async fn round(&self, t: &Target, peer: &Peer, round: u64) -> bool {
-        let len = self.layout.block_bytes as usize;
-        let parts = self.layout.parts.count();
-        let seed =
-            |i: usize, part: u64| (t.index as u64) << 48 ^ round << 16 ^ (i as u64) << 1 ^ part;
-        for (i, &b) in t.src.iter().enumerate() {
-            for part in 0..parts {
-                let _ = self
-                    .region
-                    .write(self.offset(part, b), &pattern(seed(i, part), len));
-            }
-        }
-        for &b in &t.dst {
-            for part in 0..parts {
-                let _ = self.region.fill(self.offset(part, b), len as u64, POISON);
-            }
-        }
-        if !self.transfers(t, peer, Op::Write, &t.src).await
-            || !self.transfers(t, peer, Op::Read, &t.dst).await
-        {
-            return false;
-        }
-        let mut ok = true;
-        let (mut a, mut b) = (vec![0u8; len], vec![0u8; len]);
-        for (i, (&s, &d)) in t.src.iter().zip(&t.dst).enumerate() {
-            for part in 0..parts {
-                let read = self
-                    .region
-                    .read(self.offset(part, s), &mut a)
-                    .and_then(|()| self.region.read(self.offset(part, d), &mut b));
-                let first = match read {
-                    Ok(()) => a.iter().zip(&b).position(|(x, y)| x != y),
-                    Err(_) => Some(0),
-                };
-                if let Some(first_offset) = first {
-                    ok = false;
-                    lock(&t.counters).mismatches += 1;
-                    self.out.emit(&Line::Mismatch {
-                        peer: t.addr.clone(),
-                        round,
-                        remote_block: t.remote[i],
-                        part,
-                        first_offset,
-                    });
-                }
-            }
-        }
-        ok
     }
 
     /// Soaks one target until the run ends.
@@ -588,7 +437,7 @@ impl Ctx {
                     peer: t.addr.clone(),
                     ok: c.ok,
                     failed: c.failed,
-                    interval_s: ms(interval) / 1e3,
+                    interval_s: secs(interval),
                     interval_ok: c.interval_ok,
                     p50_us: lat.percentile(50.0),
                     p99_us: lat.percentile(99.0),
@@ -603,7 +452,7 @@ impl Ctx {
     }
 
     fn summary(&self, liveness: Liveness) -> (bool, Line) {
-        let secs = self.start.elapsed().as_secs_f64();
+        let elapsed = self.start.elapsed();
         let peers: Vec<PeerSummary> = self
             .targets
             .iter()
@@ -621,7 +470,7 @@ impl Ctx {
                     stale_violations: c.stale_violations,
                     p50_us: c.lat.percentile(50.0),
                     p99_us: c.lat.percentile(99.0),
-                    gbps: gbps(c.bytes, secs),
+                    gbps: gbps(c.bytes, elapsed.as_secs_f64()),
                     last_error: c.last_error.clone(),
                 }
             })
@@ -631,7 +480,7 @@ impl Ctx {
             .all(|p| p.came_up && p.mismatches == 0 && p.stale_violations == 0);
         let line = Line::Summary {
             healthy,
-            duration_s: (secs * 1e3).round() / 1e3,
+            duration_s: secs(elapsed),
             liveness,
             peers,
         };
@@ -687,8 +536,9 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         handshake_timeout_ms: ms(control.handshake_timeout),
         connect_timeout_ms: (args.backend == ServeBackend::Tcp).then(|| ms(args.connect_timeout)),
     };
+    // A tcp attach dials every stream, each bounded by the connect timeout.
     let dial = if args.backend == ServeBackend::Tcp {
-        args.connect_timeout * TCP_STREAMS
+        args.connect_timeout * TcpConfig::default().streams as u32
     } else {
         Duration::from_secs(10)
     };

@@ -144,6 +144,21 @@ impl Soak {
         (status, summary)
     }
 
+    /// Keep-alive never declared a peer dead.
+    fn assert_never_dead(&self, under: &str) {
+        let dead: Vec<String> = self
+            .lines()
+            .iter()
+            .filter(|v| event(v) == "peer" && v["state"] == "dead")
+            .map(Value::to_string)
+            .collect();
+        assert!(
+            dead.is_empty(),
+            "keep-alive declared the peer dead {under}:\n{}",
+            dead.join("\n")
+        );
+    }
+
     /// Everything it printed, for failure messages.
     fn dump(&self) -> String {
         format!(
@@ -407,15 +422,7 @@ fn two_percent_loss_keeps_transfers_correct_and_the_peer_alive() {
     let dropped = net.dropped(0);
     print_numbers("2% loss", &summary, &target);
     println!("2% loss: {dropped} packets dropped by the loss rules");
-    let dead: Vec<Value> = soak
-        .lines()
-        .into_iter()
-        .filter(|v| event(v) == "peer" && v["state"] == "dead")
-        .collect();
-    assert!(
-        dead.is_empty(),
-        "keep-alive declared the peer dead under 2% loss: {dead:?}"
-    );
+    soak.assert_never_dead("under 2% loss");
     assert!(status.success(), "{status}\n{}", soak.dump());
     assert_clean(&summary, &target, true);
     assert!(
@@ -428,7 +435,7 @@ fn two_percent_loss_keeps_transfers_correct_and_the_peer_alive() {
 fn fifty_ms_each_way_keeps_transfers_correct_and_the_peer_alive() {
     let net = Net::new(3);
     let (server, client, router) = (0, 1, 2);
-    let data = format!("{}", net.addr(server, DATA_PORT));
+    let data = net.addr(server, DATA_PORT);
     let _serve = serve(
         &net,
         server,
@@ -451,15 +458,7 @@ fn fifty_ms_each_way_keeps_transfers_correct_and_the_peer_alive() {
         proxy.accepted(),
         proxy.forwarded()
     );
-    let dead: Vec<Value> = soak
-        .lines()
-        .into_iter()
-        .filter(|v| event(v) == "peer" && v["state"] == "dead")
-        .collect();
-    assert!(
-        dead.is_empty(),
-        "keep-alive declared the peer dead with 50 ms delay: {dead:?}"
-    );
+    soak.assert_never_dead("with 50 ms delay each way");
     assert!(status.success(), "{status}\n{}", soak.dump());
     assert_clean(&summary, &target, true);
     // Control and data plane went through the proxy: at least every

@@ -132,9 +132,14 @@ pub(crate) struct PeerSummary {
     pub(crate) last_error: Option<String>,
 }
 
-/// Milliseconds of a duration, as printed.
+/// Milliseconds of a duration, as printed (to the microsecond).
 pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Seconds of a duration, as printed (to the millisecond).
+pub(crate) fn secs(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e3).round() / 1e3
 }
 
 /// Serializes lines to stdout, one writer at a time.
@@ -165,7 +170,7 @@ impl Out {
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        let t = (self.start.elapsed().as_secs_f64() * 1e3).round() / 1e3;
+        let t = secs(self.start.elapsed());
         let stamped = Stamped { t, unix_ms, line };
         let text = if self.json {
             serde_json::to_string(&stamped).unwrap_or_default()
