@@ -49,8 +49,9 @@ enum Command {
     /// `Stale`. Periodic `stats` lines give transfers done and p50/p99
     /// latency; the `summary` gives totals and the liveness budget in effect.
     ///
-    /// Exit code 1 when a byte differed, a target never came up, or a stale
-    /// transfer was accepted; transfer failures alone do not fail the run.
+    /// Exit code 1 when a byte differed, a target never came up or cannot be
+    /// soaked (block size), or a stale transfer was accepted; transfer
+    /// failures alone do not fail the run.
     Soak(soak::SoakArgs),
 }
 

@@ -100,6 +100,8 @@ struct Counters {
     interval_bytes: u64,
     interval_lat: Latencies,
     came_up: bool,
+    /// Given up on: its cache cannot be soaked with ours.
+    unusable: bool,
     last_error: Option<String>,
 }
 
@@ -301,7 +303,11 @@ impl Ctx {
                     match self.connect(&t, attempt).await {
                         Some(p) => {
                             if let Err(error) = self.check_remote(&p) {
-                                lock(&t.counters).last_error = Some(error.clone());
+                                {
+                                    let mut c = lock(&t.counters);
+                                    c.unusable = true;
+                                    c.last_error = Some(error.clone());
+                                }
                                 self.out.emit(&Line::Unusable {
                                     peer: t.addr.clone(),
                                     error,
@@ -461,6 +467,7 @@ impl Ctx {
                 PeerSummary {
                     peer: t.addr.clone(),
                     came_up: c.came_up,
+                    unusable: c.unusable,
                     ok: c.ok,
                     failed: c.failed,
                     failures: c.failures.clone(),
@@ -477,7 +484,7 @@ impl Ctx {
             .collect();
         let healthy = peers
             .iter()
-            .all(|p| p.came_up && p.mismatches == 0 && p.stale_violations == 0);
+            .all(|p| p.came_up && !p.unusable && p.mismatches == 0 && p.stale_violations == 0);
         let line = Line::Summary {
             healthy,
             duration_s: secs(elapsed),

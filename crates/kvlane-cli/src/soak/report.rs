@@ -118,6 +118,7 @@ pub(crate) struct Liveness {
 pub(crate) struct PeerSummary {
     pub(crate) peer: String,
     pub(crate) came_up: bool,
+    pub(crate) unusable: bool,
     pub(crate) ok: u64,
     pub(crate) failed: u64,
     pub(crate) failures: BTreeMap<String, u64>,
