@@ -10,5 +10,8 @@ if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check pyzmq msgpack
 fi
 
+# The multi-host tests (crates/kvlane-cli/tests/multihost.rs) build network
+# namespaces: they need root, install iproute2 and nftables if missing, and
+# fail (not skip) without root. --all-targets also builds the example they run.
 cargo test --workspace --all-targets --locked --no-fail-fast
 cargo test --workspace --doc --locked

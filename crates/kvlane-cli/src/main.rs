@@ -5,8 +5,10 @@ mod bench;
 mod bench_cli;
 mod bench_remote;
 mod devices;
+mod liveness;
 mod ping;
 mod serve;
+mod soak;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +36,23 @@ enum Command {
     Ping(ping::PingArgs),
     /// List RDMA devices, or say why there are none.
     Devices,
+    /// Keep verified transfers running against agents and report every
+    /// failure, peer event, restart check and latency.
+    ///
+    /// Per target, in a loop: WRITE a fresh pattern into a few of its blocks,
+    /// READ them back into other local blocks and compare every byte. A
+    /// failed transfer is printed with its error kind (`PeerLost`, `Timeout`,
+    /// `Stale`, ...) and the run goes on: a dead peer comes back through the
+    /// control plane's reconnect, a connection that is gone or never came up
+    /// is dialed again with a bounded backoff. After a restart, a transfer
+    /// prepared against the old incarnation is posted and must fail with
+    /// `Stale`. Periodic `stats` lines give transfers done and p50/p99
+    /// latency; the `summary` gives totals and the liveness budget in effect.
+    ///
+    /// Exit code 1 when a byte differed, a target never came up or cannot be
+    /// soaked (block size), or a stale transfer was accepted; transfer
+    /// failures alone do not fail the run.
+    Soak(soak::SoakArgs),
 }
 
 fn report(e: &dyn std::error::Error) -> ExitCode {
@@ -74,6 +93,11 @@ fn main() -> ExitCode {
         Command::Ping(args) => runtime()
             .block_on(ping::run(args))
             .map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
+        Command::Soak(args) => match runtime().block_on(soak::run(args)) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => report(&*e),
+        },
         Command::Devices => {
             if devices::run() {
                 ExitCode::SUCCESS

@@ -1,6 +1,7 @@
 //! `kvlane serve`: an agent that registers a KV cache and serves peers
 //! until interrupted.
 
+use crate::liveness::LivenessArgs;
 use crate::units;
 use clap::Args;
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
@@ -43,6 +44,8 @@ pub(crate) struct ServeArgs {
     /// Pre-shared key peers must prove.
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     pub(crate) psk: Option<String>,
+    #[command(flatten)]
+    pub(crate) liveness: LivenessArgs,
 }
 
 /// Backends `serve` can run.
@@ -88,10 +91,15 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
     let len = layout.required_len().unwrap_or(u64::MAX);
     let data: Vec<u8> = (0..len).map(|i| pattern_byte(args.seed, i)).collect();
     let region = Region::from_vec(data, Access::ALL)?;
+    let control = args
+        .liveness
+        .config()
+        .map_err(kvlane::control::ControlError::from)?;
     let mut b = Agent::builder()
         .engine_id(&args.engine_id)
         .listen(&args.listen)
         .backend(args.backend.into())
+        .control_config(control)
         .register_kv(layout, region);
     if let Some(d) = &args.data_listen {
         b = b.data_listen(d);
