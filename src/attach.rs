@@ -80,14 +80,16 @@ impl Inner {
         role: Role,
         info: RemoteInfo,
     ) {
-        let dp: DataPlaneInfo =
-            match frames::decode("a data-plane description", &addr, &info.data_plane) {
-                Ok(dp) => dp,
-                Err(e) => {
-                    self.attach_failed(id, &addr, &info.engine_id, info.incarnation, role, e);
-                    return;
-                }
-            };
+        let dp =
+            frames::decode::<DataPlaneInfo>("a data-plane description", &addr, &info.data_plane)
+                .and_then(|dp| dp.check(&addr).map(|()| dp));
+        let dp: DataPlaneInfo = match dp {
+            Ok(dp) => dp,
+            Err(e) => {
+                self.attach_failed(id, &addr, &info.engine_id, info.incarnation, role, e);
+                return;
+            }
+        };
         let target = {
             let mut peers = lock(&self.peers);
             let entry = peers.entry(id).or_insert_with(PeerEntry::new);

@@ -32,6 +32,33 @@ pub(crate) struct DataPlaneInfo {
     pub(crate) kv: Vec<KvAdvert>,
 }
 
+impl DataPlaneInfo {
+    /// Checks what `peer` advertised before any of it is used: every KV
+    /// layout is well formed (a peer's layout did not go through
+    /// [`KvLayout::new`]) and fits the region advertised with it.
+    pub(crate) fn check(&self, peer: &str) -> Result<(), Error> {
+        for (i, kv) in self.kv.iter().enumerate() {
+            kv.layout.validate().map_err(|e| {
+                Error::msg(
+                    ErrorKind::Refused,
+                    format!("{peer} advertised KV cache {i} with an invalid layout: {e}"),
+                )
+            })?;
+            let need = kv.layout.required_len().unwrap_or(u64::MAX);
+            if need > kv.region.len {
+                return Err(Error::msg(
+                    ErrorKind::Refused,
+                    format!(
+                        "{peer} advertised KV cache {i} as {} bytes, but its layout needs {need}",
+                        kv.region.len
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Offer or answer of a per-peer endpoint exchange.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct DpFrame {
@@ -116,6 +143,60 @@ mod tests {
             (n.from.as_str(), &n.payload[..]),
             ("peer at 10.0.0.2:5555", &b"raw"[..])
         );
+    }
+
+    fn advert(layout: KvLayout, len: u64) -> DataPlaneInfo {
+        DataPlaneInfo {
+            endpoint: None,
+            kv: vec![KvAdvert {
+                region: RemoteRegion {
+                    key: kvlane_data::RemoteKey(1),
+                    addr: 0x1000,
+                    len,
+                    access: kvlane_data::Access::ALL,
+                },
+                layout,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_peers_layout_is_checked_before_use() {
+        let good = KvLayout::new(
+            2,
+            4,
+            4096,
+            kvlane_data::KvParts::Fused,
+            kvlane_data::LayoutOrder::LayerMajor,
+        )
+        .unwrap();
+        let need = good.required_len().unwrap();
+        advert(good, need).check("p:1").unwrap();
+        let short = advert(good, need - 1).check("p:1").unwrap_err();
+        assert_eq!(short.kind(), ErrorKind::Refused);
+        assert!(
+            short.to_string().contains("p:1") && short.to_string().contains(&need.to_string()),
+            "{short}"
+        );
+        // Layouts a hostile peer can send: no layers, overlapping blocks,
+        // strides that overflow.
+        let zero = KvLayout {
+            num_layers: 0,
+            ..good
+        };
+        let overlap = KvLayout {
+            block_stride: 1,
+            ..good
+        };
+        let huge = KvLayout {
+            layer_stride: u64::MAX,
+            ..good
+        };
+        for bad in [zero, overlap, huge] {
+            let e = advert(bad, u64::MAX).check("p:1").unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Refused, "{bad:?}");
+            assert!(e.to_string().contains("invalid layout"), "{e}");
+        }
     }
 
     #[test]

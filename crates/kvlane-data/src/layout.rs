@@ -213,14 +213,31 @@ impl KvLayout {
         Ok(layout)
     }
 
-    /// Bytes the region must hold for this layout (base included).
+    /// Bytes the region must hold for this layout (base included); `None`
+    /// on overflow or for an empty layout.
     pub fn required_len(&self) -> Option<u64> {
         let last = self.offset(
-            self.num_layers - 1,
+            self.num_layers.checked_sub(1)?,
             self.parts.count() - 1,
-            self.num_blocks - 1,
+            self.num_blocks.checked_sub(1)?,
         )?;
         last.checked_add(self.block_bytes)
+    }
+
+    /// Checks what [`with_strides`](Self::with_strides) checks, for a
+    /// layout that did not come from it (one a peer sent).
+    pub fn validate(&self) -> Result<(), LayoutError> {
+        Self::with_strides(
+            self.num_layers,
+            self.num_blocks,
+            self.block_bytes,
+            self.parts,
+            self.base,
+            self.layer_stride,
+            self.kv_stride,
+            self.block_stride,
+        )
+        .map(|_| ())
     }
 
     /// Offset of `(layer, part, block)`; `None` on overflow.
