@@ -265,6 +265,39 @@ mod raw {
         );
         assert_eq!(t.backend.counters().framing_errors, 2);
     }
+
+    /// A length field of `u64::MAX` behind a request whose answer is still
+    /// buffered: the server's flush accounting must not overflow (it used
+    /// to add the raw field before decoding it); the header is a framing
+    /// error like any other.
+    #[test]
+    fn a_maximal_length_field_is_a_framing_error_not_an_overflow() {
+        let t = target();
+        let write = Request {
+            kind: RequestKind::Write,
+            key: t.all.1.key,
+            tag: 7,
+            offset: 0,
+            len: 8,
+        };
+        let mut huge = Request {
+            kind: RequestKind::Write,
+            key: t.all.1.key,
+            tag: 8,
+            offset: 0,
+            len: 0,
+        }
+        .encode();
+        huge[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut bytes = write.encode().to_vec();
+        bytes.extend_from_slice(&[1; 8]);
+        bytes.extend_from_slice(&huge);
+        let mut s = authed(&t.ep);
+        s.write_all(&bytes).unwrap();
+        drain(s);
+        assert_eq!(t.backend.counters().framing_errors, 1);
+        assert_eq!(t.all.0.to_vec().unwrap()[..8], [1; 8]);
+    }
 }
 
 /// Stalled and broken targets, faked with plain sockets.

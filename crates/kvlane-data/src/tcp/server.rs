@@ -398,8 +398,9 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
             }
             Err(e) => return Err(e.into()),
         }
-        unflushed += req_len_hint(&h);
         let req = Request::decode(&h).map_err(End::Frame)?;
+        // After decoding: a peer's raw length field never reaches arithmetic.
+        unflushed = unflushed.saturating_add(req.len);
         let checked = {
             let regions = state.regions.read().unwrap_or_else(|e| e.into_inner());
             check_request(&regions, &req)
@@ -451,14 +452,6 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
             unflushed = 0;
         }
     }
-}
-
-/// The length field of an encoded request (for flush accounting only;
-/// the request itself is validated by `Request::decode`).
-fn req_len_hint(h: &[u8; REQUEST_LEN]) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&h[24..32]);
-    u64::from_le_bytes(b)
 }
 
 impl Response {
