@@ -49,7 +49,9 @@ pub use device::{
     GidKind, GidSelector, PortInfo, PortStatus, Selection, ENV_DEVICE, ENV_GID_INDEX,
 };
 pub use error::{Unsupported, VerbsError};
-pub use qp::{ConnectedQp, PreparedQp, QpBuilder, QpEndpoint, QpOptions, SendWr, WrOp};
+pub use qp::{
+    ConnectedQp, PreparedQp, QpBuilder, QpEndpoint, QpOptions, SendWr, WrOp, ENV_QP_TIMEOUT,
+};
 pub use resources::{
     CompletionQueue, Context, MemoryRegistration, MrAccess, ProtectionDomain, WorkCompletion,
 };

@@ -52,15 +52,36 @@ pub struct QpOptions {
     pub min_rnr_timer: u8,
 }
 
+/// Environment variable setting the default ACK timeout exponent
+/// ([`QpOptions::timeout`], 1..=31). Soft-RoCE under emulation (QEMU TCG)
+/// needs about 18 (1 s): at the default 14 (67 ms) rxe retransmits, and
+/// Debian 6.1's rxe then fails some WRITEs with "remote invalid request"
+/// (seen in `ci/verbs-2host.sh`, and with `ib_write_bw -q 2` alike).
+pub const ENV_QP_TIMEOUT: &str = "KVLANE_IB_TIMEOUT";
+
+/// The ACK timeout exponent [`ENV_QP_TIMEOUT`] asks for, if it is set and
+/// valid (a bad value is logged and ignored, like the other `KVLANE_IB_*`).
+fn env_timeout() -> Option<u8> {
+    let v = std::env::var(ENV_QP_TIMEOUT).ok()?;
+    match v.trim().parse::<u8>() {
+        Ok(t @ 1..=31) => Some(t),
+        _ => {
+            tracing::warn!(value = %v, "{ENV_QP_TIMEOUT} is not an ACK timeout exponent in 1..=31; using 14");
+            None
+        }
+    }
+}
+
 /// Depths are not tuned on hardware: 512 send requests keep a 100 Gb/s link
 /// busy with 64 KiB messages (≈2.7 ms of data in flight, far above a
 /// fabric RTT); 128 receives bound the notifications in flight per peer.
+/// The ACK timeout defaults to 14 (≈67 ms), or [`ENV_QP_TIMEOUT`].
 impl Default for QpOptions {
     fn default() -> Self {
         Self {
             max_send_wr: 512,
             max_recv_wr: 128,
-            timeout: 14,
+            timeout: env_timeout().unwrap_or(14),
             retry_cnt: 7,
             rnr_retry: 7,
             min_rnr_timer: 12,
