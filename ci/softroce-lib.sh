@@ -12,6 +12,7 @@
 #                               the QEMU command line of guest NAME in ${QEMU_CMD[@]}
 #   softroce_guest_rc NAME CONSOLE_LOG
 #                               the exit code guest NAME reported (or nothing)
+# Build scripts use softroce_need_pkgs (apt) and cargo_exe alone.
 # The run dir is removed, and every pid in SOFTROCE_PIDS is killed, on exit.
 # shellcheck shell=bash
 
@@ -43,6 +44,10 @@ softroce_need_pkgs() {
   DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 }
+
+# cargo_exe: the last executable a `cargo ... --message-format=json-render-diagnostics`
+# on stdin produced.
+cargo_exe() { grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | grep -v '^$' | tail -n1; }
 
 softroce_cleanup() {
   local p
