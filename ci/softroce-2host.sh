@@ -85,7 +85,7 @@ peer_of() { case $1 in a) echo b ;; b) echo a ;; esac; }
 
 # start_guest NAME CODE SERVER(on|off) MAC: boots guest NAME in the
 # background; its console goes to stdout prefixed "[NAME] " and to
-# $RUN/console-NAME.log; sets PID_NAME (the `timeout` wrapping QEMU).
+# $RUN/console-NAME.log; sets PID[NAME] (the `timeout` wrapping QEMU).
 start_guest() {
   local n=$1 code=$2 server=$3 mac=$4 p
   p=$(peer_of "$n")
@@ -95,17 +95,18 @@ start_guest() {
     -netdev "stream,id=n0,server=$server,addr.type=unix,addr.path=$SOCK" \
     -device "virtio-net-pci,netdev=n0,mac=$mac"
   timeout "$TIMEOUT" "${QEMU_CMD[@]}" </dev/null > >(tee "$RUN/console-$n.log" | sed -u "s/^/[$n] /") 2>&1 &
-  printf -v "PID_$n" %s $!
+  PID[$n]=$!
   SOFTROCE_PIDS+=($!)
 }
 
+declare -A PID=() QRC=() GRC=() TOOK=()
 log "booting two guests: ${ACCEL_ARGS[*]} -smp $SMP -m $MEM each, link $SUBNET.0/24 mtu $LINK_MTU over $SOCK"
 start=$(now)
 start_guest a "$CMD_A" on 52:54:00:e8:00:01
 # b's QEMU connects once: wait until a's QEMU listens on the link socket
 i=0
 until [ -n "$(ss -Hxl src "$SOCK" 2>/dev/null)" ]; do
-  kill -0 "$PID_a" 2>/dev/null || die "guest a's QEMU exited before it listened on $SOCK"
+  kill -0 "${PID[a]}" 2>/dev/null || die "guest a's QEMU exited before it listened on $SOCK"
   i=$((i + 1)); [ $i -gt 100 ] && die "guest a's QEMU does not listen on $SOCK after 10s"
   sleep 0.1
 done
@@ -113,10 +114,9 @@ start_guest b "$CMD_B" off 52:54:00:e8:00:02
 
 # Wait for both.  The first guest that ends with a failure gives the other
 # GRACE seconds before its VM is stopped.
-declare -A QRC=() GRC=() TOOK=()
 reap() { # NAME: collect a finished guest
-  local n=$1 pid_var="PID_$1"
-  wait "${!pid_var}" && QRC[$n]=0 || QRC[$n]=$?
+  local n=$1
+  wait "${PID[$n]}" && QRC[$n]=0 || QRC[$n]=$?
   TOOK[$n]=$(since "$start")
   GRC[$n]=$(softroce_guest_rc "$n" "$RUN/console-$n.log")
 }
@@ -124,8 +124,7 @@ running=(a b) deadline=
 while [ ${#running[@]} -gt 0 ]; do
   left=()
   for n in "${running[@]}"; do
-    pid_var="PID_$n"
-    if kill -0 "${!pid_var}" 2>/dev/null; then left+=("$n"); continue; fi
+    if kill -0 "${PID[$n]}" 2>/dev/null; then left+=("$n"); continue; fi
     reap "$n"
     if [ "${GRC[$n]:-}" != 0 ] && [ -z "$deadline" ]; then
       deadline=$(( SECONDS + GRACE ))
@@ -135,9 +134,8 @@ while [ ${#running[@]} -gt 0 ]; do
   running=("${left[@]}")
   if [ -n "$deadline" ] && [ $SECONDS -ge "$deadline" ]; then
     for n in "${running[@]}"; do
-      pid_var="PID_$n"
       log "stopping guest $n (its peer failed ${GRACE}s ago)"
-      kill "${!pid_var}" 2>/dev/null || true
+      kill "${PID[$n]}" 2>/dev/null || true
       reap "$n"; GRC[$n]=${GRC[$n]:-stopped}
     done
     running=()
@@ -151,12 +149,12 @@ status=0
 for n in a b; do
   log "guest $n: rc=${GRC[$n]:-none} (qemu rc=${QRC[$n]}, ${TOOK[$n]}s; console log: $WORK/console-last-$n.log)"
   if [ "${QRC[$n]}" = 124 ]; then
-    log "ERROR: guest $n timed out after ${TIMEOUT}s"; [ $status = 0 ] && status=125
+    log "ERROR: guest $n timed out after ${TIMEOUT}s"; [ "$status" = 0 ] && status=125
   elif ! [[ ${GRC[$n]:-} =~ ^[0-9]+$ ]]; then
-    log "ERROR: guest $n did not report an exit code"; [ $status = 0 ] && status=125
-  elif [ "${GRC[$n]}" != 0 ] && [ $status = 0 ]; then
+    log "ERROR: guest $n did not report an exit code"; [ "$status" = 0 ] && status=125
+  elif [ "${GRC[$n]}" != 0 ] && [ "$status" = 0 ]; then
     status=${GRC[$n]}
   fi
 done
 log "both guests done after $(since "$start")s, rc=$status"
-exit $status
+exit "$status"

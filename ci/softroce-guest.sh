@@ -17,7 +17,7 @@ softroce_say() { echo "[guest ${SOFTROCE_NAME:-vm} $(date +%T)] $*" >&2; }
 # builtins only: the table has 1024 entries and a fork each costs minutes
 # under TCG.
 softroce_gid_index() {
-  local verbose= dev g v i ty found=
+  local verbose='' dev g v i ty found=''
   [ "${1:-}" = -v ] && { verbose=1; shift; }
   dev=${1:-rxe0}
   local p=/sys/class/infiniband/$dev/ports/1
@@ -25,7 +25,7 @@ softroce_gid_index() {
     read -r v < "$g" || continue
     [ "$v" = "0000:0000:0000:0000:0000:0000:0000:0000" ] && continue
     i=${g##*/}
-    read -r ty < "$p/gid_attrs/types/$i" 2>/dev/null || ty=?
+    read -r ty < "$p/gid_attrs/types/$i" 2>/dev/null || ty='?'
     [ -n "$verbose" ] && echo "gid[$i] = $v ($ty)" >&2
     if [ -z "$found" ] && [[ $v == 0000:0000:0000:0000:0000:ffff:* ]] && [ "$ty" != "IB/RoCE v1" ]; then
       found=$i
@@ -104,4 +104,12 @@ softroce_client() {
   timeout "$secs" "$@" > "/tmp/$name.cli" 2>&1 && rc=0 || rc=$?
   echo "--- $name client ($*): rc=$rc"; cat "/tmp/$name.cli"
   return $rc
+}
+
+# softroce_rxe_counters [DEV]: DEV's (rxe0) non-zero port counters on one
+# line, e.g. "completer_retry_err=206 duplicate_request=0 ..." (retransmits,
+# duplicates, sequence errors: what to look at when a transfer failed).
+softroce_rxe_counters() {
+  (cd "/sys/class/infiniband/${1:-rxe0}/ports/1/hw_counters" && grep -H . -- *) |
+    awk -F: '$2 != 0 { printf "%s=%s ", $1, $2 } END { print "" }'
 }

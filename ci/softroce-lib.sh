@@ -15,6 +15,10 @@
 # Build scripts use softroce_need_pkgs (apt) and cargo_exe alone.
 # The run dir is removed, and every pid in SOFTROCE_PIDS is killed, on exit.
 # shellcheck shell=bash
+# Variables set here are read by the launchers that source this file.
+# shellcheck disable=SC2034
+# QEMU options are comma lists, not array separators.
+# shellcheck disable=SC2054
 
 WORK=${SOFTROCE_WORKDIR:-${TMPDIR:-/tmp}/softroce-work}
 ACCEL=${SOFTROCE_ACCEL:-auto}
@@ -58,6 +62,7 @@ softroce_cleanup() {
 # ---------------------------------------------------------------- kernel
 softroce_kernel() {
   if [ -z "${SOFTROCE_KVER:-}" ]; then
+    # shellcheck disable=SC2012 # kernel version directories have plain names
     SOFTROCE_KVER=$(ls -d /lib/modules/*/kernel/drivers/infiniband/sw/rxe 2>/dev/null |
                     sed 's|^/lib/modules/||; s|/.*||' | while read -r v; do
                       [ -e "/boot/vmlinuz-$v" ] && echo "$v"; done | sort -V | tail -n1)
@@ -94,7 +99,7 @@ softroce_initramfs() {
   local stage=$RUN/initramfs m ko opt b
   BUSYBOX=$(command -v busybox || true)
   [ -x /bin/busybox ] && BUSYBOX=/bin/busybox
-  [ -n "$BUSYBOX" ] && ! ldd "$BUSYBOX" >/dev/null 2>&1 || die "need a static busybox (busybox-static)"
+  if [ -z "$BUSYBOX" ] || ldd "$BUSYBOX" >/dev/null 2>&1; then die "need a static busybox (busybox-static)"; fi
 
   # modules needed in the guest, in load order (dependencies first).
   # rdma_rxe (6.1) does crypto_alloc_shash("crc32") when the device is created ->

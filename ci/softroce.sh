@@ -119,6 +119,7 @@ fi
 
 # ---------------------------------------------------------------- qemu
 netargs=()
+# shellcheck disable=SC2054 # QEMU option lists
 [ "$NETDEV" = virtio ] && netargs=(-netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0)
 softroce_qemu_cmd "" "softroce.netdev=$NETDEV" "${netargs[@]}"
 log "booting: ${ACCEL_ARGS[*]} -smp $SMP -m $MEM, netdev=$NETDEV"

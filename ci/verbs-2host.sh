@@ -25,13 +25,23 @@
 # (commands run in the guest with bash; $KV = the kvlane binary, $A = guest
 # a's address, $PORT, $POOL and $BATCH are set there).
 #
+# Known issue (measured here, TCG, Debian 6.1 rxe): with the ACK timeout both
+# kvlane and perftest use (exponent 14 = 67 ms) rxe retransmits under TCG
+# (completer_retry_err > 0) and then may fail a 1 MiB WRITE with "remote
+# invalid request"; ib_write_bw -q 2 (kvlane's 2 QPs per peer) fails the same
+# way about half the time, -u 18 (1.07 s) makes it go away.  kvlane has no
+# knob for its QP timeout yet (VerbsConfig.qp.timeout).  The rxe counters
+# of both guests are printed after each phase for this reason.
+#
 # Usage: ci/verbs-2host.sh [bench|restart|all]   (default all)
 # Exit code: non-zero when the build, a transfer, a wait or a check fails.
 # Bandwidth is reported, not asserted (TCG timing is noisy); set
 # VERBS2_MIN_RATIO=0.5 to enforce kvlane >= 0.5 x perftest.
 #
-# Knobs: VERBS2_SIZES (64K,1M) VERBS2_BATCH (16) VERBS2_POOL (256M)
-#        VERBS2_PORT (5555) VERBS2_PERF_MB (32: MiB each perftest run moves)
+# Knobs: VERBS2_SIZES (64K,1M) VERBS2_OPS (read,write: the initiator's --op)
+#        VERBS2_BATCH (16) VERBS2_POOL (256M) VERBS2_PORT (5555)
+#        VERBS2_PERF_MB (32: MiB each perftest run moves)
+#        VERBS2_PERF_QPS (1: perftest -q; kvlane stripes over 2 QPs per peer)
 #        RESTART_TARGET, RESTART_INITIATOR, RESTART_WARM (3), RESTART_BUDGET
 #        (6: the agent's liveness budget, 3 pings x 1 s, plus the signal
 #        between the guests and TCG slack), RESTART_LOST_RE
@@ -48,12 +58,18 @@ SOFTROCE_LOG_TAG=verbs-2host
 
 PHASES=${1:-all}
 case $PHASES in all) PHASES="bench restart" ;; bench|restart) ;; *) die "usage: $0 [bench|restart|all]" ;; esac
-SIZES=${VERBS2_SIZES:-64K,1M}
-BATCH=${VERBS2_BATCH:-16}
-POOL=${VERBS2_POOL:-256M}
-PORT=${VERBS2_PORT:-5555}
-PERF_MB=${VERBS2_PERF_MB:-32}
-MIN_RATIO=${VERBS2_MIN_RATIO:-}
+# (the guests read these: they are passed on by name in $PRE)
+# shellcheck disable=SC2034
+{
+  SIZES=${VERBS2_SIZES:-64K,1M}
+  OPS=${VERBS2_OPS:-read,write}
+  BATCH=${VERBS2_BATCH:-16}
+  POOL=${VERBS2_POOL:-256M}
+  PORT=${VERBS2_PORT:-5555}
+  PERF_MB=${VERBS2_PERF_MB:-32}
+  PERF_QPS=${VERBS2_PERF_QPS:-1}
+  MIN_RATIO=${VERBS2_MIN_RATIO:-}
+}
 export SOFTROCE_LINK_MTU=${SOFTROCE_LINK_MTU:-9000}
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
 # shellcheck disable=SC2016 # expanded in the guest
@@ -90,7 +106,7 @@ SIZES_B=
 for s in ${SIZES//,/ }; do SIZES_B+="$(bytes "$s") "; done
 
 # what both guests get, then each guest's script (quoted: runs in the guest)
-PRE=$(for v in KV PHASES SIZES SIZES_B BATCH POOL PORT PERF_MB MIN_RATIO RESTART_TARGET \
+PRE=$(for v in KV PHASES SIZES SIZES_B OPS BATCH POOL PORT PERF_MB PERF_QPS MIN_RATIO RESTART_TARGET \
                RESTART_INITIATOR RESTART_AFTER RESTART_WARM RESTART_BUDGET RESTART_LOST_RE \
                RESTART_BACK_RE RESTART_OK_RE; do printf 'export %s=%q\n' "$v" "${!v}"; done)
 COMMON=$(cat <<'EOF'
@@ -108,7 +124,7 @@ stop() {
   wait "$1"; echo "--- exited rc=$? ($2):"; cat "$2"
 }
 # perftest at one size: tool, size -> the arguments both sides take
-perf_args() { echo "-d rxe0 -x $G -F -s $2 -n $(( (PERF_MB << 20) / $2 < 2 * BATCH ? 2 * BATCH : (PERF_MB << 20) / $2 )) -t $BATCH --report_gbits -p $3"; }
+perf_args() { echo "-d rxe0 -x $G -F -s $2 -n $(( (PERF_MB << 20) / $2 < 2 * BATCH ? 2 * BATCH : (PERF_MB << 20) / $2 )) -t $BATCH -q $PERF_QPS --report_gbits -p $3"; }
 EOF
 )
 GUEST_A=$(cat <<'EOF'
@@ -119,8 +135,9 @@ if has bench; then
   softroce_wait_listen "$PORT" 120 "$tp" || rc=1
   softroce_await bench-done 600 || rc=1
   stop "$tp" /tmp/target.log
+  echo "rxe0 counters after the kvlane bench: $(softroce_rxe_counters)"
   port=18600
-  for op in write read; do
+  for op in ${OPS//,/ }; do
     for s in $SIZES_B; do
       port=$((port + 1))
       # shellcheck disable=SC2046
@@ -128,6 +145,7 @@ if has bench; then
         > "/tmp/perf-$op-$s.log" 2>&1 || { rc=1; cat "/tmp/perf-$op-$s.log"; }
     done
   done
+  echo "rxe0 counters after perftest: $(softroce_rxe_counters)"
 fi
 if has restart; then
   echo "===== [a] restart: target = $RESTART_TARGET"
@@ -164,15 +182,21 @@ jnum() { sed -n "s/.*\"$2\":\([-0-9.e+]*\).*/\1/p" <<<"$1"; }
 if has bench; then
   echo "===== [b] kvlane bench initiator -> $A:$PORT, then perftest clients"
   softroce_wait_port "$A" "$PORT" 120 || exit 1
-  set -- "$KV" bench --role initiator --connect "$A:$PORT" --backend verbs --block-sizes "$SIZES" --batch "$BATCH" --json
+  set -- "$KV" bench --role initiator --connect "$A:$PORT" --backend verbs --block-sizes "$SIZES" --op "$OPS" --batch "$BATCH" --json
   echo "+ $*"
   t=$EPOCHREALTIME
   timeout 600 "$@" > /tmp/bench.json 2> /tmp/bench.err || { echo "the kvlane initiator failed (rc=$?)"; rc=1; }
   echo "kvlane bench took $(awk -v a="$t" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')s"
   cat /tmp/bench.json /tmp/bench.err
+  c=$(softroce_rxe_counters)
+  echo "rxe0 counters after the kvlane bench: $c"
+  case "$c" in *completer_retry_err=*)
+    echo "NOTE: rxe retransmitted (ACK timeout: exponent 14 = 67 ms, kvlane's and perftest's default, is short for rxe under TCG);"
+    echo "      Debian 6.1 rxe can then fail a WRITE with 'remote invalid request' (seen with ib_write_bw -q 2 too; gone with -u 18)" ;;
+  esac
   softroce_mark bench-done
   port=18600
-  for op in write read; do
+  for op in ${OPS//,/ }; do
     for s in $SIZES_B; do
       port=$((port + 1))
       # shellcheck disable=SC2046
@@ -185,7 +209,7 @@ if has bench; then
   echo "===== two hosts over verbs: b $SOFTROCE_IP -> a $A, rxe0 on each, RoCE MTU $(ibv_devinfo -d rxe0 | awk '/active_mtu/ { print $2; exit }'), GB/s = 1e9 B/s"
   printf '%-6s %8s %14s %12s %12s %16s %8s\n' op block "kvlane GB/s" "lat avg us" "lat p99 us" "perftest GB/s" ratio
   bad=0
-  for op in write read; do
+  for op in ${OPS//,/ }; do
     for s in $SIZES_B; do
       row=$(grep "\"op\":\"$op\"" /tmp/bench.json | grep "\"block_size\":$s," | head -n1)
       kg=$(jnum "$row" gbps); la=$(jnum "$row" lat_avg_us); lp=$(jnum "$row" lat_p99_us)
@@ -198,7 +222,9 @@ if has bench; then
         exit (min != "" && (r < 0 || r < min)) ? 1 : 0 }' || bad=1
     done
   done
-  echo "(kvlane: batches of $BATCH blocks, each batch awaited; perftest: $PERF_MB MiB per run, tx depth $BATCH, kept full)"
+  echo "(kvlane: batches of $BATCH blocks, each batch awaited, striped over its 2 QPs per peer;"
+  echo " perftest: $PERF_MB MiB per run, tx depth $BATCH kept full, $PERF_QPS QP)"
+  echo "rxe0 counters after perftest: $(softroce_rxe_counters)"
   [ $bad = 0 ] || { echo "kvlane is below VERBS2_MIN_RATIO=$MIN_RATIO x perftest"; rc=1; }
 fi
 if has restart; then

@@ -43,7 +43,7 @@ BENCHBIN=$(cargo build --release -p kvlane-data --features verbs --example verbs
              --message-format=json-render-diagnostics | cargo_exe)
 AGENTBIN=$(cargo test -p kvlane --features verbs --test agent_verbs --no-run \
             --message-format=json-render-diagnostics | cargo_exe)
-[ -x "$TESTBIN" ] && [ -x "$BENCHBIN" ] && [ -x "$AGENTBIN" ] || { log "build produced no binaries"; exit 1; }
+if ! [ -x "$TESTBIN" ] || ! [ -x "$BENCHBIN" ] || ! [ -x "$AGENTBIN" ]; then log "build produced no binaries"; exit 1; fi
 KVBIN=
 if [ "${VERBS_CLI:-1}" = 1 ]; then
   KVBIN=$(cargo build --release -p kvlane-cli --features verbs \
