@@ -42,6 +42,9 @@
 #        VERBS2_BATCH (16) VERBS2_POOL (256M) VERBS2_PORT (5555)
 #        VERBS2_PERF_MB (32: MiB each perftest run moves)
 #        VERBS2_PERF_QPS (1: perftest -q; kvlane stripes over 2 QPs per peer)
+#        VERBS2_PERF_ARGS (more perftest options, e.g. '-u 18')
+#        VERBS2_ENV (VAR=VALUE ... exported to every command in both guests,
+#        e.g. RUST_LOG=debug)
 #        RESTART_TARGET, RESTART_INITIATOR, RESTART_WARM (3), RESTART_BUDGET
 #        (6: the agent's liveness budget, 3 pings x 1 s, plus the signal
 #        between the guests and TCG slack), RESTART_LOST_RE
@@ -69,6 +72,8 @@ case $PHASES in all) PHASES="bench restart" ;; bench|restart) ;; *) die "usage: 
   PERF_MB=${VERBS2_PERF_MB:-32}
   PERF_QPS=${VERBS2_PERF_QPS:-1}
   MIN_RATIO=${VERBS2_MIN_RATIO:-}
+  EXTRA_ENV=${VERBS2_ENV:-}
+  PERF_ARGS=${VERBS2_PERF_ARGS:-}
 }
 export SOFTROCE_LINK_MTU=${SOFTROCE_LINK_MTU:-9000}
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
@@ -106,13 +111,14 @@ SIZES_B=
 for s in ${SIZES//,/ }; do SIZES_B+="$(bytes "$s") "; done
 
 # what both guests get, then each guest's script (quoted: runs in the guest)
-PRE=$(for v in KV PHASES SIZES SIZES_B OPS BATCH POOL PORT PERF_MB PERF_QPS MIN_RATIO RESTART_TARGET \
+PRE=$(for v in KV PHASES SIZES SIZES_B OPS BATCH POOL PORT PERF_MB PERF_QPS PERF_ARGS EXTRA_ENV MIN_RATIO RESTART_TARGET \
                RESTART_INITIATOR RESTART_AFTER RESTART_WARM RESTART_BUDGET RESTART_LOST_RE \
                RESTART_BACK_RE RESTART_OK_RE; do printf 'export %s=%q\n' "$v" "${!v}"; done)
 COMMON=$(cat <<'EOF'
 set -u
 rc=0
 export KVLANE_IB_DEVICE=rxe0
+for kv in $EXTRA_ENV; do export "${kv?}"; done
 export A=$SOFTROCE_IP_A
 G=$(softroce_gid_index) || exit 1
 has() { case " $PHASES " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -124,7 +130,7 @@ stop() {
   wait "$1"; echo "--- exited rc=$? ($2):"; cat "$2"
 }
 # perftest at one size: tool, size -> the arguments both sides take
-perf_args() { echo "-d rxe0 -x $G -F -s $2 -n $(( (PERF_MB << 20) / $2 < 2 * BATCH ? 2 * BATCH : (PERF_MB << 20) / $2 )) -t $BATCH -q $PERF_QPS --report_gbits -p $3"; }
+perf_args() { echo "-d rxe0 -x $G -F -s $2 -n $(( (PERF_MB << 20) / $2 < 2 * BATCH ? 2 * BATCH : (PERF_MB << 20) / $2 )) -t $BATCH -q $PERF_QPS $PERF_ARGS --report_gbits -p $3"; }
 EOF
 )
 GUEST_A=$(cat <<'EOF'
