@@ -19,7 +19,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd -P)
-log() { echo "[verbs.sh $(date +%T)] $*" >&2; }
+SOFTROCE_LOG_TAG=verbs.sh
+# shellcheck source=ci/softroce-lib.sh
+. ci/softroce-lib.sh   # softroce_need_pkgs, cargo_exe, log
 
 SIZE=${VERBS_SIZE:-65536}
 ITERS=${VERBS_ITERS:-1000}
@@ -30,34 +32,22 @@ MIN_RATIO=${VERBS_MIN_RATIO:-}
 
 # ------------------------------------------------------------ build deps
 # sideway -> rdma-mummy-sys builds a C shim with cmake and runs bindgen (libclang).
-PKGS=(cmake libclang-dev clang make gcc libibverbs-dev pkg-config)
-missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  [ "$(id -u)" = 0 ] || { log "need root to install: ${missing[*]}"; exit 125; }
-  log "installing: ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
-fi
+softroce_need_pkgs cmake libclang-dev clang make gcc libibverbs-dev pkg-config
 
 # ------------------------------------------------------------ build
 t0=$(date +%s)
 log "building tests (debug) and the bench (release) with --features verbs"
-exe_of() { grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | grep -v '^$' | tail -n1; }
 TESTBIN=$(cargo test -p kvlane-data --features verbs --test verbs --no-run \
-            --message-format=json-render-diagnostics | exe_of)
+            --message-format=json-render-diagnostics | cargo_exe)
 BENCHBIN=$(cargo build --release -p kvlane-data --features verbs --example verbs_bench \
-             --message-format=json-render-diagnostics | exe_of)
+             --message-format=json-render-diagnostics | cargo_exe)
 AGENTBIN=$(cargo test -p kvlane --features verbs --test agent_verbs --no-run \
-            --message-format=json-render-diagnostics | exe_of)
-[ -x "$TESTBIN" ] && [ -x "$BENCHBIN" ] && [ -x "$AGENTBIN" ] || { log "build produced no binaries"; exit 1; }
+            --message-format=json-render-diagnostics | cargo_exe)
+if ! [ -x "$TESTBIN" ] || ! [ -x "$BENCHBIN" ] || ! [ -x "$AGENTBIN" ]; then log "build produced no binaries"; exit 1; fi
 KVBIN=
 if [ "${VERBS_CLI:-1}" = 1 ]; then
   KVBIN=$(cargo build --release -p kvlane-cli --features verbs \
-            --message-format=json-render-diagnostics | exe_of)
+            --message-format=json-render-diagnostics | cargo_exe)
   [ -x "$KVBIN" ] || { log "the kvlane CLI did not build"; exit 1; }
 fi
 log "built in $(( $(date +%s) - t0 ))s: $TESTBIN, $BENCHBIN${KVBIN:+, $KVBIN}"
@@ -71,14 +61,7 @@ KVLANE_TEST_VERBS_DEVICE=rxe0 "$TESTBIN" --ignored --test-threads=1 || rc=1
 echo "===== agents over verbs on rxe0 (control handshake + queue-pair exchange)"
 KVLANE_TEST_VERBS_DEVICE=rxe0 "$AGENTBIN" --ignored --test-threads=1 || rc=1
 
-# IPv4-mapped RoCE v2 GID index (shell builtins only: 1024 entries under TCG)
-GIDX=
-P=/sys/class/infiniband/rxe0/ports/1
-for g in \$P/gids/*; do
-  read -r v < "\$g" || continue
-  case "\$v" in 0000:0000:0000:0000:0000:ffff:*) GIDX=\${g##*/}; break ;; esac
-done
-GIDX=\${GIDX:-1}
+GIDX=\$(softroce_gid_index) || { rc=1; GIDX=1; }
 
 # Both benchmarks run pinned to the same vCPU: unpinned, the scheduler's
 # placement against rxe's softirq work swings results by 2x (measured: kvlane
