@@ -16,6 +16,7 @@
 //! READ-shaped for `read` ([`raw`]): against an in-process server locally,
 //! against the target host with `--role initiator` ([`remote`]).
 
+mod announce;
 mod cli;
 mod local;
 mod memcpy;

@@ -17,6 +17,7 @@
 //! raw-tcp points slices between the agent's points, as the local bench
 //! does.
 
+use super::announce::{announced_raw_port, host_of, raw_addr, target_engine_id};
 use super::raw::{RawClient, RawServer};
 use super::schedule::{rounds, run_for, Point, Slice};
 use super::stats::Sample;
@@ -24,53 +25,12 @@ use super::{op_name, BenchError, BenchPlan, Row};
 use crate::units::fmt_size;
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};
 use kvlane::{Agent, BackendChoice, BlockingAgent, Error, Peer, TransferHandle};
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Instant;
 
 type BoxError = Box<dyn std::error::Error>;
 
 /// Planning granularity of the two-process benchmark.
 pub(crate) const PAGE: u64 = 4096;
-
-/// The target's engine id, without a raw-tcp port.
-const TARGET_ID: &str = "kvlane-bench-target";
-/// What precedes the raw-tcp port in the target's engine id.
-const RAW_TAG: &str = " raw-tcp=";
-
-/// The engine id a target announces itself (and its raw-tcp port) with.
-fn target_engine_id(raw_port: Option<u16>) -> String {
-    match raw_port {
-        Some(p) => format!("{TARGET_ID}{RAW_TAG}{p}"),
-        None => TARGET_ID.to_owned(),
-    }
-}
-
-/// The raw-tcp port a target's engine id announces, if any.
-fn announced_raw_port(engine_id: &str) -> Option<u16> {
-    engine_id
-        .strip_prefix(TARGET_ID)?
-        .strip_prefix(RAW_TAG)?
-        .parse()
-        .ok()
-}
-
-/// The host part of `host:port` (`[v6]:port` without the brackets).
-fn host_of(addr: &str) -> &str {
-    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-    host.strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host)
-}
-
-/// `port` at the host of `connect`, the control address dialed.
-fn raw_addr(connect: &str, port: u16) -> Result<SocketAddr, BoxError> {
-    let host = host_of(connect);
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("raw-tcp baseline: cannot resolve {host}: {e}"))?
-        .next()
-        .ok_or_else(|| format!("raw-tcp baseline: {host} has no address").into())
-}
 
 fn flat_layout(bytes: u64) -> Result<KvLayout, BoxError> {
     let pages =
@@ -218,11 +178,16 @@ fn against(
     let peer = agent.connect(addr)?;
     let remote_pages = peer_pages(&peer)?;
     let backend = agent.agent().backend_kind().to_string();
-    let mut raw = match (plan.baselines, announced_raw_port(&peer.engine_id())) {
+    let mut raw = match (plan.baselines, announced_raw_port(&peer.engine_id())?) {
         (false, _) => None,
         (true, Some(port)) => {
             let at = raw_addr(addr, port)?;
-            let client = RawClient::connect(at, 1)?;
+            let client = RawClient::connect(at, 1).map_err(|e| {
+                format!(
+                    "{e} (the target announced that port; is it reachable from here? \
+                     --no-baseline skips the raw-tcp rows)"
+                )
+            })?;
             eprintln!(
                 "kvlane bench: raw-tcp ceiling: {} streams to {at}",
                 client.streams()
@@ -365,35 +330,5 @@ impl Target<'_> {
             posted.push((t2, handle));
         }
         Ok(posted)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_target_engine_id_announces_its_raw_tcp_port() {
-        assert_eq!(
-            announced_raw_port(&target_engine_id(Some(41234))),
-            Some(41234)
-        );
-        assert_eq!(announced_raw_port(&target_engine_id(None)), None);
-        assert_eq!(announced_raw_port("decode raw-tcp=1"), None);
-        assert_eq!(announced_raw_port("kvlane-bench-target raw-tcp=x"), None);
-    }
-
-    #[test]
-    fn the_raw_tcp_port_is_dialed_at_the_control_host() {
-        assert_eq!(
-            raw_addr("127.0.0.1:5555", 41).unwrap(),
-            "127.0.0.1:41".parse::<SocketAddr>().unwrap()
-        );
-        assert_eq!(
-            raw_addr("[::1]:5555", 41).unwrap(),
-            "[::1]:41".parse::<SocketAddr>().unwrap()
-        );
-        assert_eq!(raw_addr("localhost:5555", 41).unwrap().port(), 41);
-        assert_eq!(host_of("0.0.0.0:5555"), "0.0.0.0");
     }
 }
