@@ -30,10 +30,11 @@ enum Command {
     /// backend points of each block size: `memcpy` copies the same blocks
     /// on `--threads` threads (the loopback ceiling); `raw-tcp` moves them
     /// over plain TCP streams, as many as the tcp backend opens (4 per
-    /// thread), each block split into 512 KiB requests like the backend
-    /// splits it: `read` is READ-shaped (a small request out, the block
-    /// back), `write` WRITE-shaped (the block out, a small acknowledgement
-    /// back). Locally, `raw-tcp` runs on 127.0.0.1, when `tcp` is measured.
+    /// thread), each block split into 512 KiB requests and striped over
+    /// them as the backend does it (streams take turns every 512 KiB):
+    /// `read` is READ-shaped (a small request out, the block back), `write`
+    /// WRITE-shaped (the block out, a small acknowledgement back). Locally,
+    /// `raw-tcp` runs on 127.0.0.1, when `tcp` is measured.
     ///
     /// Two hosts: `--role target` also serves a raw TCP sink/source on any
     /// free port of its `--listen` host and names that port in its engine

@@ -1,15 +1,15 @@
 //! The measuring end of the raw-tcp baseline: `groups` x
 //! `TcpConfig::default().streams` streams, one thread each, and batches of
-//! blocks split and dealt over them the way the tcp backend splits and
-//! stripes a transfer.
+//! blocks split and striped over them the way the tcp backend splits and
+//! stripes a peer's transfers.
 
-use super::{header, invalid, HEADER_LEN, HELLO_TIMEOUT, MAGIC};
+use super::{buffer, header, invalid, read_into, HELLO_TIMEOUT, MAGIC};
 use crate::bench::schedule::{run_for, Slice};
 use crate::bench::stats::Sample;
 use crate::bench::BenchError;
-use kvlane_data::tcp::TcpConfig;
-use kvlane_data::Op;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use kvlane_data::tcp::{FrameReader, FrameWriter, TcpConfig};
+use kvlane_data::{Op, Region};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread::{self, JoinHandle};
@@ -61,6 +61,8 @@ pub(crate) struct RawClient {
     lanes: Vec<Lane>,
     /// When each block of the batch in progress had all its bytes.
     arrived: Vec<Instant>,
+    /// Bytes queued so far per group: picks the stream.
+    striped: Vec<u64>,
 }
 
 impl RawClient {
@@ -83,6 +85,7 @@ impl RawClient {
             chunk: tcp.chunk_bytes,
             lanes,
             arrived: Vec::new(),
+            striped: vec![0; groups.max(1)],
         })
     }
 
@@ -109,10 +112,9 @@ impl RawClient {
         Ok(s)
     }
 
-    /// One batch on every group at once: each block split into requests of
-    /// at most `chunk` bytes, dealt in turn over its group's streams. A
-    /// block's latency is the time from the batch's start until its last
-    /// request was answered.
+    /// One batch on every group at once (see [`Self::deal`]). A block's
+    /// latency is the time from the batch's start until its last request
+    /// was answered.
     fn batch(
         &mut self,
         op: Op,
@@ -120,27 +122,7 @@ impl RawClient {
         batch: usize,
         lat: &mut Vec<Duration>,
     ) -> Result<(), BenchError> {
-        let per = self.per_group;
-        let groups = self.lanes.len() / per;
-        for lane in &mut self.lanes {
-            let job = lane.spare.get_or_insert_with(|| Job::new(op));
-            job.op = op;
-            job.requests.clear();
-        }
-        for g in 0..groups {
-            let mut turn = 0;
-            for i in 0..batch {
-                let mut left = block;
-                while left > 0 {
-                    let len = left.min(self.chunk);
-                    let lane = &mut self.lanes[g * per + turn % per];
-                    let job = lane.spare.get_or_insert_with(|| Job::new(op));
-                    job.requests.push((g * batch + i, len));
-                    turn += 1;
-                    left -= len;
-                }
-            }
-        }
+        let groups = self.deal(op, block, batch);
         let t0 = Instant::now();
         self.arrived.clear();
         self.arrived.resize(groups * batch, t0);
@@ -174,6 +156,38 @@ impl RawClient {
         lat.extend(self.arrived.iter().map(|&t| t - t0));
         Ok(())
     }
+
+    /// Fills the streams' jobs for one batch of `batch` blocks per group:
+    /// each block split into requests of at most `chunk` bytes, striped
+    /// over its group's streams like the tcp backend stripes a peer's
+    /// requests (`PeerConn::add_chunk`): the streams take turns every
+    /// `chunk` bytes queued, so a run of small blocks stays on one stream
+    /// and each full-size request gets one to itself. Returns the groups.
+    fn deal(&mut self, op: Op, block: u64, batch: usize) -> usize {
+        let per = self.per_group;
+        let groups = self.lanes.len() / per;
+        for lane in &mut self.lanes {
+            let job = lane.spare.get_or_insert_with(|| Job::new(op));
+            job.op = op;
+            job.requests.clear();
+        }
+        for g in 0..groups {
+            for i in 0..batch {
+                let mut left = block;
+                while left > 0 {
+                    let len = left.min(self.chunk);
+                    let at = self.striped[g];
+                    self.striped[g] += len;
+                    let turn = (at / self.chunk) as usize % per;
+                    let lane = &mut self.lanes[g * per + turn];
+                    let job = lane.spare.get_or_insert_with(|| Job::new(op));
+                    job.requests.push((g * batch + i, len));
+                    left -= len;
+                }
+            }
+        }
+        groups
+    }
 }
 
 fn ended(addr: SocketAddr, stream: usize) -> BenchError {
@@ -201,17 +215,19 @@ impl Drop for RawClient {
 impl Lane {
     fn start(addr: SocketAddr, i: usize, chunk: usize) -> io::Result<Self> {
         let stream = hello(addr)?;
+        let payload = buffer(chunk, 0x5a)?;
+        let sink = buffer(chunk, 0)?;
         let (jobs, rx) = mpsc::channel();
         let (tx, done) = mpsc::channel();
-        let mut io = StreamIo {
-            r: BufReader::with_capacity(64 << 10, stream.try_clone()?),
-            w: BufWriter::with_capacity(64 << 10, stream),
-            frame: vec![0x5a; HEADER_LEN + chunk],
-            sink: vec![0; chunk],
-        };
         let thread = thread::Builder::new()
             .name(format!("kvlane-raw-{i}"))
             .spawn(move || {
+                let mut io = StreamIo {
+                    r: FrameReader::new(&stream),
+                    w: FrameWriter::new(&stream),
+                    payload: &payload,
+                    sink: &sink,
+                };
                 for mut job in rx {
                     let r = io.run(&mut job);
                     let failed = r.is_err();
@@ -253,16 +269,16 @@ fn hello(addr: SocketAddr) -> io::Result<TcpStream> {
 }
 
 /// One stream's two directions and buffers.
-struct StreamIo {
-    r: BufReader<TcpStream>,
-    w: BufWriter<TcpStream>,
-    /// A request's header, then room for the longest WRITE payload.
-    frame: Vec<u8>,
+struct StreamIo<'a> {
+    r: FrameReader<'a>,
+    w: FrameWriter<'a>,
+    /// WRITE payload (requests are at most this long).
+    payload: &'a Region,
     /// Where READ payload lands.
-    sink: Vec<u8>,
+    sink: &'a Region,
 }
 
-impl StreamIo {
+impl StreamIo<'_> {
     /// Sends the job's requests, at most `WINDOW` ahead of the answers,
     /// and times each answer.
     fn run(&mut self, job: &mut Job) -> io::Result<()> {
@@ -271,21 +287,16 @@ impl StreamIo {
         let n = job.requests.len();
         let (mut sent, mut got) = (0, 0);
         while got < n {
-            while sent < n && sent - got < WINDOW {
-                let len = job.requests[sent].1;
-                // One write per request: a header written on its own went
-                // out as a packet of its own ahead of every large payload.
-                self.frame[..HEADER_LEN].copy_from_slice(&header(op, len));
-                let body = if op == Op::Write { len as usize } else { 0 };
-                self.w.write_all(&self.frame[..HEADER_LEN + body])?;
-                sent += 1;
+            let upto = n.min(got + WINDOW);
+            if sent < upto {
+                self.send(op, &job.requests[sent..upto])?;
+                sent = upto;
             }
-            self.w.flush()?;
             let len = job.requests[got].1;
             match op {
                 Op::Write => {
                     let mut ack = [0; 8];
-                    self.r.read_exact(&mut ack)?;
+                    self.r.payload(&mut ack)?;
                     if u64::from_le_bytes(ack) != len {
                         return Err(invalid(format!(
                             "acknowledged {} bytes of a {len}-byte write",
@@ -293,11 +304,85 @@ impl StreamIo {
                         )));
                     }
                 }
-                Op::Read => self.r.read_exact(&mut self.sink[..len as usize])?,
+                Op::Read => read_into(&mut self.r, self.sink, len)?,
             }
             job.arrived.push(Instant::now());
             got += 1;
         }
         Ok(())
+    }
+
+    /// Sends `requests` (with their payload for WRITE), gathered into as
+    /// few writes as the backend's sender would use.
+    fn send(&mut self, op: Op, requests: &[(usize, u64)]) -> io::Result<()> {
+        for &(_, len) in requests {
+            self.w.put(&header(op, len));
+            if op == Op::Write {
+                self.w.region(self.payload, 0, len)?;
+            }
+            if self.w.is_full() {
+                self.w.flush()?;
+            }
+        }
+        self.w.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::RawServer;
+    use super::*;
+
+    /// Per stream: the block of each request dealt to it.
+    fn dealt(c: &RawClient) -> Vec<Vec<usize>> {
+        c.lanes
+            .iter()
+            .map(|l| {
+                l.spare
+                    .iter()
+                    .flat_map(|j| j.requests.iter().map(|r| r.0))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn requests_are_striped_like_the_tcp_backend_stripes_them() {
+        let server = RawServer::bind("127.0.0.1:0").unwrap();
+        let mut c = RawClient::connect(server.local_addr(), 1).unwrap();
+        let streams = c.streams();
+        assert!(streams >= 2, "{streams}");
+        let chunk = c.chunk;
+        // Small blocks: one chunk's worth stays on one stream, and the
+        // next batch goes on where this one stopped.
+        let per_chunk = (chunk / 4096) as usize;
+        c.deal(Op::Write, 4096, per_chunk);
+        let mut one = vec![Vec::new(); streams];
+        one[0] = (0..per_chunk).collect();
+        assert_eq!(dealt(&c), one);
+        c.deal(Op::Write, 4096, 1);
+        let mut next = vec![Vec::new(); streams];
+        next[1] = vec![0];
+        assert_eq!(dealt(&c), next);
+        // Blocks of two chunks and a bit: every chunk gets a stream to
+        // itself, and a bit shares the stream of the chunk after it.
+        let mut c = RawClient::connect(server.local_addr(), 1).unwrap();
+        c.deal(Op::Read, 2 * chunk + 1, 2);
+        let requests: Vec<Vec<u64>> = c
+            .lanes
+            .iter()
+            .map(|l| {
+                l.spare
+                    .iter()
+                    .flat_map(|j| j.requests.iter().map(|r| r.1))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(streams, 4, "the tcp default this case is written for");
+        assert_eq!(
+            requests,
+            [vec![chunk, 1], vec![chunk], vec![1, chunk], vec![chunk]]
+        );
+        assert_eq!(dealt(&c), [vec![0, 1], vec![0], vec![0, 1], vec![1]]);
     }
 }

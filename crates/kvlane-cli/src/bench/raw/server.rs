@@ -2,10 +2,11 @@
 //! connection, in-process for the local bench, beside the agent for
 //! `--role target`.
 
-use super::{invalid, parse_header, HEADER_LEN, HELLO_TIMEOUT, IO_CHUNK, MAGIC};
+use super::{buffer, invalid, parse_header, read_into, HEADER_LEN, HELLO_TIMEOUT, IO_CHUNK, MAGIC};
+use kvlane_data::tcp::{FrameReader, FrameWriter};
 use kvlane_data::Op;
 use std::collections::HashMap;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -129,63 +130,55 @@ fn accept_loop(listener: &TcpListener, state: &Arc<State>) {
 }
 
 /// Serves one connection until the client closes it (`Ok`) or breaks the
-/// protocol or the connection (`Err`).
+/// protocol or the connection (`Err`). Answers gather until this side
+/// could block (nothing buffered) or a write's worth is gathered, then
+/// leave together, in order, as the tcp backend's server sends them.
 fn serve(stream: TcpStream) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
-    let mut r = BufReader::with_capacity(64 << 10, stream.try_clone()?);
-    let mut w = BufWriter::with_capacity(64 << 10, stream);
+    let mut rd = FrameReader::new(&stream);
+    let mut wr = FrameWriter::new(&stream);
     let mut magic = [0; MAGIC.len()];
-    r.read_exact(&mut magic)?;
+    rd.header(&mut magic)?;
     if magic != MAGIC {
         return Err(invalid(
             "no raw-tcp hello: not a kvlane bench client".into(),
         ));
     }
-    w.write_all(&MAGIC)?;
-    w.flush()?;
+    wr.put(&MAGIC);
+    wr.flush()?;
     // Between the slices of other points a client stays silent for long.
-    w.get_ref().set_read_timeout(None)?;
-    let mut sink = vec![0u8; IO_CHUNK];
-    let source = vec![0xa5u8; IO_CHUNK];
+    stream.set_read_timeout(None)?;
+    let sink = buffer(IO_CHUNK, 0)?;
+    let source = buffer(IO_CHUNK, 0xa5)?;
     loop {
-        // Answers go out together, but before this side could block.
-        if r.buffer().is_empty() {
-            w.flush()?;
+        if wr.buffered() > 0 && rd.is_drained() {
+            wr.flush()?;
         }
-        let Some(h) = read_header(&mut r)? else {
-            return Ok(());
-        };
-        let (op, mut left) = parse_header(&h)?;
-        let len = left;
-        while left > 0 {
-            let n = left.min(IO_CHUNK as u64) as usize;
-            match op {
-                Op::Write => r.read_exact(&mut sink[..n])?,
-                Op::Read => w.write_all(&source[..n])?,
-            }
-            left -= n as u64;
-        }
-        if op == Op::Write {
-            w.write_all(&len.to_le_bytes())?;
-        }
-    }
-}
-
-/// The next request header; `None` when the client closed the connection
-/// between requests.
-fn read_header(r: &mut impl Read) -> io::Result<Option<[u8; HEADER_LEN]>> {
-    let mut h = [0; HEADER_LEN];
-    let mut got = 0;
-    while got < HEADER_LEN {
-        match r.read(&mut h[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+        let mut h = [0; HEADER_LEN];
+        match rd.header(&mut h) {
+            Ok(()) => {}
+            // Closed between requests (or within a header: nothing to
+            // answer either way).
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return wr.flush(),
             Err(e) => return Err(e),
         }
+        let (op, len) = parse_header(&h)?;
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(IO_CHUNK as u64);
+            match op {
+                Op::Write => read_into(&mut rd, &sink, n)?,
+                Op::Read => wr.region(&source, 0, n)?,
+            }
+            left -= n;
+        }
+        if op == Op::Write {
+            wr.put(&len.to_le_bytes());
+        }
+        if wr.is_full() {
+            wr.flush()?;
+        }
     }
-    Ok(Some(h))
 }
