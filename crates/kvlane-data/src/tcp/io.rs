@@ -40,6 +40,13 @@ impl<'a> FrameReader<'a> {
         self.rd.buffer().is_empty()
     }
 
+    /// Whether the next read would block: nothing buffered and nothing
+    /// (not even an end of stream) waiting on the socket. A server flushes
+    /// its gathered answers then, not after every request.
+    pub fn would_block(&self) -> bool {
+        self.is_drained() && !readable_now(self.rd.get_ref())
+    }
+
     /// Reads exactly `dst.len()` header bytes. `UnexpectedEof` when the
     /// peer closed before the first byte or mid-header.
     pub fn header(&mut self, dst: &mut [u8]) -> io::Result<()> {
@@ -260,7 +267,7 @@ pub(crate) fn tune_socket(s: &TcpStream, opts: SocketOptions) {
 
 /// Whether bytes (or an EOF) are waiting on `stream`, without blocking.
 /// Where the check is unsupported it answers `false`, so callers flush.
-pub(crate) fn readable_now(stream: &TcpStream) -> bool {
+fn readable_now(stream: &TcpStream) -> bool {
     #[cfg(unix)]
     {
         let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];

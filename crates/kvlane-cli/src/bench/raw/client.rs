@@ -1,7 +1,9 @@
 //! The measuring end of the raw-tcp baseline: `groups` x
-//! `TcpConfig::default().streams` streams, one thread each, and batches of
-//! blocks split and striped over them the way the tcp backend splits and
-//! stripes a peer's transfers.
+//! `TcpConfig::default().streams` streams, and batches of blocks split and
+//! striped over them the way the tcp backend splits and stripes a peer's
+//! transfers. Like the backend's, every stream has a sender thread, which
+//! writes its requests back to back, and a receiver thread, which reads
+//! and times the answers meanwhile.
 
 use super::{buffer, header, invalid, read_into, HELLO_TIMEOUT, MAGIC};
 use crate::bench::schedule::{run_for, Slice};
@@ -10,45 +12,34 @@ use crate::bench::BenchError;
 use kvlane_data::tcp::{FrameReader, FrameWriter, TcpConfig};
 use kvlane_data::{Op, Region};
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
-
-/// Requests in flight per stream: enough that the link, not round trips,
-/// limits (64 x 4 KiB already outlasts a loopback round trip), few enough
-/// that requests and acknowledgements (9 and 8 bytes each) never fill a
-/// socket buffer, which could stall both sides at once.
-const WINDOW: usize = 64;
 
 /// A stalled link fails the baseline after this long instead of hanging it.
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One stream's share of a batch: `(block index, request length)` each,
-/// sent in order; `arrived` is when each was answered.
-struct Job {
-    op: Op,
-    requests: Vec<(usize, u64)>,
-    arrived: Vec<Instant>,
-}
-
-impl Job {
-    fn new(op: Op) -> Self {
-        Self {
-            op,
-            requests: Vec::new(),
-            arrived: Vec::new(),
-        }
-    }
-}
+/// in sending order.
+type Requests = Arc<[(usize, u64)]>;
 
 struct Lane {
-    jobs: Sender<Job>,
-    done: Receiver<io::Result<Job>>,
-    /// The job buffers while this lane is idle (reused batch after batch).
-    spare: Option<Job>,
-    busy: bool,
-    thread: JoinHandle<()>,
+    /// To the sender thread.
+    send: Sender<(Op, Requests)>,
+    /// To the receiver thread.
+    receive: Sender<(Op, Requests)>,
+    /// When each request of the batch was answered, from the receiver.
+    done: Receiver<io::Result<Vec<Instant>>>,
+    /// Why the sender stopped, if it failed (it then closes the stream, so
+    /// the receiver fails too and the batch ends).
+    send_error: Arc<Mutex<Option<io::Error>>>,
+    /// This lane's share of the batch being dealt.
+    requests: Vec<(usize, u64)>,
+    /// The share in flight.
+    in_flight: Option<Requests>,
+    threads: [JoinHandle<()>; 2],
 }
 
 /// Streams to a [`super::RawServer`], in groups: a group is what one
@@ -122,54 +113,61 @@ impl RawClient {
         batch: usize,
         lat: &mut Vec<Duration>,
     ) -> Result<(), BenchError> {
-        let groups = self.deal(op, block, batch);
+        let groups = self.deal(block, batch);
         let t0 = Instant::now();
         self.arrived.clear();
         self.arrived.resize(groups * batch, t0);
         for (i, lane) in self.lanes.iter_mut().enumerate() {
-            let Some(job) = lane.spare.take_if(|j| !j.requests.is_empty()) else {
-                continue;
-            };
-            lane.jobs.send(job).map_err(|_| ended(self.addr, i))?;
-            lane.busy = true;
-        }
-        for (i, lane) in self.lanes.iter_mut().enumerate() {
-            if !std::mem::take(&mut lane.busy) {
+            if lane.requests.is_empty() {
                 continue;
             }
-            let job = match lane.done.recv() {
-                Ok(Ok(job)) => job,
-                Ok(Err(source)) => {
+            let requests: Requests = std::mem::take(&mut lane.requests).into();
+            // The receiver first: it is ready when the first answer comes.
+            lane.receive
+                .send((op, requests.clone()))
+                .and_then(|()| lane.send.send((op, requests.clone())))
+                .map_err(|_| ended(self.addr, i))?;
+            lane.in_flight = Some(requests);
+        }
+        for (i, lane) in self.lanes.iter_mut().enumerate() {
+            let Some(requests) = lane.in_flight.take() else {
+                continue;
+            };
+            let arrived = match lane.done.recv() {
+                Ok(Ok(arrived)) => arrived,
+                Ok(Err(e)) => {
+                    let sent = lane
+                        .send_error
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take();
                     return Err(BenchError::RawTcp {
                         addr: self.addr,
                         stream: i,
-                        source,
-                    })
+                        source: sent.unwrap_or(e),
+                    });
                 }
                 Err(_) => return Err(ended(self.addr, i)),
             };
-            for (&(b, _), &t) in job.requests.iter().zip(&job.arrived) {
+            for (&(b, _), &t) in requests.iter().zip(&arrived) {
                 self.arrived[b] = self.arrived[b].max(t);
             }
-            lane.spare = Some(job);
         }
         lat.extend(self.arrived.iter().map(|&t| t - t0));
         Ok(())
     }
 
-    /// Fills the streams' jobs for one batch of `batch` blocks per group:
+    /// Fills the streams' shares of one batch of `batch` blocks per group:
     /// each block split into requests of at most `chunk` bytes, striped
     /// over its group's streams like the tcp backend stripes a peer's
     /// requests (`PeerConn::add_chunk`): the streams take turns every
     /// `chunk` bytes queued, so a run of small blocks stays on one stream
     /// and each full-size request gets one to itself. Returns the groups.
-    fn deal(&mut self, op: Op, block: u64, batch: usize) -> usize {
+    fn deal(&mut self, block: u64, batch: usize) -> usize {
         let per = self.per_group;
         let groups = self.lanes.len() / per;
         for lane in &mut self.lanes {
-            let job = lane.spare.get_or_insert_with(|| Job::new(op));
-            job.op = op;
-            job.requests.clear();
+            lane.requests.clear();
         }
         for g in 0..groups {
             for i in 0..batch {
@@ -179,9 +177,9 @@ impl RawClient {
                     let at = self.striped[g];
                     self.striped[g] += len;
                     let turn = (at / self.chunk) as usize % per;
-                    let lane = &mut self.lanes[g * per + turn];
-                    let job = lane.spare.get_or_insert_with(|| Job::new(op));
-                    job.requests.push((g * batch + i, len));
+                    self.lanes[g * per + turn]
+                        .requests
+                        .push((g * batch + i, len));
                     left -= len;
                 }
             }
@@ -203,10 +201,17 @@ impl Drop for RawClient {
     /// and joins their threads.
     fn drop(&mut self) {
         for (i, lane) in self.lanes.drain(..).enumerate() {
-            let Lane { jobs, thread, .. } = lane;
-            drop(jobs);
-            if thread.join().is_err() {
-                tracing::error!(addr = %self.addr, stream = i, "raw-tcp stream thread panicked");
+            let Lane {
+                send,
+                receive,
+                threads,
+                ..
+            } = lane;
+            drop((send, receive));
+            for t in threads {
+                if t.join().is_err() {
+                    tracing::error!(addr = %self.addr, stream = i, "raw-tcp stream thread panicked");
+                }
             }
         }
     }
@@ -215,33 +220,50 @@ impl Drop for RawClient {
 impl Lane {
     fn start(addr: SocketAddr, i: usize, chunk: usize) -> io::Result<Self> {
         let stream = hello(addr)?;
+        let (send, sends) = mpsc::channel::<(Op, Requests)>();
+        let (receive, receives) = mpsc::channel::<(Op, Requests)>();
+        let (answered, done) = mpsc::channel();
+        let send_error = Arc::new(Mutex::new(None));
         let payload = buffer(chunk, 0x5a)?;
         let sink = buffer(chunk, 0)?;
-        let (jobs, rx) = mpsc::channel();
-        let (tx, done) = mpsc::channel();
-        let thread = thread::Builder::new()
-            .name(format!("kvlane-raw-{i}"))
+        let (out, failed) = (stream.try_clone()?, send_error.clone());
+        let sender = thread::Builder::new()
+            .name(format!("kvlane-raw-tx-{i}"))
             .spawn(move || {
-                let mut io = StreamIo {
-                    r: FrameReader::new(&stream),
-                    w: FrameWriter::new(&stream),
-                    payload: &payload,
-                    sink: &sink,
-                };
-                for mut job in rx {
-                    let r = io.run(&mut job);
-                    let failed = r.is_err();
-                    if tx.send(r.map(|()| job)).is_err() || failed {
+                let mut w = FrameWriter::new(&out);
+                for (op, requests) in sends {
+                    if let Err(e) = send_all(&mut w, op, &requests, &payload) {
+                        *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                        // Ends the receiver's wait too.
+                        out.shutdown(Shutdown::Both).ok();
+                        return;
+                    }
+                }
+            })?;
+        let receiver = thread::Builder::new()
+            .name(format!("kvlane-raw-rx-{i}"))
+            .spawn(move || {
+                let mut r = FrameReader::new(&stream);
+                for (op, requests) in receives {
+                    let got = receive_all(&mut r, op, &requests, &sink);
+                    if got.is_err() {
+                        // Ends a sender stuck on a stream nobody reads.
+                        stream.shutdown(Shutdown::Both).ok();
+                    }
+                    let failed = got.is_err();
+                    if answered.send(got).is_err() || failed {
                         return;
                     }
                 }
             })?;
         Ok(Self {
-            jobs,
+            send,
+            receive,
             done,
-            spare: None,
-            busy: false,
-            thread,
+            send_error,
+            requests: Vec::new(),
+            in_flight: None,
+            threads: [sender, receiver],
         })
     }
 }
@@ -268,64 +290,51 @@ fn hello(addr: SocketAddr) -> io::Result<TcpStream> {
     Ok(s)
 }
 
-/// One stream's two directions and buffers.
-struct StreamIo<'a> {
-    r: FrameReader<'a>,
-    w: FrameWriter<'a>,
-    /// WRITE payload (requests are at most this long).
-    payload: &'a Region,
-    /// Where READ payload lands.
-    sink: &'a Region,
+/// Sends `requests` (with their payload for WRITE) back to back, gathered
+/// into as few writes as the backend's sender would use.
+fn send_all(
+    w: &mut FrameWriter<'_>,
+    op: Op,
+    requests: &[(usize, u64)],
+    payload: &Region,
+) -> io::Result<()> {
+    for &(_, len) in requests {
+        w.put(&header(op, len));
+        if op == Op::Write {
+            w.region(payload, 0, len)?;
+        }
+        if w.is_full() {
+            w.flush()?;
+        }
+    }
+    w.flush()
 }
 
-impl StreamIo<'_> {
-    /// Sends the job's requests, at most `WINDOW` ahead of the answers,
-    /// and times each answer.
-    fn run(&mut self, job: &mut Job) -> io::Result<()> {
-        let op = job.op;
-        job.arrived.clear();
-        let n = job.requests.len();
-        let (mut sent, mut got) = (0, 0);
-        while got < n {
-            let upto = n.min(got + WINDOW);
-            if sent < upto {
-                self.send(op, &job.requests[sent..upto])?;
-                sent = upto;
-            }
-            let len = job.requests[got].1;
-            match op {
-                Op::Write => {
-                    let mut ack = [0; 8];
-                    self.r.payload(&mut ack)?;
-                    if u64::from_le_bytes(ack) != len {
-                        return Err(invalid(format!(
-                            "acknowledged {} bytes of a {len}-byte write",
-                            u64::from_le_bytes(ack)
-                        )));
-                    }
+/// Reads the answers to `requests`, in order, and when each arrived.
+fn receive_all(
+    r: &mut FrameReader<'_>,
+    op: Op,
+    requests: &[(usize, u64)],
+    sink: &Region,
+) -> io::Result<Vec<Instant>> {
+    let mut arrived = Vec::with_capacity(requests.len());
+    for &(_, len) in requests {
+        match op {
+            Op::Write => {
+                let mut ack = [0; 8];
+                r.payload(&mut ack)?;
+                if u64::from_le_bytes(ack) != len {
+                    return Err(invalid(format!(
+                        "acknowledged {} bytes of a {len}-byte write",
+                        u64::from_le_bytes(ack)
+                    )));
                 }
-                Op::Read => read_into(&mut self.r, self.sink, len)?,
             }
-            job.arrived.push(Instant::now());
-            got += 1;
+            Op::Read => read_into(r, sink, len)?,
         }
-        Ok(())
+        arrived.push(Instant::now());
     }
-
-    /// Sends `requests` (with their payload for WRITE), gathered into as
-    /// few writes as the backend's sender would use.
-    fn send(&mut self, op: Op, requests: &[(usize, u64)]) -> io::Result<()> {
-        for &(_, len) in requests {
-            self.w.put(&header(op, len));
-            if op == Op::Write {
-                self.w.region(self.payload, 0, len)?;
-            }
-            if self.w.is_full() {
-                self.w.flush()?;
-            }
-        }
-        self.w.flush()
-    }
+    Ok(arrived)
 }
 
 #[cfg(test)]
@@ -337,12 +346,7 @@ mod tests {
     fn dealt(c: &RawClient) -> Vec<Vec<usize>> {
         c.lanes
             .iter()
-            .map(|l| {
-                l.spare
-                    .iter()
-                    .flat_map(|j| j.requests.iter().map(|r| r.0))
-                    .collect()
-            })
+            .map(|l| l.requests.iter().map(|r| r.0).collect())
             .collect()
     }
 
@@ -356,27 +360,22 @@ mod tests {
         // Small blocks: one chunk's worth stays on one stream, and the
         // next batch goes on where this one stopped.
         let per_chunk = (chunk / 4096) as usize;
-        c.deal(Op::Write, 4096, per_chunk);
+        c.deal(4096, per_chunk);
         let mut one = vec![Vec::new(); streams];
         one[0] = (0..per_chunk).collect();
         assert_eq!(dealt(&c), one);
-        c.deal(Op::Write, 4096, 1);
+        c.deal(4096, 1);
         let mut next = vec![Vec::new(); streams];
         next[1] = vec![0];
         assert_eq!(dealt(&c), next);
         // Blocks of two chunks and a bit: every chunk gets a stream to
         // itself, and a bit shares the stream of the chunk after it.
         let mut c = RawClient::connect(server.local_addr(), 1).unwrap();
-        c.deal(Op::Read, 2 * chunk + 1, 2);
+        c.deal(2 * chunk + 1, 2);
         let requests: Vec<Vec<u64>> = c
             .lanes
             .iter()
-            .map(|l| {
-                l.spare
-                    .iter()
-                    .flat_map(|j| j.requests.iter().map(|r| r.1))
-                    .collect()
-            })
+            .map(|l| l.requests.iter().map(|r| r.1).collect())
             .collect();
         assert_eq!(streams, 4, "the tcp default this case is written for");
         assert_eq!(

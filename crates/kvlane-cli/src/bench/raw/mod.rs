@@ -3,9 +3,10 @@
 //!
 //! A [`RawServer`] is a sink and a source; a [`RawClient`] opens as many
 //! streams to it as the tcp backend opens to a peer
-//! (`TcpConfig::default().streams` per initiator thread), each served by
-//! one thread on either side, and splits and stripes blocks over them as
-//! the backend does. Per stream, once:
+//! (`TcpConfig::default().streams` per initiator thread), with a sender
+//! and a receiver thread per stream on its side and one thread per
+//! connection on the server's (as the backend has), and splits and stripes
+//! blocks over them as the backend does. Per stream, once:
 //!
 //! ```text
 //! client -> server  MAGIC                  (8 bytes)

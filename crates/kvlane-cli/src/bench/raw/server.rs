@@ -18,6 +18,10 @@ use std::time::Duration;
 /// cannot pile up threads.
 const MAX_CONNECTIONS: usize = 256;
 
+/// Answers are flushed at the latest once they cover this many payload
+/// bytes, even while more requests wait (the tcp server's `ACK_BATCH`).
+const ACK_BATCH: u64 = 1 << 20;
+
 /// How often the listener looks for a connection (and for the stop flag);
 /// it delays only the opening of the baseline's streams.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
@@ -130,9 +134,8 @@ fn accept_loop(listener: &TcpListener, state: &Arc<State>) {
 }
 
 /// Serves one connection until the client closes it (`Ok`) or breaks the
-/// protocol or the connection (`Err`). Answers gather until this side
-/// could block (nothing buffered) or a write's worth is gathered, then
-/// leave together, in order, as the tcp backend's server sends them.
+/// protocol or the connection (`Err`). Answers gather and leave together,
+/// in order, as the tcp backend's server sends them.
 fn serve(stream: TcpStream) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
@@ -152,9 +155,14 @@ fn serve(stream: TcpStream) -> io::Result<()> {
     stream.set_read_timeout(None)?;
     let sink = buffer(IO_CHUNK, 0)?;
     let source = buffer(IO_CHUNK, 0xa5)?;
+    // Payload bytes answered but not yet flushed.
+    let mut unflushed = 0u64;
     loop {
-        if wr.buffered() > 0 && rd.is_drained() {
+        // The tcp server's rule: flush before this side would block, or
+        // once the answers cover `ACK_BATCH` bytes.
+        if wr.buffered() > 0 && (unflushed >= ACK_BATCH || rd.would_block()) {
             wr.flush()?;
+            unflushed = 0;
         }
         let mut h = [0; HEADER_LEN];
         match rd.header(&mut h) {
@@ -165,6 +173,7 @@ fn serve(stream: TcpStream) -> io::Result<()> {
             Err(e) => return Err(e),
         }
         let (op, len) = parse_header(&h)?;
+        unflushed += len;
         let mut left = len;
         while left > 0 {
             let n = left.min(IO_CHUNK as u64);
@@ -179,6 +188,7 @@ fn serve(stream: TcpStream) -> io::Result<()> {
         }
         if wr.is_full() {
             wr.flush()?;
+            unflushed = 0;
         }
     }
 }
