@@ -122,10 +122,11 @@ impl RawClient {
                 continue;
             }
             let requests: Requests = std::mem::take(&mut lane.requests).into();
-            // The receiver first: it is ready when the first answer comes.
-            lane.receive
+            // The sender first: the bytes start moving while the receiver
+            // wakes (answers wait in the socket for it).
+            lane.send
                 .send((op, requests.clone()))
-                .and_then(|()| lane.send.send((op, requests.clone())))
+                .and_then(|()| lane.receive.send((op, requests.clone())))
                 .map_err(|_| ended(self.addr, i))?;
             lane.in_flight = Some(requests);
         }
