@@ -2,8 +2,6 @@
 #![forbid(unsafe_code)]
 
 mod bench;
-mod bench_cli;
-mod bench_remote;
 mod devices;
 mod liveness;
 mod ping;
@@ -29,7 +27,25 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Measure batched one-sided READ/WRITE throughput and latency.
-    Bench(bench_cli::BenchArgs),
+    ///
+    /// Baseline rows come from the same run, in slices between the
+    /// backend points of each block size: `memcpy` copies the same blocks
+    /// on `--threads` threads (the loopback ceiling); `raw-tcp` moves them
+    /// over plain TCP streams, as many as the tcp backend opens (4 per
+    /// thread), each block split into 512 KiB requests and striped over
+    /// them as the backend does it (streams take turns every 512 KiB):
+    /// `read` is READ-shaped (a small request out, the block back), `write`
+    /// WRITE-shaped (the block out, a small acknowledgement back). Locally,
+    /// `raw-tcp` runs on 127.0.0.1, when `tcp` is measured.
+    ///
+    /// Two hosts: `--role target` also serves a raw TCP sink/source on any
+    /// free port of its `--listen` host and names that port in its engine
+    /// id (`kvlane-bench-target raw-tcp=PORT`, printed on its first line
+    /// too); `--role initiator` learns it in the handshake and measures the
+    /// `raw-tcp` rows against the host it dialed with `--connect`: the
+    /// link's ceiling, beside the agent's rows. `--no-baseline` turns both
+    /// off.
+    Bench(bench::BenchArgs),
     /// Register a KV cache and serve peers until Ctrl-C.
     Serve(serve::ServeArgs),
     /// Preflight, handshake and round-trip samples against an agent.
@@ -85,7 +101,7 @@ fn main() -> ExitCode {
         .init();
     match cli.cmd {
         Command::Bench(args) => {
-            bench_cli::run(args).map_or_else(|e| report(&*e), |()| ExitCode::SUCCESS)
+            bench::run(args).map_or_else(|e| report(&*e), |()| ExitCode::SUCCESS)
         }
         Command::Serve(args) => runtime()
             .block_on(serve::run(args))

@@ -320,18 +320,23 @@ fn ping_measures_round_trips() {
     assert!(text.contains("engine=decode"), "{text}");
 }
 
-#[test]
-fn bench_across_two_processes_reports_every_point() {
+/// What an initiator printed against a `kvlane bench --role target`.
+struct BenchRun {
+    /// The target's first line.
+    first: String,
+    /// `(backend, op, block_size)` of every JSON row.
+    points: Vec<(String, String, u64)>,
+    rows: Vec<serde_json::Value>,
+    stderr: String,
+}
+
+/// `kvlane bench --role target` (with `target_args`) and an initiator
+/// against it.
+fn bench_two_processes(target_args: &[&str]) -> BenchRun {
     let mut target = Command::new(env!("CARGO_BIN_EXE_kvlane"))
-        .args([
-            "bench",
-            "--role",
-            "target",
-            "--listen",
-            "127.0.0.1:0",
-            "--pool",
-            "4M",
-        ])
+        .args(["bench", "--role", "target", "--listen", "127.0.0.1:0"])
+        .args(["--pool", "4M"])
+        .args(target_args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -345,52 +350,91 @@ fn bench_across_two_processes_reports_every_point() {
         .to_owned();
     let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
         .args(["bench", "--role", "initiator", "--connect", &addr, "--json"])
-        .args([
-            "--block-sizes",
-            "4K,64K",
-            "--batch",
-            "4",
-            "--duration",
-            "50ms",
-        ])
+        .args(["--block-sizes", "4K,64K", "--batch", "4"])
+        .args(["--duration", "50ms"])
         .output()
         .unwrap();
     let _ = target.kill();
     let _ = target.wait();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
     let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON row"))
         .collect();
-    let points: Vec<(String, u64)> = rows
+    let points = rows
         .iter()
         .map(|r| {
             (
+                r["backend"].as_str().unwrap().to_owned(),
                 r["op"].as_str().unwrap().to_owned(),
                 r["block_size"].as_u64().unwrap(),
             )
         })
         .collect();
-    assert_eq!(
+    BenchRun {
+        first,
         points,
-        vec![
-            ("read".into(), 4096),
-            ("write".into(), 4096),
-            ("read".into(), 65536),
-            ("write".into(), 65536)
-        ]
+        rows,
+        stderr,
+    }
+}
+
+fn points(kinds: &[(&str, &str)]) -> Vec<(String, String, u64)> {
+    [4096, 65536]
+        .into_iter()
+        .flat_map(|b| {
+            kinds
+                .iter()
+                .map(move |(backend, op)| ((*backend).to_owned(), (*op).to_owned(), b))
+        })
+        .collect()
+}
+
+#[test]
+fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
+    let BenchRun {
+        first,
+        points: points_seen,
+        rows,
+        stderr,
+    } = bench_two_processes(&[]);
+    assert!(first.contains(" raw-tcp="), "{first}");
+    // Per block size: the raw-tcp ceiling of the link (READ- and
+    // WRITE-shaped, against the target's raw port), then the agent.
+    assert_eq!(
+        points_seen,
+        points(&[
+            ("raw-tcp", "read"),
+            ("raw-tcp", "write"),
+            ("tcp", "read"),
+            ("tcp", "write")
+        ])
     );
     for r in &rows {
-        assert_eq!(r["backend"], "tcp");
         assert!(
             r["gbps"].as_f64().unwrap() > 0.0 && r["transfers"].as_u64().unwrap() >= 12,
             "{r}"
         );
     }
+    assert!(
+        stderr.contains("raw-tcp ceiling: 4 streams to 127.0.0.1:"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
+#[test]
+fn a_target_without_baselines_serves_no_ceiling_and_the_initiator_says_so() {
+    let BenchRun {
+        first,
+        points: points_seen,
+        stderr,
+        ..
+    } = bench_two_processes(&["--no-baseline"]);
+    assert!(!first.contains("raw-tcp"), "{first}");
+    assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
+    assert!(stderr.contains("serves no raw-tcp ceiling"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

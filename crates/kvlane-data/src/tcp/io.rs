@@ -20,13 +20,15 @@ pub(crate) const IO_BUF: usize = 256 << 10;
 /// many frames. After a large payload the next header is read on its own
 /// when nothing is buffered, so the following large payload is not pulled
 /// into the buffer and copied twice.
-pub(crate) struct FrameReader<'a> {
+#[derive(Debug)]
+pub struct FrameReader<'a> {
     rd: BufReader<&'a TcpStream>,
     direct: bool,
 }
 
 impl<'a> FrameReader<'a> {
-    pub(crate) fn new(stream: &'a TcpStream) -> Self {
+    /// Reads from `stream` through a buffer of its own.
+    pub fn new(stream: &'a TcpStream) -> Self {
         Self {
             rd: BufReader::with_capacity(IO_BUF, stream),
             direct: false,
@@ -34,13 +36,20 @@ impl<'a> FrameReader<'a> {
     }
 
     /// Whether nothing is buffered (the next read may block).
-    pub(crate) fn is_drained(&self) -> bool {
+    pub fn is_drained(&self) -> bool {
         self.rd.buffer().is_empty()
+    }
+
+    /// Whether the next read would block: nothing buffered and nothing
+    /// (not even an end of stream) waiting on the socket. A server flushes
+    /// its gathered answers then, not after every request.
+    pub fn would_block(&self) -> bool {
+        self.is_drained() && !readable_now(self.rd.get_ref())
     }
 
     /// Reads exactly `dst.len()` header bytes. `UnexpectedEof` when the
     /// peer closed before the first byte or mid-header.
-    pub(crate) fn header(&mut self, dst: &mut [u8]) -> io::Result<()> {
+    pub fn header(&mut self, dst: &mut [u8]) -> io::Result<()> {
         if self.direct && self.is_drained() {
             self.rd.get_mut().read_exact(dst)
         } else {
@@ -49,7 +58,7 @@ impl<'a> FrameReader<'a> {
     }
 
     /// Reads exactly `dst.len()` payload bytes.
-    pub(crate) fn payload(&mut self, dst: &mut [u8]) -> io::Result<()> {
+    pub fn payload(&mut self, dst: &mut [u8]) -> io::Result<()> {
         let buffered = self.rd.buffer();
         let n = buffered.len().min(dst.len());
         dst[..n].copy_from_slice(&buffered[..n]);
@@ -67,7 +76,7 @@ impl<'a> FrameReader<'a> {
     }
 
     /// Reads and discards `n` bytes.
-    pub(crate) fn skip(&mut self, n: u64) -> io::Result<()> {
+    pub fn skip(&mut self, n: u64) -> io::Result<()> {
         let skipped = io::copy(&mut (&mut self.rd).take(n), &mut io::sink())?;
         if skipped == n {
             Ok(())
@@ -95,15 +104,24 @@ enum Seg {
 /// Gathers frames and writes them with vectored writes: headers and tiny
 /// payloads are copied into a buffer, other payloads are referenced in
 /// region memory and go from there to the socket (no user-space copy).
-pub(crate) struct FrameWriter<'a> {
+pub struct FrameWriter<'a> {
     stream: &'a TcpStream,
     buf: Vec<u8>,
     segs: Vec<Seg>,
     bytes: usize,
 }
 
+impl std::fmt::Debug for FrameWriter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameWriter")
+            .field("buffered", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<'a> FrameWriter<'a> {
-    pub(crate) fn new(stream: &'a TcpStream) -> Self {
+    /// Writes to `stream`; nothing leaves before [`flush`](Self::flush).
+    pub fn new(stream: &'a TcpStream) -> Self {
         Self {
             stream,
             buf: Vec::with_capacity(64 << 10),
@@ -113,17 +131,17 @@ impl<'a> FrameWriter<'a> {
     }
 
     /// Bytes gathered and not yet written.
-    pub(crate) fn buffered(&self) -> usize {
+    pub fn buffered(&self) -> usize {
         self.bytes
     }
 
     /// Whether enough is gathered that it should be written now.
-    pub(crate) fn is_full(&self) -> bool {
+    pub fn is_full(&self) -> bool {
         self.bytes >= IO_BUF || self.segs.len() >= MAX_SEGS
     }
 
     /// Appends a copy of `bytes`.
-    pub(crate) fn put(&mut self, bytes: &[u8]) {
+    pub fn put(&mut self, bytes: &[u8]) {
         let start = self.buf.len();
         self.buf.extend_from_slice(bytes);
         let end = self.buf.len();
@@ -136,7 +154,7 @@ impl<'a> FrameWriter<'a> {
 
     /// Appends `len` bytes of `region` from `offset` (checked again when
     /// written).
-    pub(crate) fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+    pub fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
         if len < COPY_MAX {
             return region
                 .with_slice(offset, len, |s| self.put(s))
@@ -150,7 +168,7 @@ impl<'a> FrameWriter<'a> {
     }
 
     /// Writes everything gathered.
-    pub(crate) fn flush(&mut self) -> io::Result<()> {
+    pub fn flush(&mut self) -> io::Result<()> {
         if self.segs.is_empty() {
             return Ok(());
         }
@@ -249,7 +267,7 @@ pub(crate) fn tune_socket(s: &TcpStream, opts: SocketOptions) {
 
 /// Whether bytes (or an EOF) are waiting on `stream`, without blocking.
 /// Where the check is unsupported it answers `false`, so callers flush.
-pub(crate) fn readable_now(stream: &TcpStream) -> bool {
+fn readable_now(stream: &TcpStream) -> bool {
     #[cfg(unix)]
     {
         let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];

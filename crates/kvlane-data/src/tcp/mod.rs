@@ -23,6 +23,10 @@
 //! straight between the socket and region memory, and no executor sits
 //! between the kernel and the copy.
 //!
+//! That framed socket I/O, [`FrameReader`] and [`FrameWriter`], is public
+//! so that a baseline can move bytes exactly as the backend does (`kvlane
+//! bench`'s raw-tcp ceiling reads and writes with it).
+//!
 //! Failures: a broken stream fails every transfer in flight to that peer
 //! with [`DataError::PeerLost`] as soon as the socket reports it; deadlines
 //! are enforced by [`poll`](Backend::poll). Completions and notifications
@@ -72,6 +76,7 @@ mod server;
 #[doc(hidden)]
 pub mod wire;
 
+pub use io::{FrameReader, FrameWriter};
 #[doc(hidden)]
 pub use server::fuzz_request;
 pub use server::TcpCounters;

@@ -7,7 +7,7 @@
 //! kernel move bytes straight between the socket and region memory).
 //! Every request passes [`check_request`] before memory is touched.
 
-use super::io::{readable_now, tune_socket, FrameReader, FrameWriter, SocketOptions};
+use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
 use super::wire::{
     FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
     TOKEN_LEN,
@@ -382,9 +382,7 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         // Answers go out in batches: flush before we would block, or once
         // a batch acknowledges `ACK_BATCH` bytes (so acks keep flowing
         // while the initiator streams without pause).
-        if wr.buffered() > 0
-            && (unflushed >= ACK_BATCH || (rd.is_drained() && !readable_now(&stream)))
-        {
+        if wr.buffered() > 0 && (unflushed >= ACK_BATCH || rd.would_block()) {
             wr.flush()?;
             unflushed = 0;
         }

@@ -1,12 +1,11 @@
 //! The `kvlane bench` command line: options, backend choice, output.
 
-use crate::bench::{self, BenchError, BenchPlan, Row};
-use crate::{bench_remote, units};
+use super::output::Output;
+use super::{local, remote, BenchError, BenchPlan};
+use crate::units;
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use kvlane_data::tcp::{TcpBackend, TcpConfig};
 use kvlane_data::{Backend, BackendKind, LoopbackBackend, Op};
-use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -28,9 +27,12 @@ pub(crate) enum OpArg {
 pub(crate) enum Role {
     /// Both sides in this process (default).
     Local,
-    /// Serve memory for an initiator in another process or host.
+    /// Serve memory for an initiator in another process or host, and a
+    /// raw TCP sink/source for its link-ceiling rows (any free port of the
+    /// `--listen` host, announced to the initiator in the handshake).
     Target,
-    /// Measure against `--connect ADDR`.
+    /// Measure against `--connect ADDR`, with `raw-tcp` rows of the same
+    /// link (the target's raw TCP port, at the host of `--connect`).
     Initiator,
 }
 
@@ -53,10 +55,12 @@ pub(crate) struct BenchArgs {
     /// Measuring time per point (e.g. 2s, 500ms).
     #[arg(long, default_value = "1s", value_parser = units::parse_duration)]
     duration: Duration,
-    /// Initiator threads, each with its own backend pair (local role).
+    /// Initiator threads, each with its own backend pair, memcpy copy and
+    /// raw-tcp streams (local role).
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// Skip the memcpy / raw-tcp baseline rows.
+    /// Skip the memcpy / raw-tcp baseline rows (`--role target`: serve
+    /// no raw TCP port).
     #[arg(long)]
     no_baseline: bool,
     /// One JSON object per line instead of a table.
@@ -149,48 +153,6 @@ fn resolve(arg: BackendArg) -> BackendKind {
     }
 }
 
-struct Output {
-    json: bool,
-    bar: ProgressBar,
-}
-
-impl Output {
-    fn new(json: bool, total: u64) -> Self {
-        // The bar stays off when stderr is not a terminal.
-        let bar = if std::io::stderr().is_terminal() {
-            let bar = ProgressBar::new(total);
-            if let Ok(style) = ProgressStyle::with_template("[{pos}/{len}] {bar:30} {msg}") {
-                bar.set_style(style);
-            }
-            bar
-        } else {
-            ProgressBar::hidden()
-        };
-        if !json {
-            let _ = writeln!(std::io::stdout(), "{}", bench::table_header());
-        }
-        Self { json, bar }
-    }
-
-    fn progress(&self, what: &str) {
-        self.bar.set_message(what.to_owned());
-    }
-
-    fn row(&self, row: &Row) {
-        let line = if self.json {
-            serde_json::to_string(row).unwrap_or_default()
-        } else {
-            bench::table_line(row)
-        };
-        self.bar.suspend(|| {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{line}");
-            let _ = out.flush();
-        });
-        self.bar.inc(1);
-    }
-}
-
 /// Runs `kvlane bench`.
 pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.batch.contains(&0) || args.threads == 0 {
@@ -224,7 +186,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         baselines: !args.no_baseline,
         threads: args.threads,
     };
-    let opts = bench_remote::RemoteOpts {
+    let opts = remote::RemoteOpts {
         backend: if args.role == Role::Local {
             kvlane::BackendChoice::Auto
         } else {
@@ -234,34 +196,33 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         advertise: args.advertise.clone(),
     };
     match args.role {
-        Role::Target => {
-            Ok(crate::runtime().block_on(bench_remote::target(&args.listen, args.pool, &opts))?)
-        }
+        Role::Target => Ok(crate::runtime().block_on(remote::target(
+            &args.listen,
+            args.pool,
+            &opts,
+            plan.baselines,
+        ))?),
         Role::Initiator => {
             let addr = args
                 .connect
                 .as_deref()
                 .ok_or("--role initiator needs --connect HOST:PORT")?;
+            // Agent rows, and as many raw-tcp rows when the target serves
+            // its raw port.
             let points = plan.block_sizes.len() * plan.batches.len() * plan.ops.len();
-            let out = Output::new(args.json, points as u64);
-            let r = crate::runtime().block_on(bench_remote::initiator(
-                addr,
-                &plan,
-                &opts,
-                |w| out.progress(w),
-                |r| out.row(r),
-            ));
-            out.bar.finish_and_clear();
+            let out = Output::new(
+                args.json,
+                (points * (1 + usize::from(plan.baselines))) as u64,
+            )?;
+            let r = remote::initiator(addr, &plan, &opts, |w| out.progress(w), |r| out.row(r));
+            out.finish();
             Ok(r?)
         }
         Role::Local => {
-            let per_size = plan.backends.len() * plan.ops.len()
-                + usize::from(plan.baselines)
-                + usize::from(plan.baselines && plan.backends.contains(&BackendKind::Tcp));
-            let total = plan.block_sizes.len() * plan.batches.len() * per_size;
-            let out = Output::new(args.json, total as u64);
-            let r = bench::run(&plan, &make_backend, |w| out.progress(w), |r| out.row(r));
-            out.bar.finish_and_clear();
+            let total = plan.block_sizes.len() * local::rows_per_block_size(&plan);
+            let out = Output::new(args.json, total as u64)?;
+            let r = local::run(&plan, &make_backend, |w| out.progress(w), |r| out.row(r));
+            out.finish();
             Ok(r?)
         }
     }

@@ -1,0 +1,334 @@
+//! `kvlane bench --role target|initiator`: the benchmark across two
+//! processes or hosts, through the `Agent` API (control handshake, then the
+//! data plane), with the link's raw-tcp ceiling measured in the same run.
+//!
+//! Both sides register a flat cache of 4 KiB pages; a block of `B` bytes is
+//! `B / 4 KiB` consecutive page ids, which the planner merges into one
+//! descriptor, so "prepare" measures real planning work.
+//!
+//! The ceiling: the target also serves a raw-tcp sink and source
+//! ([`RawServer`]) on the host it listens on, at any free port, and names
+//! that port in its engine id (`kvlane-bench-target raw-tcp=PORT`): the
+//! handshake is the one channel the initiator already has (and, with
+//! `--psk`, authenticates), so nothing else must be opened, agreed on or
+//! passed by hand. The initiator dials that port at the host it dialed for
+//! control, which also holds when the target listens on `0.0.0.0`, opens as
+//! many streams as the tcp backend does, and gives READ- and WRITE-shaped
+//! raw-tcp points slices between the agent's points, as the local bench
+//! does.
+
+use super::announce::{announced_raw_port, host_of, raw_addr, target_engine_id};
+use super::raw::{RawClient, RawServer};
+use super::schedule::{rounds, run_for, Point, Slice};
+use super::stats::Sample;
+use super::{op_name, BenchError, BenchPlan, Row};
+use crate::units::fmt_size;
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};
+use kvlane::{Agent, BackendChoice, BlockingAgent, Error, Peer, TransferHandle};
+use std::time::Instant;
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// Planning granularity of the two-process benchmark.
+pub(crate) const PAGE: u64 = 4096;
+
+fn flat_layout(bytes: u64) -> Result<KvLayout, BoxError> {
+    let pages =
+        u32::try_from(bytes / PAGE).map_err(|_| format!("{bytes} bytes is too large a pool"))?;
+    Ok(KvLayout::new(
+        1,
+        pages.max(1),
+        PAGE,
+        KvParts::Fused,
+        LayoutOrder::LayerMajor,
+    )?)
+}
+
+/// Agent settings both roles take from the command line.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RemoteOpts {
+    /// The data-plane backend.
+    pub(crate) backend: BackendChoice,
+    /// Pre-shared key of the handshake.
+    pub(crate) psk: Option<String>,
+    /// Host the target tells peers to reach its data plane at.
+    pub(crate) advertise: Option<String>,
+}
+
+fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
+    let mut b = Agent::builder().backend(opts.backend);
+    if let Some(k) = &opts.psk {
+        b = b.psk(k.as_bytes().to_vec());
+    }
+    if let Some(a) = &opts.advertise {
+        b = b.advertise(a);
+    }
+    b
+}
+
+/// Serves `pool` bytes, and the raw-tcp ceiling unless `ceiling` is
+/// false, until Ctrl-C.
+pub(crate) async fn target(
+    listen: &str,
+    pool: u64,
+    opts: &RemoteOpts,
+    ceiling: bool,
+) -> Result<(), BoxError> {
+    let raw = if ceiling {
+        let host = host_of(listen);
+        let server = RawServer::bind((host, 0)).map_err(|source| BenchError::RawListen {
+            addr: format!("{host}:0"),
+            source,
+        })?;
+        Some(server)
+    } else {
+        None
+    };
+    let raw_port = raw.as_ref().map(|r| r.local_addr().port());
+    let layout = flat_layout(pool)?;
+    let region = Region::alloc(layout.required_len().unwrap_or(pool) as usize, Access::ALL)?;
+    let agent = builder(opts)
+        .engine_id(target_engine_id(raw_port))
+        .listen(listen)
+        .register_kv(layout, region)
+        .build()
+        .await?;
+    println!(
+        "listening {} backend={} pool={}{}",
+        agent.local_addr(),
+        agent.backend_kind(),
+        fmt_size(pool),
+        raw_port.map_or(String::new(), |p| format!(" raw-tcp={p}"))
+    );
+    eprintln!(
+        "kvlane bench: target ready; run `kvlane bench --role initiator --connect {}`",
+        agent.local_addr()
+    );
+    let stopped = tokio::signal::ctrl_c().await;
+    agent.close().await;
+    drop(raw);
+    stopped?;
+    Ok(())
+}
+
+/// Which side of the link a remote point measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Plain TCP streams to the target's raw-tcp port.
+    RawTcp,
+    /// The agent's peer.
+    Agent,
+}
+
+/// Runs the plan against a target agent at `addr`.
+pub(crate) fn initiator(
+    addr: &str,
+    plan: &BenchPlan,
+    opts: &RemoteOpts,
+    mut progress: impl FnMut(&str),
+    mut emit: impl FnMut(&Row) -> std::io::Result<()>,
+) -> Result<(), BoxError> {
+    if let Some(b) = plan.block_sizes.iter().find(|&&b| b % PAGE != 0) {
+        return Err(format!(
+            "--role initiator needs block sizes that are multiples of 4K, not {b}"
+        )
+        .into());
+    }
+    let max_batch = plan.batches.iter().copied().max().unwrap_or(1);
+    let pool_bytes = plan
+        .block_sizes
+        .iter()
+        .map(|&b| b * super::pair::pool_blocks(b, max_batch))
+        .max()
+        .unwrap_or(PAGE);
+    let layout = flat_layout(pool_bytes)?;
+    let region = Region::alloc(
+        layout.required_len().unwrap_or(pool_bytes) as usize,
+        Access::ALL,
+    )?;
+    region.fill(0, region.len(), 0xa5)?;
+    let agent = BlockingAgent::build(
+        builder(opts)
+            .engine_id("kvlane-bench-initiator")
+            .register_kv(layout, region),
+        2,
+    )?;
+    let measured = against(
+        &agent,
+        addr,
+        layout.num_blocks,
+        plan,
+        &mut progress,
+        &mut emit,
+    );
+    agent.close();
+    measured
+}
+
+/// The plan's points against the target at `addr`, block size by block
+/// size.
+fn against(
+    agent: &BlockingAgent,
+    addr: &str,
+    local_pages: u32,
+    plan: &BenchPlan,
+    progress: &mut impl FnMut(&str),
+    emit: &mut impl FnMut(&Row) -> std::io::Result<()>,
+) -> Result<(), BoxError> {
+    let peer = agent.connect(addr)?;
+    let remote_pages = peer_pages(&peer)?;
+    let backend = agent.agent().backend_kind().to_string();
+    let mut raw = match (plan.baselines, announced_raw_port(&peer.engine_id())?) {
+        (false, _) => None,
+        (true, Some(port)) => {
+            let at = raw_addr(addr, port)?;
+            let client = RawClient::connect(at, 1).map_err(|e| {
+                format!(
+                    "{e} (the target announced that port; is it reachable from here? \
+                     --no-baseline skips the raw-tcp rows)"
+                )
+            })?;
+            eprintln!(
+                "kvlane bench: raw-tcp ceiling: {} streams to {at}",
+                client.streams()
+            );
+            Some(client)
+        }
+        (true, None) => {
+            eprintln!(
+                "kvlane bench: the target at {addr} serves no raw-tcp ceiling \
+                 (started with --no-baseline?); no raw-tcp rows"
+            );
+            None
+        }
+    };
+    for &block in &plan.block_sizes {
+        let pages = (block / PAGE) as u32;
+        let slots =
+            (u64::from(local_pages) / u64::from(pages)).min(remote_pages / u64::from(pages));
+        if slots == 0 {
+            return Err(format!(
+                "the target at {addr} serves {} bytes, less than one {block}-byte block",
+                remote_pages * PAGE
+            )
+            .into());
+        }
+        let sides = [Side::RawTcp, Side::Agent];
+        let mut points: Vec<(Side, Point)> = sides
+            .into_iter()
+            .filter(|&s| s == Side::Agent || raw.is_some())
+            .flat_map(|s| plan.ops.iter().map(move |&op| (s, op)))
+            .flat_map(|(s, op)| plan.batches.iter().map(move |&b| (s, Point::new(op, b))))
+            .collect();
+        let n = points.len();
+        rounds(
+            &mut points,
+            plan.duration,
+            block,
+            |(_, p)| (&p.sample, p.batch),
+            |(side, p), slice, first| -> Result<(), BoxError> {
+                let s = match (*side, raw.as_mut()) {
+                    (Side::RawTcp, Some(c)) => c.measure(p.op, block, p.batch, slice, first)?,
+                    (Side::RawTcp, None) => unreachable!("raw-tcp points exist only with streams"),
+                    (Side::Agent, _) => {
+                        let at = Target {
+                            peer: &peer,
+                            pages,
+                            slots,
+                        };
+                        at.measure(p.op, p.batch, slice, first)?
+                    }
+                };
+                p.sample.merge(s);
+                Ok(())
+            },
+            |round| {
+                progress(&format!(
+                    "{} blocks -> {addr}, round {round}: {n} points",
+                    fmt_size(block)
+                ))
+            },
+        )?;
+        for (side, p) in points {
+            let name = if side == Side::RawTcp {
+                "raw-tcp"
+            } else {
+                &backend
+            };
+            let row = p.sample.row(name, op_name(p.op), block, p.batch);
+            emit(&row).map_err(BenchError::Output)?;
+        }
+    }
+    Ok(())
+}
+
+fn peer_pages(peer: &Peer) -> Result<u64, BoxError> {
+    match peer.remote_layout() {
+        Some(l) if l.block_bytes == PAGE && l.num_layers == 1 => Ok(u64::from(l.num_blocks)),
+        Some(l) => Err(format!(
+            "{} is not a bench target (its cache is {l:?}); start it with --role target",
+            peer.addr()
+        )
+        .into()),
+        None => Err(format!("{} serves no KV cache", peer.addr()).into()),
+    }
+}
+
+/// The target's cache as one block size sees it: `slots` blocks of
+/// `pages` pages each.
+struct Target<'a> {
+    peer: &'a Peer,
+    pages: u32,
+    slots: u64,
+}
+
+impl Target<'_> {
+    /// Runs batches for `slice`, after an unmeasured warm-up batch when
+    /// `first`. A transfer's latency is from its post until its handle,
+    /// waited for in posting order, returned.
+    fn measure(&self, op: Op, batch: usize, slice: Slice, first: bool) -> Result<Sample, Error> {
+        let mut s = Sample::default();
+        let mut ids: Vec<u32> = Vec::with_capacity(self.pages as usize);
+        if first {
+            for (_, h) in self.post_batch(op, batch, &mut ids, None)? {
+                h.wait()?;
+            }
+        }
+        s.secs = run_for(slice, || {
+            for (t, h) in self.post_batch(op, batch, &mut ids, Some(&mut s))? {
+                h.wait()?;
+                s.lat.push(t.elapsed());
+            }
+            Ok::<_, Error>(())
+        })?;
+        Ok(s)
+    }
+
+    /// Prepares and posts `batch` block transfers, timing both into
+    /// `record`; each handle with its post time.
+    fn post_batch(
+        &self,
+        op: Op,
+        batch: usize,
+        ids: &mut Vec<u32>,
+        mut record: Option<&mut Sample>,
+    ) -> Result<Vec<(Instant, TransferHandle)>, Error> {
+        let mut posted = Vec::with_capacity(batch);
+        for i in 0..batch {
+            let first = (i as u64 % self.slots) as u32 * self.pages;
+            ids.clear();
+            ids.extend(first..first + self.pages);
+            let t0 = Instant::now();
+            let prepared = self.peer.prepare(op, 0..1, ids, ids, None)?;
+            let t1 = Instant::now();
+            let handle = self.peer.post(prepared)?;
+            let t2 = Instant::now();
+            if let Some(s) = record.as_deref_mut() {
+                s.prepare += t1 - t0;
+                s.post += t2 - t1;
+            }
+            posted.push((t2, handle));
+        }
+        Ok(posted)
+    }
+}
