@@ -102,7 +102,7 @@ pub(crate) async fn target(
     );
     eprintln!(
         "kvlane bench: target ready; run `kvlane bench --role initiator --connect {}`",
-        agent.local_addr()
+        dialable(agent.local_addr())
     );
     let stopped = tokio::signal::ctrl_c().await;
     agent.close().await;
@@ -330,5 +330,26 @@ impl Target<'_> {
             posted.push((t2, handle));
         }
         Ok(posted)
+    }
+}
+
+/// `addr` as another host would dial it: a wildcard host becomes a
+/// placeholder (a peer dials one of this host's addresses).
+fn dialable(addr: &str) -> String {
+    match addr.rsplit_once(':') {
+        Some(("0.0.0.0" | "[::]", port)) => format!("THIS-HOST:{port}"),
+        _ => addr.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod dialable_tests {
+    use super::dialable;
+
+    #[test]
+    fn a_wildcard_listen_is_not_offered_as_an_address_to_dial() {
+        assert_eq!(dialable("0.0.0.0:5555"), "THIS-HOST:5555");
+        assert_eq!(dialable("[::]:5555"), "THIS-HOST:5555");
+        assert_eq!(dialable("10.0.0.1:5555"), "10.0.0.1:5555");
     }
 }
