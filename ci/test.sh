@@ -12,6 +12,8 @@ fi
 
 # The multi-host tests (crates/kvlane-cli/tests/multihost.rs) build network
 # namespaces: they need root, install iproute2 and nftables if missing, and
-# fail (not skip) without root. --all-targets also builds the example they run.
+# fail (not skip) without root. They run examples/prefill_decode from
+# target/debug/examples, which only `cargo build` writes (not `cargo test`).
+cargo build --workspace --examples --locked
 cargo test --workspace --all-targets --locked --no-fail-fast
 cargo test --workspace --doc --locked
