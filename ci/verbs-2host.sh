@@ -219,8 +219,8 @@ if has bench; then
   c=$(softroce_rxe_counters)
   echo "rxe0 counters after the kvlane bench: $c"
   case "$c" in *completer_retry_err=*)
-    echo "NOTE: rxe retransmitted: $(ack_timeout) is short for rxe under TCG;"
-    echo "      Debian 6.1 rxe can then fail a WRITE with 'remote invalid request' (seen at exponent 14; VERBS2_IB_TIMEOUT raises it)" ;;
+    echo "NOTE: rxe retransmitted (completer_retry_err; $(ack_timeout)): the ACK timeout is short for rxe under TCG;"
+    echo "      Debian 6.1 rxe can then fail a WRITE with 'remote invalid request' (seen at exponent 14; VERBS2_IB_TIMEOUT=18 removes it)" ;;
   esac
   softroce_mark bench-done
   port=18600
