@@ -68,7 +68,9 @@
 //! 6. Dead connections are reaped before inbound traffic is routed
 //!    (`invariant_6_*`).
 //! 7. A group handshake is uniform and names every failing rank
-//!    (`invariant_7_*`).
+//!    (`invariant_7_*`); at the facade, a rank whose data plane cannot be
+//!    attached fails the group and no rank stays connected
+//!    (`a_group_with_a_rank_whose_data_plane_fails_leaves_no_rank_connected`).
 //! 8. One peer's death leaves the others untouched (`invariant_8_*`); the
 //!    facade fails the dead peer's in-flight transfers with `PeerLost`
 //!    (`killed_target_fails_transfers_then_restart_recovers`).
