@@ -64,6 +64,7 @@ mod error;
 mod events;
 mod frames;
 mod peer;
+mod spans;
 mod state;
 
 pub use agent::{Agent, AgentBuilder, BackendChoice};
@@ -73,3 +74,4 @@ pub use events::{Notification, PeerEvent, PeerEventKind};
 pub use kvlane_control as control;
 pub use kvlane_data as data;
 pub use peer::{Peer, PreparedTransfer, TransferHandle, DEFAULT_TRANSFER_DEADLINE};
+pub use spans::MemSpan;
