@@ -1,0 +1,493 @@
+"""A NIXL-compatible agent on kvlane: ``nixl_agent`` and ``nixl_agent_config``.
+
+An engine connector written for NIXL (``from nixl._api import nixl_agent``)
+switches transport by importing these names from ``kvlane.nixl`` instead.
+The subset implemented is what vLLM's NixlConnector and SGLang's NIXL
+backend call; any other ``nixl_agent`` attribute raises
+``NotImplementedError`` naming it.
+
+Mapping onto kvlane
+-------------------
+
+* ``nixl_agent_config(backends=["UCX"], num_threads=..., capture_telemetry=...,
+  enable_prog_thread=..., enable_listen_thread=..., listen_port=...)``:
+  every NIXL backend name maps to kvlane's best backend (``"auto"``: verbs
+  when a device is usable, else tcp); ``backend=`` (or ``KVLANE_BACKEND``)
+  names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``
+  and ``enable_listen_thread`` mean nothing here (kvlane's progress and
+  listener threads always run) and are ignored; telemetry is always
+  captured. ``listen_port`` is the control port (0: any); ``listen_host``
+  (or ``KVLANE_NIXL_HOST``, default ``127.0.0.1``) is the host it binds and
+  advertises in the metadata; ``psk`` authenticates handshakes.
+* ``register_memory``: descriptors become kvlane plain regions
+  (``AgentBuilder::register_region``). NIXL registers before exchanging
+  metadata; the kvlane agent is built, with everything registered so far,
+  at the first call that needs it (``get_agent_metadata``,
+  ``add_remote_agent``, ``prep_xfer_dlist``). **Registering after that
+  raises** ``kvlane.UnsupportedError`` (the regions are advertised in the
+  handshake). ``deregister_memory`` before that drops the registration;
+  after it, the memory can no longer be used in local descriptor lists,
+  but stays registered (and must stay allocated) until the agent closes.
+* ``get_agent_metadata``: the agent's name and control address.
+  ``add_remote_agent`` connects from those bytes alone (handshake and data
+  plane) and returns the peer's name; ``remove_remote_agent`` disconnects
+  synchronously.
+* ``prep_xfer_dlist`` checks every descriptor against the registrations
+  (local, or those the remote agent advertised) and raises
+  ``kvlane.InvalidInputError`` for one outside them.
+  ``make_prepped_xfer`` / ``initialize_xfer`` plan the transfer
+  (``Peer.prepare_spans``: equal lengths pair by pair, rights, merged
+  contiguous runs) and raise for bad input; ``transfer`` posts it.
+* ``check_xfer_state``: ``"DONE"``, ``"PROC"`` or ``"ERR"``. Every kvlane
+  transfer has a deadline (30 s) and a dead peer fails its transfers within
+  the liveness budget, so nothing stays ``"PROC"`` forever.
+* Notifications (``notif_msg``, ``send_notif``) reach the target keyed by
+  the initiator's name, after every descriptor landed (READ too: the
+  notification is sent once the data is at the initiator).
+  ``get_new_notifs`` returns ``{agent_name: [bytes, ...]}``.
+* Handles are ints; using a released handle raises
+  ``kvlane.InvalidInputError``. ``release_xfer_handle`` on a running
+  transfer lets it run to its end (kvlane cannot abort a posted transfer).
+* Host memory only (``"DRAM"``/``"cpu"``); ``"VRAM"`` raises
+  ``kvlane.UnsupportedError`` until kvlane's GPU-memory support lands.
+"""
+
+import itertools
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+import kvlane
+
+__all__ = ["nixl_agent", "nixl_agent_config", "nixl_xfer_handle", "nixl_prepped_dlist_handle"]
+
+nixl_xfer_handle = int
+nixl_prepped_dlist_handle = int
+
+_LOCAL = "NIXL_INIT_AGENT"
+_HOST_MEM = ("DRAM", "cpu", None)
+_SUBSET = (
+    "get_reg_descs register_memory deregister_memory get_agent_metadata add_remote_agent "
+    "remove_remote_agent get_xfer_descs prep_xfer_dlist release_dlist_handle make_prepped_xfer "
+    "initialize_xfer transfer check_xfer_state get_xfer_telemetry release_xfer_handle "
+    "get_new_notifs update_notifs check_remote_xfer_done send_notif name"
+)
+
+
+class nixl_agent_config:
+    """NIXL's agent configuration; see the module docstring for the mapping."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = 0,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: Sequence[str] = ("UCX",),
+        *,
+        backend: Optional[str] = None,
+        listen_host: Optional[str] = None,
+        psk: Optional[bytes] = None,
+    ) -> None:
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.backends = list(backends)
+        self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
+        self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
+        self.psk = psk
+
+
+class _RegDList:
+    """Registration descriptors: ``(addr, len, dev, meta)`` rows and the
+    ``kvlane.Memory`` of each (made at registration for raw addresses)."""
+
+    def __init__(self, rows: List[tuple], mems: List[Optional[kvlane.Memory]]) -> None:
+        self.rows = rows
+        self.mems = mems
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def descCount(self) -> int:  # noqa: N802 (NIXL's name)
+        return len(self.rows)
+
+
+class _XferDList:
+    """Transfer descriptors: an ``(N, 3)`` uint64 array (addr, len, dev)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def __len__(self) -> int:
+        return len(self.arr)
+
+    def descCount(self) -> int:  # noqa: N802 (NIXL's name)
+        return len(self.arr)
+
+
+class _Telemetry:
+    """NIXL's per-transfer telemetry (microseconds)."""
+
+    def __init__(self, t: kvlane.Telemetry) -> None:
+        self.startTime = t.start_time_us
+        self.postDuration = t.post_us
+        self.xferDuration = t.xfer_us
+        self.totalBytes = t.bytes
+        self.descCount = t.descriptors
+
+    def __repr__(self) -> str:
+        return (
+            f"nixlXferTelemetry(postDuration={self.postDuration}, xferDuration={self.xferDuration}, "
+            f"totalBytes={self.totalBytes}, descCount={self.descCount})"
+        )
+
+
+class _Xfer:
+    def __init__(self, peer: kvlane.Peer, op: str, local: np.ndarray, remote: np.ndarray,
+                 notif: Optional[bytes], prepared: kvlane.PreparedTransfer) -> None:
+        self.peer = peer
+        self.op = op
+        self.local = local
+        self.remote = remote
+        self.notif = notif
+        self.prepared: Optional[kvlane.PreparedTransfer] = prepared
+        self.transfer: Optional[kvlane.Transfer] = None
+        self.failed: Optional[BaseException] = None
+
+
+def _bytes(msg: Any) -> Optional[bytes]:
+    if msg is None:
+        return None
+    if isinstance(msg, str):
+        msg = msg.encode()
+    msg = bytes(msg)
+    return msg or None
+
+
+def _host_only(mem_type: Optional[str]) -> None:
+    if mem_type not in _HOST_MEM:
+        raise kvlane.UnsupportedError(
+            f"kvlane.nixl: memory type {mem_type!r} is not supported; host memory (\"DRAM\") only"
+        )
+
+
+def _rows_of(descs: Any, mem_type: Optional[str]) -> List[tuple]:
+    """``(addr, len, dev, obj)`` rows of a descriptor argument; ``obj`` is
+    the object whose buffer backs the row (registered zero-copy), or None."""
+    if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] in (3, 4):
+        _host_only(mem_type)
+        return [(int(r[0]), int(r[1]), int(r[2]), None) for r in descs]
+    items = descs if isinstance(descs, (list, tuple)) else [descs]
+    rows = []
+    for d in items:
+        if isinstance(d, tuple):
+            _host_only(mem_type)
+            if len(d) not in (3, 4):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: descriptor {d!r} is not (addr, len, dev[, meta])"
+                )
+            rows.append((int(d[0]), int(d[1]), int(d[2]), None))
+        elif hasattr(d, "data_ptr"):  # a torch tensor
+            if getattr(d, "is_cuda", False):
+                _host_only("VRAM")
+            rows.append((int(d.data_ptr()), int(d.numel() * d.element_size()), 0, d))
+        else:  # any buffer-protocol object
+            mv = memoryview(d)
+            addr = np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data if mv.nbytes else 0
+            rows.append((int(addr), mv.nbytes, 0, d))
+    return rows
+
+
+class nixl_agent:
+    """NIXL's ``nixl_agent`` on kvlane (see the module docstring)."""
+
+    def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
+                 instantiate_all: bool = False) -> None:
+        self.name = agent_name
+        self._conf = nixl_conf or nixl_agent_config()
+        self._agent: Optional[kvlane.Agent] = None
+        self._regs: List[kvlane.Memory] = []
+        self._deregistered: List[kvlane.Memory] = []
+        self._remotes: Dict[str, kvlane.Peer] = {}
+        self._dlists: Dict[int, tuple] = {}
+        self._xfers: Dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+        self.notifs: Dict[str, List[bytes]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"kvlane.nixl: nixl_agent.{name} is not implemented (the subset is: {_SUBSET})"
+        )
+
+    # -- the kvlane agent ------------------------------------------------
+
+    def _built(self) -> kvlane.Agent:
+        if self._agent is None:
+            c = self._conf
+            self._agent = kvlane.Agent(
+                engine_id=self.name,
+                listen=f"{c.listen_host}:{c.port}",
+                backend=c.backend,
+                psk=c.psk,
+                regions=list(self._regs),
+            )
+        return self._agent
+
+    def close(self) -> None:
+        """Closes the kvlane agent (not a NIXL call; NIXL closes on drop)."""
+        if self._agent is not None:
+            self._agent.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- registration ----------------------------------------------------
+
+    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None,
+                      is_sorted: bool = False) -> _RegDList:
+        if isinstance(descs, _RegDList):
+            return descs
+        rows = _rows_of(descs, mem_type)
+        mems: List[Optional[kvlane.Memory]] = []
+        for addr, n, _dev, obj in rows:
+            if obj is not None and not hasattr(obj, "data_ptr"):
+                mems.append(kvlane.Memory(obj))
+            elif obj is not None:
+                mems.append(kvlane.Memory.unsafe_from_ptr(addr, n, owner=obj))
+            else:
+                mems.append(None)
+        return _RegDList([r[:3] + ("",) for r in rows], mems)
+
+    def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
+                        backends: Sequence[str] = ()) -> _RegDList:
+        descs = self.get_reg_descs(reg_list, mem_type)
+        if self._agent is not None:
+            raise kvlane.UnsupportedError(
+                f"kvlane.nixl: agent {self.name!r} already exchanged metadata; kvlane advertises "
+                "memory in the handshake, so register all memory before get_agent_metadata, "
+                "add_remote_agent or prep_xfer_dlist"
+            )
+        for i, (addr, n, _dev, _meta) in enumerate(descs.rows):
+            if descs.mems[i] is None:
+                # The NIXL contract: registered memory outlives its registration.
+                descs.mems[i] = kvlane.Memory.unsafe_from_ptr(addr, n)
+        self._regs.extend(m for m in descs.mems if m is not None)
+        return descs
+
+    def deregister_memory(self, dereg_list: _RegDList, backends: Sequence[str] = ()) -> None:
+        mems = [m for m in dereg_list.mems if m is not None]
+        if self._agent is None:
+            ids = {id(m) for m in mems}
+            self._regs = [m for m in self._regs if id(m) not in ids]
+        else:
+            self._deregistered.extend(mems)
+
+    # -- metadata ----------------------------------------------------------
+
+    def get_agent_metadata(self) -> bytes:
+        agent = self._built()
+        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": agent.addr}).encode()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        try:
+            md = json.loads(bytes(metadata))
+            name, addr = md["name"], md["addr"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: agent metadata does not decode ({e}); it comes from "
+                "kvlane.nixl's get_agent_metadata"
+            ) from None
+        if name in self._remotes:
+            return name
+        peer = self._built().connect(addr)
+        if peer.engine_id != name:
+            raise kvlane.RefusedError(
+                f"kvlane.nixl: {addr} is agent {peer.engine_id!r}, the metadata says {name!r}"
+            )
+        self._remotes[name] = peer
+        return name
+
+    def remove_remote_agent(self, agent: str) -> None:
+        peer = self._remotes.pop(agent, None)
+        if peer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
+        peer.disconnect()
+
+    # -- descriptor lists ------------------------------------------------
+
+    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None,
+                       is_sorted: bool = False) -> _XferDList:
+        if isinstance(descs, _XferDList):
+            return descs
+        if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
+            _host_only(mem_type)
+            if descs.dtype in (np.uint64, np.int64) and descs.flags.c_contiguous:
+                return _XferDList(descs.view(np.uint64))  # zero-copy
+            return _XferDList(np.ascontiguousarray(descs, dtype=np.uint64))
+        rows = _rows_of(descs, mem_type)
+        arr = np.array([r[:3] for r in rows], dtype=np.uint64).reshape(-1, 3)
+        return _XferDList(arr)
+
+    def _peer(self, agent_name: str) -> kvlane.Peer:
+        peer = self._remotes.get(agent_name)
+        if peer is None:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: no remote agent {agent_name!r}; add_remote_agent it first"
+            )
+        return peer
+
+    def _check_local(self, arr: np.ndarray) -> None:
+        for m in self._deregistered:
+            lo, hi = m.addr, m.addr + m.nbytes
+            if len(arr) and bool(np.any((arr[:, 0] < hi) & (arr[:, 0] + arr[:, 1] > lo))):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: a descriptor lies in deregistered memory {m!r}"
+                )
+        self._built().check_spans("WRITE", arr)
+
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
+                        is_sorted: bool = False, backends: Sequence[str] = ()) -> int:
+        arr = self.get_xfer_descs(xfer_list, mem_type).arr
+        if agent_name in (_LOCAL, "", self.name):
+            self._check_local(arr)
+            side = None
+        else:
+            self._peer(agent_name).check_remote_spans("READ", arr)
+            side = agent_name
+        h = next(self._ids)
+        self._dlists[h] = (side, arr)
+        return h
+
+    def release_dlist_handle(self, handle: int) -> None:
+        if self._dlists.pop(handle, None) is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: dlist handle {handle} was released or never made")
+
+    def _dlist(self, handle: int) -> tuple:
+        d = self._dlists.get(handle)
+        if d is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: dlist handle {handle} was released or never made")
+        return d
+
+    # -- transfers ---------------------------------------------------------
+
+    def _make(self, operation: str, local: np.ndarray, remote: np.ndarray, agent_name: str,
+              notif_msg: Any) -> int:
+        if operation not in ("READ", "WRITE"):
+            raise kvlane.InvalidInputError(f"kvlane.nixl: operation is \"READ\" or \"WRITE\", not {operation!r}")
+        peer = self._peer(agent_name)
+        notif = _bytes(notif_msg)
+        prepared = peer.prepare_spans(operation, local, remote, notif)
+        h = next(self._ids)
+        self._xfers[h] = _Xfer(peer, operation, local, remote, notif, prepared)
+        return h
+
+    def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: Any,
+                          remote_xfer_side: int, remote_indices: Any, notif_msg: Any = b"",
+                          backends: Sequence[str] = (), skip_desc_merge: bool = False) -> int:
+        lside, larr = self._dlist(local_xfer_side)
+        rside, rarr = self._dlist(remote_xfer_side)
+        if lside is not None:
+            raise kvlane.InvalidInputError("kvlane.nixl: the local side must be a NIXL_INIT_AGENT dlist")
+        if rside is None:
+            raise kvlane.InvalidInputError("kvlane.nixl: the remote side must be a remote agent's dlist")
+        li = np.asarray(local_indices, dtype=np.int64).reshape(-1)
+        ri = np.asarray(remote_indices, dtype=np.int64).reshape(-1)
+        for what, idx, arr in (("local", li, larr), ("remote", ri, rarr)):
+            if len(idx) and (idx.min() < 0 or idx.max() >= len(arr)):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: {what} index out of range 0..{len(arr)} of its dlist"
+                )
+        if len(li) != len(ri):
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {len(li)} local indices but {len(ri)} remote indices"
+            )
+        return self._make(operation, larr[li], rarr[ri], rside, notif_msg)
+
+    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any,
+                        remote_agent: str, notif_msg: Any = b"", backends: Sequence[str] = ()) -> int:
+        larr = self.get_xfer_descs(local_descs).arr
+        rarr = self.get_xfer_descs(remote_descs).arr
+        self._check_local(larr)
+        return self._make(operation, larr, rarr, remote_agent, notif_msg)
+
+    def _xfer(self, handle: int) -> _Xfer:
+        x = self._xfers.get(handle)
+        if x is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was released or never made")
+        return x
+
+    def transfer(self, handle: int, notif_msg: Any = b"") -> str:
+        x = self._xfer(handle)
+        if x.transfer is not None and not x.transfer.done():
+            raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle} is still in progress")
+        notif = _bytes(notif_msg)
+        if notif is not None and notif != x.notif:
+            x.notif, x.prepared = notif, None
+        try:
+            if x.prepared is None:  # a repost: plan it again (the peer may have restarted)
+                x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, x.notif)
+            prepared, x.prepared = x.prepared, None
+            x.failed = None
+            x.transfer = x.peer.post(prepared)
+        except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
+            x.transfer, x.failed = None, e
+            return "ERR"
+        return "DONE" if x.transfer.done() and x.transfer.status == "done" else "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        x = self._xfer(handle)
+        if x.failed is not None:
+            return "ERR"
+        if x.transfer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was not posted")
+        return {"pending": "PROC", "done": "DONE"}.get(x.transfer.status, "ERR")
+
+    def get_xfer_telemetry(self, handle: int) -> _Telemetry:
+        x = self._xfer(handle)
+        if x.transfer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was not posted")
+        return _Telemetry(x.transfer.telemetry)
+
+    def release_xfer_handle(self, handle: int) -> None:
+        x = self._xfers.pop(handle, None)
+        if x is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was released or never made")
+        if x.transfer is not None:
+            x.transfer.release()
+
+    # -- notifications ---------------------------------------------------
+
+    def get_new_notifs(self) -> Dict[str, List[bytes]]:
+        out: Dict[str, List[bytes]] = {}
+        if self._agent is None:
+            return out
+        for n in self._agent.notifications().drain():
+            out.setdefault(n.sender, []).append(n.payload)
+        return out
+
+    def update_notifs(self) -> Dict[str, List[bytes]]:
+        for k, v in self.get_new_notifs().items():
+            self.notifs.setdefault(k, []).extend(v)
+        return self.notifs
+
+    def check_remote_xfer_done(self, remote_agent_name: str, lookup_msg: bytes) -> Optional[bytes]:
+        self.update_notifs()
+        for msg in self.notifs.get(remote_agent_name, []):
+            if lookup_msg in msg:
+                self.notifs[remote_agent_name].remove(msg)
+                return msg
+        return None
+
+    def send_notif(self, remote_agent_name: str, notif_msg: Any) -> None:
+        self._peer(remote_agent_name).notify(_bytes(notif_msg) or b"")
