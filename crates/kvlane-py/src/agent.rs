@@ -26,7 +26,9 @@ pub(crate) fn op_of(op: &str) -> PyResult<Op> {
     match op {
         "READ" | "read" => Ok(Op::Read),
         "WRITE" | "write" => Ok(Op::Write),
-        o => Err(invalid(format!("operation is \"READ\" or \"WRITE\", not {o:?}"))),
+        o => Err(invalid(format!(
+            "operation is \"READ\" or \"WRITE\", not {o:?}"
+        ))),
     }
 }
 
@@ -207,7 +209,10 @@ impl Agent {
     }
 
     fn __repr__(&self) -> String {
-        format!("Agent(engine_id={:?}, addr={:?})", self.engine_id, self.addr)
+        format!(
+            "Agent(engine_id={:?}, addr={:?})",
+            self.engine_id, self.addr
+        )
     }
 }
 
@@ -266,10 +271,19 @@ impl Peer {
     fn post_prepared(&self, p: RsPrepared, started: (SystemTime, Instant)) -> PyResult<Transfer> {
         let (bytes, descriptors) = (p.bytes(), p.descriptors());
         let handle = self.peer.post(p).map_err(to_py)?;
-        Ok(Transfer::watch(handle, started, started.1.elapsed(), bytes, descriptors))
+        Ok(Transfer::watch(
+            handle,
+            started,
+            started.1.elapsed(),
+            bytes,
+            descriptors,
+        ))
     }
 
-    fn span_lists(local: &Bound<'_, PyAny>, remote: &Bound<'_, PyAny>) -> PyResult<(Vec<MemSpan>, Vec<MemSpan>)> {
+    fn span_lists(
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<MemSpan>, Vec<MemSpan>)> {
         Ok((spans(local)?, spans(remote)?))
     }
 }
@@ -304,8 +318,14 @@ impl Peer {
                 let d = PyDict::new(py);
                 d.set_item("addr", r.addr)?;
                 d.set_item("nbytes", r.len)?;
-                d.set_item("readable", r.access.contains(kvlane::data::Access::REMOTE_READ))?;
-                d.set_item("writable", r.access.contains(kvlane::data::Access::REMOTE_WRITE))?;
+                d.set_item(
+                    "readable",
+                    r.access.contains(kvlane::data::Access::REMOTE_READ),
+                )?;
+                d.set_item(
+                    "writable",
+                    r.access.contains(kvlane::data::Access::REMOTE_WRITE),
+                )?;
                 Ok(d)
             })
             .collect()
@@ -315,14 +335,26 @@ impl Peer {
     /// into remote blocks `remote_ids[i]`; `notify` reaches the peer after
     /// every byte landed.
     #[pyo3(signature = (layers, local_ids, remote_ids, notify = None))]
-    fn write_blocks(&self, layers: (u32, u32), local_ids: Vec<u32>, remote_ids: Vec<u32>, notify: Option<Vec<u8>>) -> PyResult<Transfer> {
+    fn write_blocks(
+        &self,
+        layers: (u32, u32),
+        local_ids: Vec<u32>,
+        remote_ids: Vec<u32>,
+        notify: Option<Vec<u8>>,
+    ) -> PyResult<Transfer> {
         self.blocks(Op::Write, layers, local_ids, remote_ids, notify)
     }
 
     /// READs remote blocks into local blocks; `notify` is sent to the peer
     /// once the data is here.
     #[pyo3(signature = (layers, local_ids, remote_ids, notify = None))]
-    fn read_blocks(&self, layers: (u32, u32), local_ids: Vec<u32>, remote_ids: Vec<u32>, notify: Option<Vec<u8>>) -> PyResult<Transfer> {
+    fn read_blocks(
+        &self,
+        layers: (u32, u32),
+        local_ids: Vec<u32>,
+        remote_ids: Vec<u32>,
+        notify: Option<Vec<u8>>,
+    ) -> PyResult<Transfer> {
         self.blocks(Op::Read, layers, local_ids, remote_ids, notify)
     }
 
@@ -331,7 +363,14 @@ impl Peer {
     /// array of 8-byte integers (read in place). Raises for spans outside a
     /// registration, mismatched lengths, a read-only READ destination.
     #[pyo3(signature = (op, local, remote, notify = None))]
-    fn prepare_spans(&self, py: Python<'_>, op: &str, local: &Bound<'_, PyAny>, remote: &Bound<'_, PyAny>, notify: Option<Vec<u8>>) -> PyResult<PreparedTransfer> {
+    fn prepare_spans(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+    ) -> PyResult<PreparedTransfer> {
         self.live()?;
         let t = Instant::now();
         let op = op_of(op)?;
@@ -366,14 +405,26 @@ impl Peer {
 
     /// Prepares and posts a span WRITE.
     #[pyo3(signature = (local, remote, notify = None))]
-    fn write_spans(&self, py: Python<'_>, local: &Bound<'_, PyAny>, remote: &Bound<'_, PyAny>, notify: Option<Vec<u8>>) -> PyResult<Transfer> {
+    fn write_spans(
+        &self,
+        py: Python<'_>,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+    ) -> PyResult<Transfer> {
         let mut p = self.prepare_spans(py, "WRITE", local, remote, notify)?;
         self.post(&mut p)
     }
 
     /// Prepares and posts a span READ.
     #[pyo3(signature = (local, remote, notify = None))]
-    fn read_spans(&self, py: Python<'_>, local: &Bound<'_, PyAny>, remote: &Bound<'_, PyAny>, notify: Option<Vec<u8>>) -> PyResult<Transfer> {
+    fn read_spans(
+        &self,
+        py: Python<'_>,
+        local: &Bound<'_, PyAny>,
+        remote: &Bound<'_, PyAny>,
+        notify: Option<Vec<u8>>,
+    ) -> PyResult<Transfer> {
         let mut p = self.prepare_spans(py, "READ", local, remote, notify)?;
         self.post(&mut p)
     }
@@ -405,6 +456,10 @@ impl Peer {
     }
 
     fn __repr__(&self) -> String {
-        format!("Peer(engine_id={:?}, addr={:?})", self.peer.engine_id(), self.peer.addr())
+        format!(
+            "Peer(engine_id={:?}, addr={:?})",
+            self.peer.engine_id(),
+            self.peer.addr()
+        )
     }
 }

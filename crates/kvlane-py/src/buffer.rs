@@ -126,8 +126,8 @@ impl BufferView {
             [n] if n % 2 == 0 => 2,
             _ => {
                 return Err(invalid(format!(
-                    "descriptor arrays are shaped (N, 2) or (N, 3) (addr, len[, dev]), not {shape:?}"
-                )))
+                "descriptor arrays are shaped (N, 2) or (N, 3) (addr, len[, dev]), not {shape:?}"
+            )))
             }
         };
         let n = self.len() / 8;

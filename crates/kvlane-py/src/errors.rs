@@ -6,14 +6,54 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(kvlane, Error, PyException, "Base class of every kvlane error.");
-create_exception!(kvlane, TimeoutError, Error, "A deadline passed (transfer, handshake).");
-create_exception!(kvlane, PeerLostError, Error, "The peer died, restarted or was disconnected.");
-create_exception!(kvlane, StaleError, PeerLostError, "The transfer was prepared against an older incarnation of the peer.");
-create_exception!(kvlane, RefusedError, Error, "The peer or target refused (keys, bounds, rights, handshake, peer cap).");
-create_exception!(kvlane, BusyError, Error, "The submission queue is full; retry after earlier transfers completed.");
-create_exception!(kvlane, InvalidInputError, Error, "The request itself is invalid (layout, ids, spans, lengths, a released handle).");
-create_exception!(kvlane, UnsupportedError, Error, "The backend or device cannot do this here.");
+create_exception!(
+    kvlane,
+    Error,
+    PyException,
+    "Base class of every kvlane error."
+);
+create_exception!(
+    kvlane,
+    TimeoutError,
+    Error,
+    "A deadline passed (transfer, handshake)."
+);
+create_exception!(
+    kvlane,
+    PeerLostError,
+    Error,
+    "The peer died, restarted or was disconnected."
+);
+create_exception!(
+    kvlane,
+    StaleError,
+    PeerLostError,
+    "The transfer was prepared against an older incarnation of the peer."
+);
+create_exception!(
+    kvlane,
+    RefusedError,
+    Error,
+    "The peer or target refused (keys, bounds, rights, handshake, peer cap)."
+);
+create_exception!(
+    kvlane,
+    BusyError,
+    Error,
+    "The submission queue is full; retry after earlier transfers completed."
+);
+create_exception!(
+    kvlane,
+    InvalidInputError,
+    Error,
+    "The request itself is invalid (layout, ids, spans, lengths, a released handle)."
+);
+create_exception!(
+    kvlane,
+    UnsupportedError,
+    Error,
+    "The backend or device cannot do this here."
+);
 create_exception!(kvlane, ClosedError, Error, "The agent is closed.");
 create_exception!(kvlane, IoError, Error, "Network or OS failure.");
 

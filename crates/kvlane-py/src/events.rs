@@ -21,7 +21,11 @@ pub(crate) struct Notification {
 #[pymethods]
 impl Notification {
     fn __repr__(&self, py: Python<'_>) -> String {
-        format!("Notification(sender={:?}, payload={})", self.sender, self.payload.bind(py))
+        format!(
+            "Notification(sender={:?}, payload={})",
+            self.sender,
+            self.payload.bind(py)
+        )
     }
 }
 
@@ -39,7 +43,9 @@ where
 {
     let end = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
     loop {
-        let slice = end.map_or(SLICE, |e| e.saturating_duration_since(Instant::now()).min(SLICE));
+        let slice = end.map_or(SLICE, |e| {
+            e.saturating_duration_since(Instant::now()).min(SLICE)
+        });
         match py.detach(|| poll(slice)) {
             // Ready or closed.
             Some(v) => return Ok(v),
@@ -67,10 +73,7 @@ impl Notifications {
         wait_for(py, timeout, move |slice| {
             crate::runtime::runtime().block_on(async {
                 let mut rx = rx.lock().await;
-                match tokio::time::timeout(slice, rx.recv()).await {
-                    Ok(n) => Some(n),
-                    Err(_) => None,
-                }
+                tokio::time::timeout(slice, rx.recv()).await.ok()
             })
         })
     }
@@ -96,7 +99,9 @@ impl Notifications {
         let Ok(mut rx) = self.rx.try_lock() else {
             return Vec::new();
         };
-        std::iter::from_fn(|| rx.try_recv().ok()).map(|n| note(py, n)).collect()
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|n| note(py, n))
+            .collect()
     }
 
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -138,9 +143,10 @@ fn event(e: kvlane::PeerEvent) -> PeerEvent {
         PeerEventKind::Up { engine_id, .. } => ("up", engine_id),
         PeerEventKind::Suspect => ("suspect", String::new()),
         PeerEventKind::Recovered => ("recovered", String::new()),
-        PeerEventKind::Dead { last_error, attempts } => {
-            ("dead", format!("{last_error} (after {attempts} attempts)"))
-        }
+        PeerEventKind::Dead {
+            last_error,
+            attempts,
+        } => ("dead", format!("{last_error} (after {attempts} attempts)")),
         PeerEventKind::Restarted { old, new } => ("restarted", format!("{old:#x} -> {new:#x}")),
         PeerEventKind::Refused { reason } => ("refused", reason),
         PeerEventKind::Closed => ("closed", String::new()),
@@ -200,4 +206,3 @@ impl PeerEvents {
         self.recv(py, None)
     }
 }
-

@@ -48,8 +48,9 @@ impl Memory {
         // released only after the last clone of the region (and every
         // backend registration of it) is gone. Read-only buffers get no
         // write right, so no backend writes into them.
-        let region = unsafe { Region::from_raw(ptr, len, MemoryKind::Host, access, Some(Box::new(view))) }
-            .map_err(|e| to_py(e.into()))?;
+        let region =
+            unsafe { Region::from_raw(ptr, len, MemoryKind::Host, access, Some(Box::new(view))) }
+                .map_err(|e| to_py(e.into()))?;
         Ok(Self::new(region, ro))
     }
 }
@@ -87,13 +88,18 @@ impl Memory {
                 "memory on device {device:?}: only host memory (\"cpu\") is supported by this build"
             )));
         }
-        let access = if readonly { Access::REMOTE_READ } else { Access::ALL };
+        let access = if readonly {
+            Access::REMOTE_READ
+        } else {
+            Access::ALL
+        };
         let keep = owner.map(|o| Box::new(o) as Box<dyn std::any::Any + Send + Sync>);
         // SAFETY: the caller's contract above is `Region::from_raw`'s: the
         // memory outlives every clone of the region; `owner` is kept alive
         // by the region.
-        let region = unsafe { Region::from_raw(ptr as *mut u8, nbytes, MemoryKind::Host, access, keep) }
-            .map_err(|e| to_py(e.into()))?;
+        let region =
+            unsafe { Region::from_raw(ptr as *mut u8, nbytes, MemoryKind::Host, access, keep) }
+                .map_err(|e| to_py(e.into()))?;
         Ok(Self::new(region, readonly))
     }
 
@@ -142,11 +148,21 @@ pub(crate) struct KvLayout {
 impl KvLayout {
     #[new]
     #[pyo3(signature = (layers, blocks, block_bytes, parts = "separate", order = "layer_major"))]
-    fn py_new(layers: u32, blocks: u32, block_bytes: u64, parts: &str, order: &str) -> PyResult<Self> {
+    fn py_new(
+        layers: u32,
+        blocks: u32,
+        block_bytes: u64,
+        parts: &str,
+        order: &str,
+    ) -> PyResult<Self> {
         let parts = match parts {
             "separate" => KvParts::Separate,
             "fused" => KvParts::Fused,
-            p => return Err(invalid(format!("parts is \"separate\" or \"fused\", not {p:?}"))),
+            p => {
+                return Err(invalid(format!(
+                    "parts is \"separate\" or \"fused\", not {p:?}"
+                )))
+            }
         };
         let order = match order {
             "layer_major" => LayoutOrder::LayerMajor,
@@ -222,7 +238,10 @@ pub(crate) fn spans(obj: &Bound<'_, PyAny>) -> PyResult<Vec<MemSpan>> {
                 t.len()
             )));
         }
-        out.push(MemSpan::new(t.get_item(0)?.extract()?, t.get_item(1)?.extract()?));
+        out.push(MemSpan::new(
+            t.get_item(0)?.extract()?,
+            t.get_item(1)?.extract()?,
+        ));
     }
     Ok(out)
 }

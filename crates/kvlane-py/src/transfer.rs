@@ -203,7 +203,8 @@ impl Transfer {
 
     fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        py.import("kvlane._aio")?.call_method1("await_transfer", (slf,))
+        py.import("kvlane._aio")?
+            .call_method1("await_transfer", (slf,))
     }
 
     fn __repr__(&self) -> String {
