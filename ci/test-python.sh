@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The Python part of the tests: a virtual environment (Debian's python3
+# refuses system-wide installs), the `kvlane` package built by maturin
+# through pip (the README's install command), then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=$(realpath -m "${KVLANE_VENV:-target/py-venv}")
+if [ ! -x "$venv/bin/python" ]; then
+  if ! python3 -m venv "$venv" 2>/dev/null; then
+    # Debian ships venv's pip bootstrap separately.
+    echo "ci/test-python.sh: installing python3-venv" >&2
+    if [ "$(id -u)" = 0 ]; then apt-get install -y -qq python3-venv; else sudo apt-get install -y -qq python3-venv; fi
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+  fi
+fi
+export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin`
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install 'maturin>=1.7,<2' numpy pytest
+# The build reuses the workspace's target directory (cargo's cache).
+"${pip[@]}" install --no-build-isolation --force-reinstall --no-deps ./crates/kvlane-py
+"$venv/bin/python" -c 'import kvlane, kvlane.nixl'
+# Run from outside the source tree so the installed package is tested.
+cd crates/kvlane-py/tests
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider . "$@"
