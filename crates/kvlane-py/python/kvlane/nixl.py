@@ -45,9 +45,10 @@ Mapping onto kvlane
   the initiator's name, after every descriptor landed (READ too: the
   notification is sent once the data is at the initiator).
   ``get_new_notifs`` returns ``{agent_name: [bytes, ...]}``.
-* Handles are ints; using a released handle raises
-  ``kvlane.InvalidInputError``. ``release_xfer_handle`` on a running
-  transfer lets it run to its end (kvlane cannot abort a posted transfer).
+* Handles are ``nixl_xfer_handle`` / ``nixl_prepped_dlist_handle`` objects
+  with ``release()``; releasing twice is a no-op, using a released handle
+  raises ``kvlane.InvalidInputError``. Releasing a running transfer lets it
+  run to its end (kvlane cannot abort a posted transfer).
 * Host memory only (``"DRAM"``/``"cpu"``); ``"VRAM"`` raises
   ``kvlane.UnsupportedError`` until kvlane's GPU-memory support lands.
 """
@@ -63,8 +64,41 @@ import kvlane
 
 __all__ = ["nixl_agent", "nixl_agent_config", "nixl_xfer_handle", "nixl_prepped_dlist_handle"]
 
-nixl_xfer_handle = int
-nixl_prepped_dlist_handle = int
+
+class _Handle:
+    """An opaque handle (NIXL's handle classes): ``release()`` frees it
+    (again: a no-op); using it afterwards raises ``kvlane.InvalidInputError``."""
+
+    __slots__ = ("_handle", "_agent", "_released")
+    _what = "handle"
+
+    def __init__(self, agent: "nixl_agent", value: int) -> None:
+        self._handle = value
+        self._agent = agent
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._agent._release(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._handle:#x}, released={self._released})"
+
+
+class nixl_xfer_handle(_Handle):
+    """A transfer request (``make_prepped_xfer``, ``initialize_xfer``).
+    Releasing a running transfer lets it run to its end."""
+
+    __slots__ = ()
+    _what = "transfer handle"
+
+
+class nixl_prepped_dlist_handle(_Handle):
+    """A prepared descriptor list (``prep_xfer_dlist``)."""
+
+    __slots__ = ()
+    _what = "dlist handle"
 
 _LOCAL = "NIXL_INIT_AGENT"
 _HOST_MEM = ("DRAM", "cpu", None)
@@ -254,8 +288,13 @@ class nixl_agent:
 
     # -- registration ----------------------------------------------------
 
-    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None,
-                      is_sorted: bool = False) -> _RegDList:
+    def _release(self, h: _Handle) -> None:
+        table = self._xfers if isinstance(h, nixl_xfer_handle) else self._dlists
+        entry = table.pop(h._handle, None)
+        if isinstance(entry, _Xfer) and entry.transfer is not None:
+            entry.transfer.release()
+
+    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None) -> _RegDList:
         if isinstance(descs, _RegDList):
             return descs
         rows = _rows_of(descs, mem_type)
@@ -326,8 +365,7 @@ class nixl_agent:
 
     # -- descriptor lists ------------------------------------------------
 
-    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None,
-                       is_sorted: bool = False) -> _XferDList:
+    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None) -> _XferDList:
         if isinstance(descs, _XferDList):
             return descs
         if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
@@ -357,7 +395,7 @@ class nixl_agent:
         self._built().check_spans("WRITE", arr)
 
     def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
-                        is_sorted: bool = False, backends: Sequence[str] = ()) -> int:
+                        backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
         arr = self.get_xfer_descs(xfer_list, mem_type).arr
         if agent_name in (_LOCAL, "", self.name):
             self._check_local(arr)
@@ -367,17 +405,23 @@ class nixl_agent:
             side = agent_name
         h = next(self._ids)
         self._dlists[h] = (side, arr)
-        return h
+        return nixl_prepped_dlist_handle(self, h)
 
-    def release_dlist_handle(self, handle: int) -> None:
-        if self._dlists.pop(handle, None) is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: dlist handle {handle} was released or never made")
+    def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
+        handle.release()
 
-    def _dlist(self, handle: int) -> tuple:
-        d = self._dlists.get(handle)
-        if d is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: dlist handle {handle} was released or never made")
-        return d
+    def _entry(self, table: dict, handle: Any, kind: type) -> Any:
+        if not isinstance(handle, kind) or handle._agent is not self:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {handle!r} is not a {kind._what} of agent {self.name!r}"
+            )
+        entry = table.get(handle._handle)
+        if entry is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: {kind._what} {handle!r} was released")
+        return entry
+
+    def _dlist(self, handle: nixl_prepped_dlist_handle) -> tuple:
+        return self._entry(self._dlists, handle, nixl_prepped_dlist_handle)
 
     # -- transfers ---------------------------------------------------------
 
@@ -390,11 +434,12 @@ class nixl_agent:
         prepared = peer.prepare_spans(operation, local, remote, notif)
         h = next(self._ids)
         self._xfers[h] = _Xfer(peer, operation, local, remote, notif, prepared)
-        return h
+        return nixl_xfer_handle(self, h)
 
-    def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: Any,
-                          remote_xfer_side: int, remote_indices: Any, notif_msg: Any = b"",
-                          backends: Sequence[str] = (), skip_desc_merge: bool = False) -> int:
+    def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
+                          local_indices: Any, remote_xfer_side: nixl_prepped_dlist_handle,
+                          remote_indices: Any, notif_msg: Any = b"", backends: Sequence[str] = (),
+                          skip_desc_merge: bool = False) -> nixl_xfer_handle:
         lside, larr = self._dlist(local_xfer_side)
         rside, rarr = self._dlist(remote_xfer_side)
         if lside is not None:
@@ -415,22 +460,20 @@ class nixl_agent:
         return self._make(operation, larr[li], rarr[ri], rside, notif_msg)
 
     def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any,
-                        remote_agent: str, notif_msg: Any = b"", backends: Sequence[str] = ()) -> int:
+                        remote_agent: str, notif_msg: Any = b"",
+                        backends: Sequence[str] = ()) -> nixl_xfer_handle:
         larr = self.get_xfer_descs(local_descs).arr
         rarr = self.get_xfer_descs(remote_descs).arr
         self._check_local(larr)
         return self._make(operation, larr, rarr, remote_agent, notif_msg)
 
-    def _xfer(self, handle: int) -> _Xfer:
-        x = self._xfers.get(handle)
-        if x is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was released or never made")
-        return x
+    def _xfer(self, handle: nixl_xfer_handle) -> _Xfer:
+        return self._entry(self._xfers, handle, nixl_xfer_handle)
 
-    def transfer(self, handle: int, notif_msg: Any = b"") -> str:
+    def transfer(self, handle: nixl_xfer_handle, notif_msg: Any = b"") -> str:
         x = self._xfer(handle)
         if x.transfer is not None and not x.transfer.done():
-            raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle} is still in progress")
+            raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle!r} is still in progress")
         notif = _bytes(notif_msg)
         if notif is not None and notif != x.notif:
             x.notif, x.prepared = notif, None
@@ -445,30 +488,26 @@ class nixl_agent:
             return "ERR"
         return "DONE" if x.transfer.done() and x.transfer.status == "done" else "PROC"
 
-    def check_xfer_state(self, handle: int) -> str:
+    def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         x = self._xfer(handle)
         if x.failed is not None:
             return "ERR"
         if x.transfer is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was not posted")
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
         return {"pending": "PROC", "done": "DONE"}.get(x.transfer.status, "ERR")
 
-    def get_xfer_telemetry(self, handle: int) -> _Telemetry:
+    def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
         x = self._xfer(handle)
         if x.transfer is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was not posted")
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
         return _Telemetry(x.transfer.telemetry)
 
-    def release_xfer_handle(self, handle: int) -> None:
-        x = self._xfers.pop(handle, None)
-        if x is None:
-            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle} was released or never made")
-        if x.transfer is not None:
-            x.transfer.release()
+    def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
+        handle.release()
 
     # -- notifications ---------------------------------------------------
 
-    def get_new_notifs(self) -> Dict[str, List[bytes]]:
+    def get_new_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         out: Dict[str, List[bytes]] = {}
         if self._agent is None:
             return out
@@ -476,18 +515,19 @@ class nixl_agent:
             out.setdefault(n.sender, []).append(n.payload)
         return out
 
-    def update_notifs(self) -> Dict[str, List[bytes]]:
+    def update_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         for k, v in self.get_new_notifs().items():
             self.notifs.setdefault(k, []).extend(v)
         return self.notifs
 
-    def check_remote_xfer_done(self, remote_agent_name: str, lookup_msg: bytes) -> Optional[bytes]:
+    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes,
+                               backends: Sequence[str] = (), tag_is_prefix: bool = True) -> bool:
         self.update_notifs()
         for msg in self.notifs.get(remote_agent_name, []):
-            if lookup_msg in msg:
+            if (msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg):
                 self.notifs[remote_agent_name].remove(msg)
-                return msg
-        return None
+                return True
+        return False
 
     def send_notif(self, remote_agent_name: str, notif_msg: Any) -> None:
         self._peer(remote_agent_name).notify(_bytes(notif_msg) or b"")
