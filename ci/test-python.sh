@@ -18,6 +18,10 @@ fi
 export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin`
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install 'maturin>=1.7,<2' numpy pytest
+# The real NIXL, for the differential test (its Python API runs without a
+# GPU over UCX tcp; --no-deps skips the CUDA stack it does not need here).
+"${pip[@]}" install --no-deps nixl-cu12
+export KVLANE_REQUIRE_NIXL=1
 # The build reuses the workspace's target directory (cargo's cache).
 "${pip[@]}" install --no-build-isolation --force-reinstall --no-deps ./crates/kvlane-py
 "$venv/bin/python" -c 'import kvlane, kvlane.nixl'

@@ -64,7 +64,7 @@ def main() -> None:
         elif cmd["op"] == "notes":
             out({"notes": next_notes(cmd["n"], cmd.get("timeout", 10))})
         elif cmd["op"] == "add":  # nixl: know the initiator, to notify it
-            out({"name": agent.add_remote_agent(bytes.fromhex(cmd["md"]))})
+            out({"name": agent.add_remote_agent(bytes.fromhex(cmd["md"])).decode()})
         elif cmd["op"] == "send":
             agent.send_notif(cmd["to"], cmd["msg"].encode())
             out({"sent": True})

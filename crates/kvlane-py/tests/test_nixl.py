@@ -39,7 +39,7 @@ def test_connector_flow_read_write_notifications_between_two_processes(nixl_targ
     mine = pattern(1)
     a = agent("decode", mine)
     name = a.add_remote_agent(bytes.fromhex(t["md"]))
-    assert name == "target" and a.name == "decode"
+    assert name == b"target" and a.name == "decode"
     n = LEN // BLOCK
     local = a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(blocks(mine.ctypes.data, n), "DRAM"))
     # The remote list as an Nx3 uint64 array (zero-copy).

@@ -30,7 +30,8 @@ Mapping onto kvlane
   but stays registered (and must stay allocated) until the agent closes.
 * ``get_agent_metadata``: the agent's name and control address.
   ``add_remote_agent`` connects from those bytes alone (handshake and data
-  plane) and returns the peer's name; ``remove_remote_agent`` disconnects
+  plane) and returns the peer's name (as bytes, like NIXL; names are
+  accepted as str or bytes everywhere); ``remove_remote_agent`` disconnects
   synchronously.
 * ``prep_xfer_dlist`` checks every descriptor against the registrations
   (local, or those the remote agent advertised) and raises
@@ -204,6 +205,12 @@ def _bytes(msg: Any) -> Optional[bytes]:
     return msg or None
 
 
+def _name(name: Any) -> str:
+    # NIXL hands agent names back as bytes (add_remote_agent) and takes str
+    # or bytes; kvlane.nixl does the same.
+    return name.decode() if isinstance(name, (bytes, bytearray)) else name
+
+
 def _host_only(mem_type: Optional[str]) -> None:
     if mem_type not in _HOST_MEM:
         raise kvlane.UnsupportedError(
@@ -338,7 +345,7 @@ class nixl_agent:
         agent = self._built()
         return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": agent.addr}).encode()
 
-    def add_remote_agent(self, metadata: bytes) -> str:
+    def add_remote_agent(self, metadata: bytes) -> bytes:
         try:
             md = json.loads(bytes(metadata))
             name, addr = md["name"], md["addr"]
@@ -348,16 +355,17 @@ class nixl_agent:
                 "kvlane.nixl's get_agent_metadata"
             ) from None
         if name in self._remotes:
-            return name
+            return name.encode()
         peer = self._built().connect(addr)
         if peer.engine_id != name:
             raise kvlane.RefusedError(
                 f"kvlane.nixl: {addr} is agent {peer.engine_id!r}, the metadata says {name!r}"
             )
         self._remotes[name] = peer
-        return name
+        return name.encode()
 
     def remove_remote_agent(self, agent: str) -> None:
+        agent = _name(agent)
         peer = self._remotes.pop(agent, None)
         if peer is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
@@ -378,6 +386,7 @@ class nixl_agent:
         return _XferDList(arr)
 
     def _peer(self, agent_name: str) -> kvlane.Peer:
+        agent_name = _name(agent_name)
         peer = self._remotes.get(agent_name)
         if peer is None:
             raise kvlane.InvalidInputError(
@@ -397,6 +406,7 @@ class nixl_agent:
     def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
                         backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
         arr = self.get_xfer_descs(xfer_list, mem_type).arr
+        agent_name = _name(agent_name)
         if agent_name in (_LOCAL, "", self.name):
             self._check_local(arr)
             side = None
@@ -523,6 +533,7 @@ class nixl_agent:
     def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes,
                                backends: Sequence[str] = (), tag_is_prefix: bool = True) -> bool:
         self.update_notifs()
+        remote_agent_name = _name(remote_agent_name)
         for msg in self.notifs.get(remote_agent_name, []):
             if (msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg):
                 self.notifs[remote_agent_name].remove(msg)
