@@ -9,6 +9,7 @@ use kvlane_data::{
     plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, RemoteRegion,
     Transfer,
 };
+use std::collections::HashMap;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -119,12 +120,7 @@ impl Peer {
             Error::msg(ErrorKind::InvalidInput, "this agent registered no KV cache")
         })?;
         let peers = lock(&self.inner.peers);
-        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-        let Some(data_peer) = entry.data_peer else {
-            return Err(entry
-                .attach_error()
-                .unwrap_or_else(|| self.lost("dead or restarting")));
-        };
+        let (entry, data_peer) = self.ready(&peers)?;
         let remote = entry.kv.first().ok_or_else(|| {
             Error::msg(
                 ErrorKind::InvalidInput,
@@ -193,12 +189,7 @@ impl Peer {
         let l = spans::resolve_local(&self.inner.local_regions(), local, op)?;
         let (data_peer, incarnation, advertised, name) = {
             let peers = lock(&self.inner.peers);
-            let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-            let Some(data_peer) = entry.data_peer else {
-                return Err(entry
-                    .attach_error()
-                    .unwrap_or_else(|| self.lost("dead or restarting")));
-            };
+            let (entry, data_peer) = self.ready(&peers)?;
             (
                 data_peer,
                 entry.incarnation,
@@ -209,6 +200,20 @@ impl Peer {
         let r = spans::resolve_remote(&advertised, remote, op, &name)?;
         let (l, r) = spans::pair(l, r)?;
         self.planned(op, data_peer, incarnation, l, r, notify)
+    }
+
+    /// This connection's entry and its data-plane peer, or why there is none.
+    fn ready<'a>(
+        &self,
+        peers: &'a HashMap<ConnectionId, PeerEntry>,
+    ) -> Result<(&'a PeerEntry, PeerId), Error> {
+        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
+        match entry.data_peer {
+            Some(data_peer) => Ok((entry, data_peer)),
+            None => Err(entry
+                .attach_error()
+                .unwrap_or_else(|| self.lost("dead or restarting"))),
+        }
     }
 
     fn advertised_of(entry: &PeerEntry) -> Vec<RemoteRegion> {

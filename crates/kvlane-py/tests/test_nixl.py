@@ -9,6 +9,7 @@ import pytest
 import kvlane
 from kvlane.nixl import nixl_agent, nixl_agent_config
 from conftest import LEN, expected_sha, pattern
+from flow import wait as wait_done
 
 BLOCK = 4096
 
@@ -23,15 +24,6 @@ def agent(name: str, buf: np.ndarray) -> nixl_agent:
 
 def blocks(base: int, n: int) -> list:
     return [(base + i * BLOCK, BLOCK, 0) for i in range(n)]
-
-
-def wait_done(a: nixl_agent, h: int, timeout: float = 10) -> str:
-    end = time.monotonic() + timeout
-    state = a.check_xfer_state(h)
-    while state == "PROC" and time.monotonic() < end:
-        time.sleep(0.001)
-        state = a.check_xfer_state(h)
-    return state
 
 
 def test_connector_flow_read_write_notifications_between_two_processes(nixl_target):
