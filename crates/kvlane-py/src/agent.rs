@@ -18,6 +18,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Span lists longer than this are planned with the GIL released.
+const DETACH_SPANS: usize = 256;
+
 fn closed() -> PyErr {
     ClosedError::new_err("the agent is closed")
 }
@@ -375,10 +378,17 @@ impl Peer {
         let t = Instant::now();
         let op = op_of(op)?;
         let (l, r) = Self::span_lists(local, remote)?;
-        let peer = self.peer.clone();
-        let p = py
-            .detach(move || peer.prepare_spans(op, &l, &r, notify.as_deref()))
-            .map_err(to_py)?;
+        let peer = &self.peer;
+        let plan = || peer.prepare_spans(op, &l, &r, notify.as_deref());
+        // Planning is a few microseconds for a handful of spans; long lists
+        // (up to 1e5 descriptors) are planned with the GIL released.
+        let p = if l.len() > DETACH_SPANS {
+            let peer = self.peer.clone();
+            py.detach(move || peer.prepare_spans(op, &l, &r, notify.as_deref()))
+        } else {
+            plan()
+        }
+        .map_err(to_py)?;
         Ok(PreparedTransfer {
             inner: Some(p),
             prepare: t.elapsed(),

@@ -5,7 +5,10 @@ use crate::errors::{error_of, invalid};
 use crate::runtime::{runtime, SLICE};
 use kvlane::ErrorKind;
 use pyo3::prelude::*;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -14,8 +17,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 type Outcome = Result<(), (ErrorKind, String)>;
 
+/// A transfer's state. The facade handle is polled in place (no task per
+/// transfer): `wait` blocks on it with the GIL released, `done`/`status`
+/// poll it once. Only a transfer someone awaits under asyncio (a done
+/// callback) gets a task that drives it to its end.
 #[derive(Default)]
 struct State {
+    /// `None` once it ended, or while a waiter or the watcher task holds it.
+    handle: Option<kvlane::TransferHandle>,
     outcome: Option<Outcome>,
     xfer: Option<Duration>,
     callbacks: Vec<Py<PyAny>>,
@@ -25,6 +34,101 @@ struct State {
 struct Shared {
     state: Mutex<State>,
     done: Condvar,
+    posted: OnceInstant,
+}
+
+/// When the transfer was posted (set once, at creation).
+#[derive(Default)]
+struct OnceInstant(std::sync::OnceLock<Instant>);
+
+impl Shared {
+    /// Records the outcome; returns the callbacks to call (with the GIL).
+    fn finish(&self, st: &mut State, r: Result<(), kvlane::Error>) -> Vec<Py<PyAny>> {
+        st.outcome = Some(r.map_err(|e| (e.kind(), e.to_string())));
+        st.xfer = self.posted.0.get().map(Instant::elapsed);
+        self.done.notify_all();
+        std::mem::take(&mut st.callbacks)
+    }
+
+    /// Polls the handle once (it is not waited on elsewhere).
+    fn poll_now(&self) -> (Option<Outcome>, Vec<Py<PyAny>>) {
+        let mut st = lock(&self.state);
+        if st.outcome.is_none() {
+            if let Some(h) = st.handle.as_mut() {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(r) = Pin::new(h).poll(&mut cx) {
+                    st.handle = None;
+                    let cbs = self.finish(&mut st, r);
+                    return (st.outcome.clone(), cbs);
+                }
+            }
+        }
+        (st.outcome.clone(), Vec::new())
+    }
+
+    /// Waits up to `slice` for the end (GIL released by the caller).
+    fn wait_slice(&self, slice: Duration) -> (Option<Outcome>, Vec<Py<PyAny>>) {
+        let mut st = lock(&self.state);
+        if st.outcome.is_some() {
+            return (st.outcome.clone(), Vec::new());
+        }
+        let Some(mut h) = st.handle.take() else {
+            // Another waiter or the watcher drives it: wait for its word.
+            let (st, _) = self
+                .done
+                .wait_timeout_while(st, slice, |s| s.outcome.is_none())
+                .unwrap_or_else(|e| e.into_inner());
+            return (st.outcome.clone(), Vec::new());
+        };
+        drop(st);
+        let r = runtime().block_on(async { tokio::time::timeout(slice, &mut h).await.ok() });
+        let mut st = lock(&self.state);
+        match r {
+            Some(r) => {
+                let cbs = self.finish(&mut st, r);
+                (st.outcome.clone(), cbs)
+            }
+            None => {
+                st.handle = Some(h);
+                (None, Vec::new())
+            }
+        }
+    }
+}
+
+/// Drives the handle to its end in a task when callbacks wait for it and
+/// nobody else holds it.
+fn watch_if_needed(shared: &Arc<Shared>) {
+    let h = {
+        let mut st = lock(&shared.state);
+        if st.callbacks.is_empty() {
+            return;
+        }
+        match st.handle.take() {
+            Some(h) => h,
+            None => return,
+        }
+    };
+    let s = shared.clone();
+    runtime().spawn(async move {
+        let r = h.await;
+        let cbs = s.finish(&mut lock(&s.state), r);
+        call(cbs);
+    });
+}
+
+/// Calls done callbacks (taking the GIL).
+fn call(callbacks: Vec<Py<PyAny>>) {
+    if callbacks.is_empty() {
+        return;
+    }
+    Python::attach(|py| {
+        for cb in callbacks {
+            if let Err(e) = cb.call0(py) {
+                e.write_unraisable(py, None);
+            }
+        }
+    });
 }
 
 /// What one transfer cost (what vLLM's connector reports per transfer).
@@ -66,27 +170,8 @@ impl Transfer {
         descriptors: usize,
     ) -> Self {
         let shared = Arc::new(Shared::default());
-        let posted = started.1 + post;
-        let s = shared.clone();
-        runtime().spawn(async move {
-            let r = handle.await.map_err(|e| (e.kind(), e.to_string()));
-            let callbacks = {
-                let mut st = lock(&s.state);
-                st.outcome = Some(r);
-                st.xfer = Some(posted.elapsed());
-                std::mem::take(&mut st.callbacks)
-            };
-            s.done.notify_all();
-            if !callbacks.is_empty() {
-                Python::attach(|py| {
-                    for cb in callbacks {
-                        if let Err(e) = cb.call0(py) {
-                            e.write_unraisable(py, None);
-                        }
-                    }
-                });
-            }
-        });
+        let _ = shared.posted.0.set(started.1 + post);
+        lock(&shared.state).handle = Some(handle);
         let start_time_us = started
             .0
             .duration_since(UNIX_EPOCH)
@@ -111,7 +196,9 @@ impl Transfer {
     }
 
     fn outcome(&self) -> PyResult<Option<Outcome>> {
-        Ok(lock(&self.shared()?.state).outcome.clone())
+        let (outcome, callbacks) = self.shared()?.poll_now();
+        call(callbacks);
+        Ok(outcome)
     }
 }
 
@@ -125,20 +212,20 @@ impl Transfer {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let shared = self.shared()?.clone();
+        // Fast path, GIL held: a transfer that already ended (the common
+        // case when a batch is waited on in order) costs one poll.
+        if let Some(o) = self.outcome()? {
+            return check(o);
+        }
         let end = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
         loop {
             let slice = match end {
                 Some(end) => end.saturating_duration_since(Instant::now()).min(SLICE),
                 None => SLICE,
             };
-            let outcome = py.detach(|| {
-                let st = lock(&shared.state);
-                let (st, _) = shared
-                    .done
-                    .wait_timeout_while(st, slice, |s| s.outcome.is_none())
-                    .unwrap_or_else(|e| e.into_inner());
-                st.outcome.clone()
-            });
+            let (outcome, callbacks) = py.detach(|| shared.wait_slice(slice));
+            call(callbacks);
+            watch_if_needed(&shared);
             if let Some(o) = outcome {
                 return check(o);
             }
@@ -176,6 +263,7 @@ impl Transfer {
     /// Post time, transfer time, bytes and descriptor count.
     #[getter]
     fn telemetry(&self) -> PyResult<Telemetry> {
+        self.outcome()?;
         let xfer = lock(&self.shared()?.state).xfer;
         Ok(Telemetry {
             xfer_us: xfer.map_or(0, |d| d.as_micros() as u64),
@@ -185,11 +273,16 @@ impl Transfer {
 
     /// Calls `callback()` (from a kvlane thread, or now if it ended).
     fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
-        let shared = self.shared()?;
+        let shared = self.shared()?.clone();
+        if self.outcome()?.is_some() {
+            return callback.call0(py).map(drop);
+        }
         {
             let mut st = lock(&shared.state);
             if st.outcome.is_none() {
                 st.callbacks.push(callback);
+                drop(st);
+                watch_if_needed(&shared);
                 return Ok(());
             }
         }
@@ -208,13 +301,11 @@ impl Transfer {
     }
 
     fn __repr__(&self) -> String {
-        let status = match &self.shared {
-            None => "released",
-            Some(s) => match &lock(&s.state).outcome {
-                None => "pending",
-                Some(Ok(())) => "done",
-                Some(Err(_)) => "failed",
-            },
+        let status = match self.outcome() {
+            Err(_) => "released",
+            Ok(None) => "pending",
+            Ok(Some(Ok(()))) => "done",
+            Ok(Some(Err(_))) => "failed",
         };
         format!(
             "Transfer(status={status}, bytes={}, descriptors={})",
