@@ -219,11 +219,20 @@ impl Agent {
     }
 }
 
-/// A transfer planned against one incarnation of a peer; post it with
-/// `Peer.post` (once).
+/// A span transfer planned against one incarnation of a peer. Post it with
+/// `Peer.post` as often as needed: the first post uses this plan, each
+/// later one plans the same spans again against the peer's current
+/// incarnation (checks included), so a restarted peer is never written
+/// through its old keys.
 #[pyclass(module = "kvlane", name = "PreparedTransfer")]
 pub(crate) struct PreparedTransfer {
-    inner: Option<RsPrepared>,
+    first: Option<RsPrepared>,
+    op: Op,
+    local: Vec<MemSpan>,
+    remote: Vec<MemSpan>,
+    notify: Option<Vec<u8>>,
+    descriptors: usize,
+    bytes: u64,
     prepare: Duration,
 }
 
@@ -232,13 +241,13 @@ impl PreparedTransfer {
     /// Descriptors after merging contiguous runs.
     #[getter]
     fn descriptors(&self) -> usize {
-        self.inner.as_ref().map_or(0, RsPrepared::descriptors)
+        self.descriptors
     }
 
     /// Payload bytes.
     #[getter]
     fn bytes(&self) -> u64 {
-        self.inner.as_ref().map_or(0, RsPrepared::bytes)
+        self.bytes
     }
 }
 
@@ -281,6 +290,24 @@ impl Peer {
             bytes,
             descriptors,
         ))
+    }
+
+    /// Plans spans: a few microseconds for a handful; long lists (up to
+    /// 1e5 descriptors) are planned with the GIL released.
+    fn plan(
+        &self,
+        py: Python<'_>,
+        op: Op,
+        l: &[MemSpan],
+        r: &[MemSpan],
+        notify: Option<&[u8]>,
+    ) -> PyResult<RsPrepared> {
+        if l.len() > DETACH_SPANS {
+            py.detach(|| self.peer.prepare_spans(op, l, r, notify))
+        } else {
+            self.peer.prepare_spans(op, l, r, notify)
+        }
+        .map_err(to_py)
     }
 
     fn span_lists(
@@ -378,19 +405,15 @@ impl Peer {
         let t = Instant::now();
         let op = op_of(op)?;
         let (l, r) = Self::span_lists(local, remote)?;
-        let peer = &self.peer;
-        let plan = || peer.prepare_spans(op, &l, &r, notify.as_deref());
-        // Planning is a few microseconds for a handful of spans; long lists
-        // (up to 1e5 descriptors) are planned with the GIL released.
-        let p = if l.len() > DETACH_SPANS {
-            let peer = self.peer.clone();
-            py.detach(move || peer.prepare_spans(op, &l, &r, notify.as_deref()))
-        } else {
-            plan()
-        }
-        .map_err(to_py)?;
+        let p = self.plan(py, op, &l, &r, notify.as_deref())?;
         Ok(PreparedTransfer {
-            inner: Some(p),
+            descriptors: p.descriptors(),
+            bytes: p.bytes(),
+            first: Some(p),
+            op,
+            local: l,
+            remote: r,
+            notify,
             prepare: t.elapsed(),
         })
     }
@@ -401,15 +424,27 @@ impl Peer {
         self.peer.check_remote_spans(op_of(op)?, &s).map_err(to_py)
     }
 
-    /// Posts a prepared transfer (once); never blocks.
-    fn post(&self, prepared: &mut PreparedTransfer) -> PyResult<Transfer> {
+    /// Posts a prepared transfer; never blocks. Posting it again plans it
+    /// again (see `PreparedTransfer`).
+    fn post(&self, py: Python<'_>, prepared: &mut PreparedTransfer) -> PyResult<Transfer> {
         self.live()?;
-        let p = prepared
-            .inner
-            .take()
-            .ok_or_else(|| invalid("this prepared transfer was already posted"))?;
         let now = Instant::now();
-        let started = (SystemTime::now() - prepared.prepare, now - prepared.prepare);
+        let (p, started) = match prepared.first.take() {
+            Some(p) => (
+                p,
+                (SystemTime::now() - prepared.prepare, now - prepared.prepare),
+            ),
+            None => {
+                let p = self.plan(
+                    py,
+                    prepared.op,
+                    &prepared.local,
+                    &prepared.remote,
+                    prepared.notify.as_deref(),
+                )?;
+                (p, (SystemTime::now(), now))
+            }
+        };
         self.post_prepared(p, started)
     }
 
@@ -423,7 +458,7 @@ impl Peer {
         notify: Option<Vec<u8>>,
     ) -> PyResult<Transfer> {
         let mut p = self.prepare_spans(py, "WRITE", local, remote, notify)?;
-        self.post(&mut p)
+        self.post(py, &mut p)
     }
 
     /// Prepares and posts a span READ.
@@ -436,7 +471,7 @@ impl Peer {
         notify: Option<Vec<u8>>,
     ) -> PyResult<Transfer> {
         let mut p = self.prepare_spans(py, "READ", local, remote, notify)?;
-        self.post(&mut p)
+        self.post(py, &mut p)
     }
 
     /// Sends a notification through the control plane.

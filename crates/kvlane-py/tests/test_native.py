@@ -182,3 +182,29 @@ def test_peer_killed_mid_transfer_fails_with_peer_lost_within_the_liveness_budge
             if ev is not None:
                 kinds.add(ev.kind)
         assert "dead" in kinds
+
+
+def test_notifications_and_peer_events_as_sync_and_async_iterators():
+    a_mem, b_mem = bytearray(4096), bytearray(4096)
+    with kvlane.Agent(engine_id="a", backend="tcp", regions=[a_mem]) as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", regions=[b_mem]) as b:
+        events = a.events()
+        peer = a.connect(b.addr)
+        ev = events.recv(10)
+        assert (ev.kind, ev.detail) == ("up", "b")
+        peer.notify(b"one")
+        assert next(iter(b.notifications())).payload == b"one"
+
+        async def first_two():
+            got = []
+            async for note in kvlane.aiter_notifications(b):
+                got.append(note.payload)
+                if len(got) == 2:
+                    return got
+
+        peer.notify(b"two")
+        peer.notify(b"three")
+        assert asyncio.run(asyncio.wait_for(first_two(), 10)) == [b"two", b"three"]
+        peer.disconnect()
+        kinds = {e.kind for e in iter(lambda: events.recv(1), None)}
+        assert "closed" in kinds

@@ -191,7 +191,7 @@ class _Xfer:
         self.local = local
         self.remote = remote
         self.notif = notif
-        self.prepared: Optional[kvlane.PreparedTransfer] = prepared
+        self.prepared = prepared
         self.transfer: Optional[kvlane.Transfer] = None
         self.failed: Optional[BaseException] = None
 
@@ -485,18 +485,18 @@ class nixl_agent:
         if x.transfer is not None and not x.transfer.done():
             raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle!r} is still in progress")
         notif = _bytes(notif_msg)
-        if notif is not None and notif != x.notif:
-            x.notif, x.prepared = notif, None
         try:
-            if x.prepared is None:  # a repost: plan it again (the peer may have restarted)
-                x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, x.notif)
-            prepared, x.prepared = x.prepared, None
+            if notif is not None and notif != x.notif:
+                x.notif = notif
+                x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, notif)
+            # Reposting plans the spans again against the peer's current
+            # incarnation (PreparedTransfer); the first post uses the plan.
             x.failed = None
-            x.transfer = x.peer.post(prepared)
+            x.transfer = x.peer.post(x.prepared)
         except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
             x.transfer, x.failed = None, e
             return "ERR"
-        return "DONE" if x.transfer.done() and x.transfer.status == "done" else "PROC"
+        return "DONE" if x.transfer.status == "done" else "PROC"
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         x = self._xfer(handle)
