@@ -147,3 +147,39 @@ def test_nixl_peer_killed_mid_transfer_gives_err_never_proc_forever(make_target)
     assert "PROC" not in states and "ERR" in states, states
     assert time.monotonic() - start < 5
     a.close()
+
+
+def test_hundred_thousand_indices_and_deregistration_in_one_process():
+    n, size = 100_000, 64
+    a_buf = pattern(1, n * size)
+    b_buf = np.zeros(n * size, dtype=np.uint8)
+    a, b = agent("a", a_buf), agent("b", b_buf)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    base = np.arange(n, dtype=np.uint64) * size
+    descs = lambda addr: np.stack([addr + base, np.full(n, size, np.uint64), np.zeros(n, np.uint64)], 1)
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", descs(a_buf.ctypes.data), "DRAM")
+    remote = a.prep_xfer_dlist(name, descs(b_buf.ctypes.data), "DRAM")
+    idx = np.arange(n, dtype=np.int32)
+    start = time.monotonic()
+    h = a.make_prepped_xfer("WRITE", local, idx, remote, idx[::-1].copy(), b"all")
+    a.transfer(h)
+    assert wait_done(a, h, 30) == "DONE"
+    elapsed = time.monotonic() - start
+    assert a.get_xfer_telemetry(h).descCount == n  # reversed: nothing merges
+    got = b_buf.reshape(n, size)
+    assert (got[::-1] == a_buf.reshape(n, size)).all()
+    end = time.monotonic() + 10
+    notes = {}
+    while not notes and time.monotonic() < end:
+        notes = b.get_new_notifs()
+    assert notes == {"a": [b"all"]}
+    print(f"1e5 descriptors: {elapsed:.3f} s")
+
+    # Deregistered memory cannot be used in a local list any more.
+    with pytest.raises(kvlane.InvalidInputError, match="not registered"):
+        a.deregister_memory(a.get_reg_descs([(a_buf.ctypes.data, 64, 0, "")], "DRAM"))
+    a.deregister_memory(a.get_reg_descs([(a_buf.ctypes.data, a_buf.nbytes, 0, "")], "DRAM"))
+    with pytest.raises(kvlane.InvalidInputError, match="deregistered"):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", [(a_buf.ctypes.data, 16, 0)], "DRAM")
+    a.close()
+    b.close()

@@ -25,7 +25,8 @@ Mapping onto kvlane
   at the first call that needs it (``get_agent_metadata``,
   ``add_remote_agent``, ``prep_xfer_dlist``). **Registering after that
   raises** ``kvlane.UnsupportedError`` (the regions are advertised in the
-  handshake). ``deregister_memory`` before that drops the registration;
+  handshake). ``deregister_memory`` (matched by address and length, as in
+  NIXL) before that drops the registration;
   after it, the memory can no longer be used in local descriptor lists,
   but stays registered (and must stay allocated) until the agent closes.
 * ``get_agent_metadata``: the agent's name and control address.
@@ -331,13 +332,20 @@ class nixl_agent:
         self._regs.extend(m for m in descs.mems if m is not None)
         return descs
 
-    def deregister_memory(self, dereg_list: _RegDList, backends: Sequence[str] = ()) -> None:
-        mems = [m for m in dereg_list.mems if m is not None]
+    def deregister_memory(self, dereg_list: Any, backends: Sequence[str] = ()) -> None:
+        # Matched by value (address and length), as NIXL does.
+        rows = self.get_reg_descs(dereg_list).rows
+        keys = {(r[0], r[1]) for r in rows}
+        gone = [m for m in self._regs if (m.addr, m.nbytes) in keys]
+        if len(gone) < len(keys):
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {len(keys) - len(gone)} of the descriptors to deregister "
+                "were not registered"
+            )
         if self._agent is None:
-            ids = {id(m) for m in mems}
-            self._regs = [m for m in self._regs if id(m) not in ids]
+            self._regs = [m for m in self._regs if all(m is not g for g in gone)]
         else:
-            self._deregistered.extend(mems)
+            self._deregistered.extend(gone)
 
     # -- metadata ----------------------------------------------------------
 
