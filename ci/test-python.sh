@@ -22,7 +22,9 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # GPU over UCX tcp; --no-deps skips the CUDA stack it does not need here).
 "${pip[@]}" install --no-deps nixl-cu12
 export KVLANE_REQUIRE_NIXL=1
-# The build reuses the workspace's target directory (cargo's cache).
+# The build reuses the workspace's target directory: in the dev profile
+# (KVLANE_PY_PROFILE, default dev) it reuses what `cargo test` built.
+export MATURIN_PEP517_ARGS="--profile ${KVLANE_PY_PROFILE:-dev}"
 "${pip[@]}" install --no-build-isolation --force-reinstall --no-deps ./crates/kvlane-py
 "$venv/bin/python" -c 'import kvlane, kvlane.nixl'
 # Run from outside the source tree so the installed package is tested.
