@@ -35,7 +35,8 @@ pub(crate) fn op_of(op: &str) -> PyResult<Op> {
     }
 }
 
-type Shared = Arc<Mutex<Option<kvlane::Agent>>>;
+/// The agent, `None` once closed (shared with its peers and streams).
+pub(crate) type Shared = Arc<Mutex<Option<kvlane::Agent>>>;
 
 fn agent_of(shared: &Shared) -> PyResult<kvlane::Agent> {
     lock(shared).clone().ok_or_else(closed)
@@ -184,12 +185,15 @@ impl Agent {
     /// landed, READ notifications after the initiator has the data, and
     /// `Peer.notify` messages).
     fn notifications(&self) -> Notifications {
-        Notifications::new(self.notifications.clone())
+        Notifications::new(self.notifications.clone(), self.inner.clone())
     }
 
     /// Peer events from now on.
     fn events(&self) -> PyResult<PeerEvents> {
-        Ok(PeerEvents::new(agent_of(&self.inner)?.events()))
+        Ok(PeerEvents::new(
+            agent_of(&self.inner)?.events(),
+            self.inner.clone(),
+        ))
     }
 
     /// Says `bye` to every peer, stops the data plane (in-flight transfers

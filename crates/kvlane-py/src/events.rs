@@ -1,7 +1,9 @@
 //! Notifications and peer events as iterators: `recv(timeout)`,
-//! `try_recv()`, `drain()` and blocking `for x in it` (GIL released,
-//! Ctrl-C interrupts); async iteration is `kvlane._aio`'s.
+//! `try_recv()`, `drain()`, blocking `for x in it` (GIL released, Ctrl-C
+//! interrupts) and `async for x in it` (receives on an executor thread,
+//! `kvlane._aio`). Iteration ends when the agent closes.
 
+use crate::agent::Shared;
 use crate::runtime::SLICE;
 use kvlane::PeerEventKind;
 use pyo3::prelude::*;
@@ -60,11 +62,25 @@ where
 #[pyclass(module = "kvlane", name = "Notifications")]
 pub(crate) struct Notifications {
     rx: Arc<Mutex<mpsc::UnboundedReceiver<kvlane::Notification>>>,
+    agent: Shared,
+}
+
+fn is_closed(agent: &Shared) -> bool {
+    agent.lock().map(|a| a.is_none()).unwrap_or(true)
+}
+
+fn anext<'py>(slf: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    slf.py()
+        .import("kvlane._aio")?
+        .call_method1("anext_stream", (slf,))
 }
 
 impl Notifications {
-    pub(crate) fn new(rx: Arc<Mutex<mpsc::UnboundedReceiver<kvlane::Notification>>>) -> Self {
-        Self { rx }
+    pub(crate) fn new(
+        rx: Arc<Mutex<mpsc::UnboundedReceiver<kvlane::Notification>>>,
+        agent: Shared,
+    ) -> Self {
+        Self { rx, agent }
     }
 
     /// The next notification; `None` on timeout or when the stream closed.
@@ -109,8 +125,29 @@ impl Notifications {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Notification>> {
-        // Blocks until a notification; the iteration ends when the agent closed.
-        Ok(self.poll(py, None)?.map(|n| note(py, n)))
+        // Waits in slices; the iteration ends when the agent closed.
+        loop {
+            if let Some(n) = self.poll(py, Some(SLICE.as_secs_f64()))? {
+                return Ok(Some(note(py, n)));
+            }
+            if is_closed(&self.agent) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Whether the agent closed (the stream ends once drained).
+    #[getter]
+    fn closed(&self) -> bool {
+        is_closed(&self.agent)
+    }
+
+    fn __aiter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __anext__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        anext(slf.into_any())
     }
 }
 
@@ -164,12 +201,14 @@ fn event(e: kvlane::PeerEvent) -> PeerEvent {
 #[pyclass(module = "kvlane", name = "PeerEvents")]
 pub(crate) struct PeerEvents {
     rx: Arc<Mutex<broadcast::Receiver<kvlane::PeerEvent>>>,
+    agent: Shared,
 }
 
 impl PeerEvents {
-    pub(crate) fn new(rx: broadcast::Receiver<kvlane::PeerEvent>) -> Self {
+    pub(crate) fn new(rx: broadcast::Receiver<kvlane::PeerEvent>, agent: Shared) -> Self {
         Self {
             rx: Arc::new(Mutex::new(rx)),
+            agent,
         }
     }
 }
@@ -203,6 +242,27 @@ impl PeerEvents {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PeerEvent>> {
-        self.recv(py, None)
+        loop {
+            if let Some(e) = self.recv(py, Some(SLICE.as_secs_f64()))? {
+                return Ok(Some(e));
+            }
+            if is_closed(&self.agent) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Whether the agent closed (the stream ends once drained).
+    #[getter]
+    fn closed(&self) -> bool {
+        is_closed(&self.agent)
+    }
+
+    fn __aiter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __anext__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        anext(slf.into_any())
     }
 }

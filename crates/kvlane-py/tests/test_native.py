@@ -197,7 +197,7 @@ def test_notifications_and_peer_events_as_sync_and_async_iterators():
 
         async def first_two():
             got = []
-            async for note in kvlane.aiter_notifications(b):
+            async for note in b.notifications():
                 got.append(note.payload)
                 if len(got) == 2:
                     return got
@@ -208,3 +208,9 @@ def test_notifications_and_peer_events_as_sync_and_async_iterators():
         peer.disconnect()
         kinds = {e.kind for e in iter(lambda: events.recv(1), None)}
         assert "closed" in kinds
+    assert list(b.notifications()) == []  # closed: iteration ends
+
+    async def after_close():
+        return [n async for n in b.notifications()]
+
+    assert asyncio.run(after_close()) == []

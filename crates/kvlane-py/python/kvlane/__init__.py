@@ -37,7 +37,6 @@ from kvlane._kvlane import (
     UnsupportedError,
     __version__,
 )
-from kvlane._aio import aiter_events, aiter_notifications
 
 __all__ = [
     "Agent",
@@ -62,6 +61,4 @@ __all__ = [
     "Transfer",
     "UnsupportedError",
     "__version__",
-    "aiter_events",
-    "aiter_notifications",
 ]

@@ -1,9 +1,9 @@
 """asyncio glue: awaiting a transfer, and async iteration of notifications
-and peer events. The native side signals completion from its own thread;
+and peer events (``async for note in agent.notifications()``). The native side signals completion from its own thread;
 the result is handed to the loop with ``call_soon_threadsafe``."""
 
 import asyncio
-from typing import AsyncIterator, Generator
+from typing import Generator
 
 # How long one blocking receive may hold an executor thread.
 _SLICE = 0.1
@@ -27,21 +27,13 @@ def await_transfer(handle) -> Generator:
     return fut.__await__()
 
 
-async def aiter_notifications(agent) -> AsyncIterator:
-    """Notifications of ``agent`` as an async iterator (ends when it closes)."""
-    stream = agent.notifications()
+async def anext_stream(stream):
+    """``Notifications.__anext__`` / ``PeerEvents.__anext__``: the next item,
+    received on an executor thread in slices; ends when the agent closed."""
     loop = asyncio.get_running_loop()
-    while not agent.closed:
-        note = await loop.run_in_executor(None, stream.recv, _SLICE)
-        if note is not None:
-            yield note
-
-
-async def aiter_events(agent) -> AsyncIterator:
-    """Peer events of ``agent`` from now on, as an async iterator."""
-    stream = agent.events()
-    loop = asyncio.get_running_loop()
-    while not agent.closed:
-        ev = await loop.run_in_executor(None, stream.recv, _SLICE)
-        if ev is not None:
-            yield ev
+    while True:
+        item = await loop.run_in_executor(None, stream.recv, _SLICE)
+        if item is not None:
+            return item
+        if stream.closed:
+            raise StopAsyncIteration
