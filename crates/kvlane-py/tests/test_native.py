@@ -214,3 +214,14 @@ def test_notifications_and_peer_events_as_sync_and_async_iterators():
         return [n async for n in b.notifications()]
 
     assert asyncio.run(after_close()) == []
+
+
+def test_psk_authenticates_and_a_wrong_key_is_refused():
+    with kvlane.Agent(engine_id="a", backend="tcp", psk=b"secret") as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", psk=b"secret") as b, \
+         kvlane.Agent(engine_id="c", backend="tcp", psk=b"other") as c:
+        assert a.connect(b.addr).engine_id == "b"
+        start = time.monotonic()
+        with pytest.raises(kvlane.RefusedError, match="pre-shared key"):
+            c.connect(b.addr)
+        assert time.monotonic() - start < 30
