@@ -69,6 +69,21 @@ fn is_closed(agent: &Shared) -> bool {
     agent.lock().map(|a| a.is_none()).unwrap_or(true)
 }
 
+/// `__next__`: receives in slices until an item arrives or the agent closed.
+fn until_closed<T>(
+    agent: &Shared,
+    mut recv: impl FnMut() -> PyResult<Option<T>>,
+) -> PyResult<Option<T>> {
+    loop {
+        if let Some(x) = recv()? {
+            return Ok(Some(x));
+        }
+        if is_closed(agent) {
+            return Ok(None);
+        }
+    }
+}
+
 fn anext<'py>(slf: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     slf.py()
         .import("kvlane._aio")?
@@ -125,15 +140,8 @@ impl Notifications {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Notification>> {
-        // Waits in slices; the iteration ends when the agent closed.
-        loop {
-            if let Some(n) = self.poll(py, Some(SLICE.as_secs_f64()))? {
-                return Ok(Some(note(py, n)));
-            }
-            if is_closed(&self.agent) {
-                return Ok(None);
-            }
-        }
+        let n = until_closed(&self.agent, || self.poll(py, Some(SLICE.as_secs_f64())))?;
+        Ok(n.map(|n| note(py, n)))
     }
 
     /// Whether the agent closed (the stream ends once drained).
@@ -242,14 +250,7 @@ impl PeerEvents {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<PeerEvent>> {
-        loop {
-            if let Some(e) = self.recv(py, Some(SLICE.as_secs_f64()))? {
-                return Ok(Some(e));
-            }
-            if is_closed(&self.agent) {
-                return Ok(None);
-            }
-        }
+        until_closed(&self.agent, || self.recv(py, Some(SLICE.as_secs_f64())))
     }
 
     /// Whether the agent closed (the stream ends once drained).
