@@ -21,6 +21,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Span lists longer than this are planned with the GIL released.
 const DETACH_SPANS: usize = 256;
 
+/// Runs `f` on `n` spans, with the GIL released when the list is long.
+fn detach_if_long<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Send) -> T {
+    if n > DETACH_SPANS {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
+
 fn closed() -> PyErr {
     ClosedError::new_err("the agent is closed")
 }
@@ -174,11 +183,9 @@ impl Agent {
     /// Checks that local spans (`[(addr, len), ...]` or an `(N, 2|3)`
     /// array) lie inside this agent's registrations with the rights `op`
     /// (`"READ"`/`"WRITE"`) needs locally.
-    fn check_spans(&self, op: &str, spans_: &Bound<'_, PyAny>) -> PyResult<()> {
-        let spans = spans(spans_)?;
-        agent_of(&self.inner)?
-            .check_spans(op_of(op)?, &spans)
-            .map_err(to_py)
+    fn check_spans(&self, py: Python<'_>, op: &str, spans_: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (spans, op, agent) = (spans(spans_)?, op_of(op)?, agent_of(&self.inner)?);
+        detach_if_long(py, spans.len(), || agent.check_spans(op, &spans)).map_err(to_py)
     }
 
     /// This agent's notifications (WRITE notifications after their data
@@ -306,12 +313,7 @@ impl Peer {
         r: &[MemSpan],
         notify: Option<&[u8]>,
     ) -> PyResult<RsPrepared> {
-        if l.len() > DETACH_SPANS {
-            py.detach(|| self.peer.prepare_spans(op, l, r, notify))
-        } else {
-            self.peer.prepare_spans(op, l, r, notify)
-        }
-        .map_err(to_py)
+        detach_if_long(py, l.len(), || self.peer.prepare_spans(op, l, r, notify)).map_err(to_py)
     }
 
     fn span_lists(
@@ -423,9 +425,14 @@ impl Peer {
     }
 
     /// Checks remote spans against what the peer advertised.
-    fn check_remote_spans(&self, op: &str, spans_: &Bound<'_, PyAny>) -> PyResult<()> {
-        let s = spans(spans_)?;
-        self.peer.check_remote_spans(op_of(op)?, &s).map_err(to_py)
+    fn check_remote_spans(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        spans_: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (s, op) = (spans(spans_)?, op_of(op)?);
+        detach_if_long(py, s.len(), || self.peer.check_remote_spans(op, &s)).map_err(to_py)
     }
 
     /// Posts a prepared transfer; never blocks. Posting it again plans it
