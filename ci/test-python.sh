@@ -28,5 +28,7 @@ export MATURIN_PEP517_ARGS="--profile ${KVLANE_PY_PROFILE:-dev}"
 "${pip[@]}" install --no-build-isolation --force-reinstall --no-deps ./crates/kvlane-py
 "$venv/bin/python" -c 'import kvlane, kvlane.nixl'
 # Run from outside the source tree so the installed package is tested.
-cd crates/kvlane-py/tests
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider . "$@"
+(cd crates/kvlane-py/tests && "$venv/bin/python" -m pytest -q -p no:cacheprovider . "$@")
+# Benchmark smoke run (tiny sizes; timings are not checked).
+"$venv/bin/python" crates/kvlane-py/bench/bench.py --impl native,kvlane.nixl \
+  --block-sizes 4K --batch 4 --duration 0.05

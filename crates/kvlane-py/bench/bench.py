@@ -10,7 +10,7 @@ processes over tcp: batches of one-block transfers (default 128 x {4K, 64K,
 Columns: payload GB/s (10^9 B/s), average and p99 latency of a transfer from
 post to completion, average post time (prepare + post) per transfer.
 ``--rust BIN`` also runs ``kvlane bench --role target|initiator`` (the Rust
-bench, two processes) in the same run. ``--json`` prints one object a line.
+bench, two processes) in the same run, point by point next to the others. ``--json`` prints one object a line.
 """
 
 import argparse
@@ -156,7 +156,7 @@ def rust_points(binary, sizes, batch, ops, duration):
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            rows.append({"impl": "rust", "op": str(r["op"]).upper(), "block_size": r["block_size"],
+            rows.append({"impl": "rust", "op": str(r["op"]).upper(), "block_size": sizes[0] if len(sizes) == 1 else r["block_size"],
                          "batch": r["batch"], "gbps": r["gbps"], "lat_avg_us": r["lat_avg_us"],
                          "lat_p99_us": r["lat_p99_us"], "post_avg_us": r.get("post_avg_us", 0.0),
                          "transfers": r.get("transfers", 0), "seconds": r.get("seconds", 0.0)})
@@ -180,11 +180,13 @@ def main() -> None:
     a = ap.parse_args()
     sizes, ops = a.block_sizes.split(","), [o.upper() for o in a.op.split(",")]
     rows = []
-    if a.rust:
-        rows += rust_points(a.rust, sizes, a.batch, ops, a.duration)
-    for impl in a.impl.split(","):
-        for size in sizes:
-            for op in ops:
+    # Every implementation measures a point right after the others (the
+    # Rust bench first), so a drift in the machine's speed reaches them alike.
+    for size in sizes:
+        for op in ops:
+            if a.rust:
+                rows += rust_points(a.rust, [size], a.batch, [op], a.duration)
+            for impl in a.impl.split(","):
                 rows.append(point(impl, size, a.batch, op, a.duration))
     if a.json:
         for r in rows:
