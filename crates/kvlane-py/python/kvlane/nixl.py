@@ -123,6 +123,7 @@ class nixl_agent_config:
         capture_telemetry: bool = False,
         num_threads: int = 0,
         backends: Sequence[str] = ("UCX",),
+        sync_mode: Any = None,
         *,
         backend: Optional[str] = None,
         listen_host: Optional[str] = None,
@@ -134,6 +135,7 @@ class nixl_agent_config:
         self.capture_telemetry = capture_telemetry
         self.num_threads = num_threads
         self.backends = list(backends)
+        self.sync_mode = sync_mode  # kvlane's agent is thread-safe in every mode
         self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
         self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
         self.psk = psk
