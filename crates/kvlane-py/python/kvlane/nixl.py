@@ -13,9 +13,10 @@ Mapping onto kvlane
   enable_prog_thread=..., enable_listen_thread=..., listen_port=...)``:
   every NIXL backend name maps to kvlane's best backend (``"auto"``: verbs
   when a device is usable, else tcp); ``backend=`` (or ``KVLANE_BACKEND``)
-  names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``
-  and ``enable_listen_thread`` mean nothing here (kvlane's progress and
-  listener threads always run) and are ignored; telemetry is always
+  names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``,
+  ``enable_listen_thread`` and ``sync_mode`` mean nothing here (kvlane's
+  progress and listener threads always run, and it is thread-safe) and are
+  ignored; telemetry is always
   captured. ``listen_port`` is the control port (0: any); ``listen_host``
   (or ``KVLANE_NIXL_HOST``, default ``127.0.0.1``) is the host it binds and
   advertises in the metadata; ``psk`` authenticates handshakes.
