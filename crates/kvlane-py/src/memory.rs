@@ -6,7 +6,7 @@ use crate::errors::{invalid, to_py, UnsupportedError};
 use kvlane::data::{Access, KvParts, LayoutOrder, MemoryKind, Region};
 use kvlane::MemSpan;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 /// Memory registered for transfers. Build it from any buffer-protocol
 /// object (`Memory(numpy_array)`, `Memory(bytearray(n))`, `Memory(mmap)`):
@@ -219,7 +219,12 @@ impl KvLayout {
 /// A descriptor list: an `(N, 2)` or `(N, 3)` array of 8-byte integers
 /// (read in place), or a sequence of `(addr, len[, dev[, meta]])` tuples.
 pub(crate) fn spans(obj: &Bound<'_, PyAny>) -> PyResult<Vec<MemSpan>> {
-    if let Ok(view) = BufferView::acquire(obj, false, true) {
+    // Lists and tuples are not buffers: skip the (raising) buffer request.
+    let sequence = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
+    if let Some(view) = (!sequence)
+        .then(|| BufferView::acquire(obj, false, true).ok())
+        .flatten()
+    {
         let (words, cols) = view.u64_rows()?;
         return Ok(words
             .chunks_exact(cols)
