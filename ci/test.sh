@@ -17,3 +17,6 @@ fi
 cargo build --workspace --examples --locked
 cargo test --workspace --all-targets --locked --no-fail-fast
 cargo test --workspace --doc --locked
+
+# The Python package (kvlane-py): venv, maturin build, pytest.
+ci/test-python.sh

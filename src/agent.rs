@@ -6,9 +6,10 @@ use crate::error::{Error, ErrorKind};
 use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{self, DataPlaneInfo, KvAdvert, DP_ANSWER, DP_OFFER};
 use crate::peer::Peer;
+use crate::spans::{self, MemSpan};
 use crate::state::{lock, Inner, LocalKv};
 use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
-use kvlane_data::{Backend, KvLayout, Region, Transport};
+use kvlane_data::{Backend, KvLayout, Op, Region, Transport};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,6 +48,7 @@ pub struct AgentBuilder {
     control: Config,
     fingerprint: String,
     kv: Vec<(KvLayout, Region)>,
+    regions: Vec<Region>,
     custom: Option<Box<dyn Backend>>,
 }
 
@@ -77,6 +79,7 @@ impl Default for AgentBuilder {
             control: Config::default(),
             fingerprint: "kvlane".into(),
             kv: Vec::new(),
+            regions: Vec::new(),
             custom: None,
         }
     }
@@ -165,6 +168,16 @@ impl AgentBuilder {
         self
     }
 
+    /// Registers a plain region for span transfers
+    /// ([`Peer::prepare_spans`]): any memory, addressed by address and
+    /// length rather than by KV block. Advertised in the handshake next to
+    /// the KV caches, with the remote rights of `region`'s [`Access`](kvlane_data::Access);
+    /// like them, registered before the agent starts listening.
+    pub fn register_region(mut self, region: Region) -> Self {
+        self.regions.push(region);
+        self
+    }
+
     /// Creates the backend, registers memory, binds the control node and
     /// starts the agent's event task. Needs a tokio runtime.
     pub async fn build(self) -> Result<Agent, Error> {
@@ -194,6 +207,10 @@ impl AgentBuilder {
             adverts.push(KvAdvert { region: ad, layout });
             kv.push(LocalKv { layout, region });
         }
+        let mut region_adverts = Vec::new();
+        for region in &self.regions {
+            region_adverts.push(backend.register(region)?);
+        }
         let per_peer = backend.endpoint_per_peer();
         let endpoint = if per_peer {
             None
@@ -206,6 +223,7 @@ impl AgentBuilder {
         let blob = DataPlaneInfo {
             endpoint,
             kv: adverts,
+            regions: region_adverts,
         };
         let blob = frames::encode("the handshake's data-plane description", &blob)?;
         let mut local = LocalInfo::new(self.engine_id.clone(), self.ranks, self.fingerprint);
@@ -222,6 +240,7 @@ impl AgentBuilder {
             control,
             transport,
             kv,
+            regions: self.regions,
             peers: Mutex::new(HashMap::new()),
             events,
             notifications: Mutex::new(Some(note_rx)),
@@ -384,6 +403,18 @@ impl Agent {
     /// The first registered KV cache (region and layout).
     pub fn kv(&self) -> Option<(&Region, &KvLayout)> {
         self.inner.kv.first().map(|k| (&k.region, &k.layout))
+    }
+
+    /// The plain regions registered with [`AgentBuilder::register_region`].
+    pub fn regions(&self) -> &[Region] {
+        &self.inner.regions
+    }
+
+    /// Checks that every span lies inside one registration of this agent
+    /// (KV caches and plain regions) with the rights `op` needs locally,
+    /// as [`Peer::prepare_spans`] will.
+    pub fn check_spans(&self, op: Op, spans: &[MemSpan]) -> Result<(), Error> {
+        spans::resolve_local(&self.inner.local_regions(), spans, op).map(drop)
     }
 
     /// Connects to the agent at `addr` (`host:port`): handshake, then the

@@ -62,11 +62,16 @@ struct Target {
     incarnation: u64,
     engine_id: String,
     kv: Vec<KvAdvert>,
+    regions: Vec<RemoteRegion>,
 }
 
 impl Target {
     fn regions(&self) -> Vec<RemoteRegion> {
-        self.kv.iter().map(|k| k.region).collect()
+        self.kv
+            .iter()
+            .map(|k| k.region)
+            .chain(self.regions.iter().copied())
+            .collect()
     }
 }
 
@@ -96,6 +101,7 @@ impl Inner {
             entry.engine_id.clone_from(&info.engine_id);
             entry.incarnation = info.incarnation;
             entry.kv.clone_from(&dp.kv);
+            entry.regions.clone_from(&dp.regions);
             entry.attach.send_replace(Attach::Pending {
                 incarnation: info.incarnation,
             });
@@ -106,6 +112,7 @@ impl Inner {
                 incarnation: info.incarnation,
                 engine_id: info.engine_id,
                 kv: dp.kv,
+                regions: dp.regions,
             }
         };
         if self.per_peer {
@@ -322,6 +329,7 @@ impl Inner {
                 incarnation: e.incarnation,
                 engine_id: e.engine_id.clone(),
                 kv: e.kv.clone(),
+                regions: e.regions.clone(),
             }
         };
         let regions = t.regions();
@@ -367,6 +375,7 @@ impl Inner {
         entry.incarnation = t.incarnation;
         entry.engine_id.clone_from(&t.engine_id);
         entry.kv.clone_from(&t.kv);
+        entry.regions.clone_from(&t.regions);
         drop(peers);
         if let Some(old) = old {
             self.transport.with_backend(|b| b.remove_peer(old));

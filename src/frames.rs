@@ -30,6 +30,11 @@ pub(crate) struct DataPlaneInfo {
     /// `None` when the backend needs an endpoint per peer.
     pub(crate) endpoint: Option<Endpoint>,
     pub(crate) kv: Vec<KvAdvert>,
+    /// Plain regions (registered with
+    /// [`AgentBuilder::register_region`](crate::AgentBuilder::register_region)),
+    /// addressed by span; absent from agents that register none.
+    #[serde(default)]
+    pub(crate) regions: Vec<RemoteRegion>,
 }
 
 impl DataPlaneInfo {

@@ -37,6 +37,16 @@
 //! # }
 //! ```
 //!
+//! # Memory by address
+//!
+//! Callers that move memory regions rather than KV blocks (NIXL-style
+//! descriptor lists, the Python `kvlane.nixl`) register plain regions with
+//! [`AgentBuilder::register_region`]; they are advertised in the handshake
+//! next to the KV caches ([`Peer::remote_regions`]), and
+//! [`Peer::prepare_spans`] plans a transfer of [`MemSpan`]s (address and
+//! length on each side, paired one to one), checked against the
+//! registrations and their rights, with contiguous runs merged.
+//!
 //! # Cargo features
 //!
 //! - `verbs`: the libibverbs backend of `kvlane-data`.
@@ -64,6 +74,7 @@ mod error;
 mod events;
 mod frames;
 mod peer;
+mod spans;
 mod state;
 
 pub use agent::{Agent, AgentBuilder, BackendChoice};
@@ -73,3 +84,4 @@ pub use events::{Notification, PeerEvent, PeerEventKind};
 pub use kvlane_control as control;
 pub use kvlane_data as data;
 pub use peer::{Peer, PreparedTransfer, TransferHandle, DEFAULT_TRANSFER_DEADLINE};
+pub use spans::MemSpan;

@@ -2,11 +2,14 @@
 
 use crate::error::{Error, ErrorKind};
 use crate::frames;
-use crate::state::{lock, Inner};
+use crate::spans::{self, MemSpan};
+use crate::state::{lock, Inner, PeerEntry};
 use kvlane_control::ConnectionId;
 use kvlane_data::{
-    plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, Transfer,
+    plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, RemoteRegion,
+    Transfer,
 };
+use std::collections::HashMap;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -117,12 +120,7 @@ impl Peer {
             Error::msg(ErrorKind::InvalidInput, "this agent registered no KV cache")
         })?;
         let peers = lock(&self.inner.peers);
-        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-        let Some(data_peer) = entry.data_peer else {
-            return Err(entry
-                .attach_error()
-                .unwrap_or_else(|| self.lost("dead or restarting")));
-        };
+        let (entry, data_peer) = self.ready(&peers)?;
         let remote = entry.kv.first().ok_or_else(|| {
             Error::msg(
                 ErrorKind::InvalidInput,
@@ -150,6 +148,103 @@ impl Peer {
                 )
             })
             .unzip();
+        let incarnation = entry.incarnation;
+        drop(peers);
+        self.planned(op, data_peer, incarnation, l, r, notify)
+    }
+
+    /// The plain regions the peer advertised (see
+    /// [`AgentBuilder::register_region`](crate::AgentBuilder::register_region)):
+    /// their addresses and lengths in the peer's address space and the
+    /// rights it grants.
+    pub fn remote_regions(&self) -> Vec<RemoteRegion> {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .map(|e| e.regions.clone())
+            .unwrap_or_default()
+    }
+
+    /// Checks that every span lies inside one region the peer advertised
+    /// (KV caches and plain regions) granting `op`, as
+    /// [`prepare_spans`](Self::prepare_spans) will.
+    pub fn check_remote_spans(&self, op: Op, spans: &[MemSpan]) -> Result<(), Error> {
+        let (advertised, name) = self.advertised()?;
+        spans::resolve_remote(&advertised, spans, op, &name).map(drop)
+    }
+
+    /// Plans a transfer of arbitrary spans: `local[i]` (an address range
+    /// inside this agent's registrations) ↔ `remote[i]` (inside a region
+    /// the peer advertised), pair by pair of equal length, against the
+    /// peer's current incarnation. Runs contiguous on both sides merge into
+    /// one descriptor. Spans outside a registration, without the rights
+    /// `op` needs (a READ into read-only memory), or of mismatched lengths
+    /// fail here with an error naming the span; nothing is posted.
+    pub fn prepare_spans(
+        &self,
+        op: Op,
+        local: &[MemSpan],
+        remote: &[MemSpan],
+        notify: Option<&[u8]>,
+    ) -> Result<PreparedTransfer, Error> {
+        let l = spans::resolve_local(&self.inner.local_regions(), local, op)?;
+        let (data_peer, incarnation, advertised, name) = {
+            let peers = lock(&self.inner.peers);
+            let (entry, data_peer) = self.ready(&peers)?;
+            (
+                data_peer,
+                entry.incarnation,
+                Self::advertised_of(entry),
+                self.name_of(entry),
+            )
+        };
+        let r = spans::resolve_remote(&advertised, remote, op, &name)?;
+        let (l, r) = spans::pair(l, r)?;
+        self.planned(op, data_peer, incarnation, l, r, notify)
+    }
+
+    /// This connection's entry and its data-plane peer, or why there is none.
+    fn ready<'a>(
+        &self,
+        peers: &'a HashMap<ConnectionId, PeerEntry>,
+    ) -> Result<(&'a PeerEntry, PeerId), Error> {
+        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
+        match entry.data_peer {
+            Some(data_peer) => Ok((entry, data_peer)),
+            None => Err(entry
+                .attach_error()
+                .unwrap_or_else(|| self.lost("dead or restarting"))),
+        }
+    }
+
+    fn advertised_of(entry: &PeerEntry) -> Vec<RemoteRegion> {
+        entry
+            .kv
+            .iter()
+            .map(|k| k.region)
+            .chain(entry.regions.iter().copied())
+            .collect()
+    }
+
+    fn name_of(&self, entry: &PeerEntry) -> String {
+        format!("peer {} at {}", entry.engine_id, self.addr)
+    }
+
+    fn advertised(&self) -> Result<(Vec<RemoteRegion>, String), Error> {
+        let peers = lock(&self.inner.peers);
+        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
+        Ok((Self::advertised_of(entry), self.name_of(entry)))
+    }
+
+    /// A planned transfer with its deadline and notification.
+    fn planned(
+        &self,
+        op: Op,
+        data_peer: PeerId,
+        incarnation: u64,
+        l: Descriptors,
+        r: RemoteDescriptors,
+        notify: Option<&[u8]>,
+    ) -> Result<PreparedTransfer, Error> {
         let mut transfer = Transfer::new(data_peer, op, l, r)
             .with_deadline(Instant::now() + DEFAULT_TRANSFER_DEADLINE);
         let frame = notify
@@ -163,7 +258,7 @@ impl Peer {
         }
         Ok(PreparedTransfer {
             conn: self.conn,
-            incarnation: entry.incarnation,
+            incarnation,
             data_peer,
             transfer,
             notify_after_read,

@@ -6,7 +6,7 @@ use crate::error::{Error, ErrorKind};
 use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{DpFrame, KvAdvert};
 use kvlane_control::{ConnectionId, ControlNode};
-use kvlane_data::{KvLayout, PeerId, Region, Transport};
+use kvlane_data::{KvLayout, PeerId, Region, RemoteRegion, Transport};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -53,6 +53,8 @@ pub(crate) struct PeerEntry {
     /// attaching, or when the peer's data plane cannot be reached from here.
     pub(crate) data_peer: Option<PeerId>,
     pub(crate) kv: Vec<KvAdvert>,
+    /// Plain regions the peer advertised (span transfers).
+    pub(crate) regions: Vec<RemoteRegion>,
     /// Bumped whenever the data-plane peer is dropped (dead, restarted,
     /// closed); attachments begun in an older generation are discarded.
     pub(crate) generation: u64,
@@ -66,6 +68,7 @@ impl PeerEntry {
             incarnation: 0,
             data_peer: None,
             kv: Vec::new(),
+            regions: Vec::new(),
             generation: 0,
             attach: watch::Sender::new(Attach::Idle),
         }
@@ -89,6 +92,8 @@ pub(crate) struct Inner {
     pub(crate) control: ControlNode,
     pub(crate) transport: Transport,
     pub(crate) kv: Vec<LocalKv>,
+    /// Plain regions registered for span transfers.
+    pub(crate) regions: Vec<Region>,
     pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
     pub(crate) events: broadcast::Sender<PeerEvent>,
     pub(crate) notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
@@ -110,6 +115,15 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// Every local registration: KV caches, then plain regions.
+    pub(crate) fn local_regions(&self) -> Vec<&Region> {
+        self.kv
+            .iter()
+            .map(|k| &k.region)
+            .chain(&self.regions)
+            .collect()
+    }
+
     pub(crate) fn emit(&self, peer: ConnectionId, addr: String, kind: PeerEventKind) {
         debug!(%peer, %addr, ?kind, "peer event");
         let _ = self.events.send(PeerEvent { peer, addr, kind });

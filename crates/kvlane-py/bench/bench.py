@@ -1,0 +1,202 @@
+"""Transfer benchmark from Python, nixlbench-like columns, between two
+processes over tcp: batches of one-block transfers (default 128 x {4K, 64K,
+1M}, READ and WRITE), each batch posted then waited for.
+
+    python bench.py                               # kvlane native API
+    python bench.py --impl kvlane.nixl            # kvlane through its NIXL API
+    UCX_TLS=tcp python bench.py --impl nixl_cu12._api   # the real NIXL
+    python bench.py --impl native,kvlane.nixl --rust target/release/kvlane
+
+Columns: payload GB/s (10^9 B/s), average and p99 latency of a transfer from
+post to completion, average post time (prepare + post) per transfer.
+``--rust BIN`` also runs ``kvlane bench --role target|initiator`` (the Rust
+bench, two processes) in the same run, point by point next to the others. ``--json`` prints one object a line.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20}
+
+
+def say(obj) -> None:
+    print("BENCH " + json.dumps(obj), flush=True)
+
+
+def hear(stream):
+    for line in stream:
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    raise EOFError("the target exited")
+
+
+def serve(impl: str, nbytes: int) -> None:
+    buf = np.ones(nbytes, dtype=np.uint8)
+    if impl == "native":
+        import kvlane
+
+        agent = kvlane.Agent(engine_id="target", backend="tcp", regions=[buf])
+        say({"addr": agent.addr, "buf": buf.ctypes.data})
+    else:
+        api = importlib.import_module(impl)
+        agent = api.nixl_agent("target", api.nixl_agent_config(backends=["UCX"]))
+        agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, nbytes, 0, "")], "DRAM"))
+        say({"md": agent.get_agent_metadata().hex(), "buf": buf.ctypes.data})
+    sys.stdin.read()  # until the initiator closes our stdin
+    os._exit(0)
+
+
+def pct(xs, p):
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), p)) if len(xs) else 0.0
+
+
+def run_native(t, size, batch, op, duration, buf):
+    import kvlane
+
+    agent = kvlane.Agent(engine_id="init", backend="tcp", regions=[buf])
+    peer = agent.connect(t["addr"])
+    base, rbase = buf.ctypes.data, t["buf"]
+    post = peer.write_spans if op == "WRITE" else peer.read_spans
+    locs = [[(base + i * size, size)] for i in range(batch)]
+    rems = [[(rbase + i * size, size)] for i in range(batch)]
+    lats, posts, moved = [], [], 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration:
+        hs = [post(locs[i], rems[i]) for i in range(batch)]
+        for h in hs:
+            h.wait()
+        for h in hs:
+            tel = h.telemetry
+            lats.append(tel.xfer_us)
+            posts.append(tel.post_us)
+            moved += tel.bytes
+    secs = time.perf_counter() - start
+    agent.close()
+    return moved, secs, lats, posts
+
+
+def run_nixl(api, t, size, batch, op, duration, buf):
+    agent = api.nixl_agent("init", api.nixl_agent_config(backends=["UCX"]))
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+    name = agent.add_remote_agent(bytes.fromhex(t["md"]))
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.ctypes.data + i * size, size, 0) for i in range(batch)], "DRAM")
+    remote = agent.prep_xfer_dlist(name, [(t["buf"] + i * size, size, 0) for i in range(batch)], "DRAM")
+    hs = [agent.make_prepped_xfer(op, local, [i], remote, [i]) for i in range(batch)]
+    lats, posts, moved = [], [], 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration:
+        t0 = []
+        for h in hs:
+            a = time.perf_counter()
+            agent.transfer(h)
+            b = time.perf_counter()
+            t0.append(a)
+            posts.append((b - a) * 1e6)
+        pending = set(range(batch))
+        while pending:
+            for i in list(pending):
+                s = agent.check_xfer_state(hs[i])
+                if s != "PROC":
+                    if s != "DONE":
+                        raise RuntimeError(f"transfer {i} ended {s}")
+                    lats.append((time.perf_counter() - t0[i]) * 1e6)
+                    pending.discard(i)
+        moved += batch * size
+    secs = time.perf_counter() - start
+    for h in hs:
+        agent.release_xfer_handle(h)
+    return moved, secs, lats, posts
+
+
+def point(impl, size_name, batch, op, duration):
+    size = SIZES[size_name]
+    nbytes = size * batch
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", impl, str(nbytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        t = hear(proc.stdout)
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        if impl == "native":
+            moved, secs, lats, posts = run_native(t, size, batch, op, duration, buf)
+        else:
+            moved, secs, lats, posts = run_nixl(importlib.import_module(impl), t, size, batch, op, duration, buf)
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    return {
+        "impl": impl, "op": op, "block_size": size_name, "batch": batch,
+        "gbps": moved / secs / 1e9, "lat_avg_us": float(np.mean(lats)), "lat_p99_us": pct(lats, 99),
+        "post_avg_us": float(np.mean(posts)), "transfers": len(lats), "seconds": secs,
+    }
+
+
+def rust_points(binary, sizes, batch, ops, duration):
+    port = 25000 + os.getpid() % 20000
+    target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
+                               "--listen", f"127.0.0.1:{port}", "--pool", "256M"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
+                              "--connect", f"127.0.0.1:{port}", "--block-sizes", ",".join(sizes),
+                              "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),
+                              "--duration", f"{duration}s", "--json"],
+                             capture_output=True, text=True, timeout=600)
+    finally:
+        target.kill()
+        target.wait()
+    rows = []
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows.append({"impl": "rust", "op": str(r["op"]).upper(), "block_size": sizes[0] if len(sizes) == 1 else r["block_size"],
+                         "batch": r["batch"], "gbps": r["gbps"], "lat_avg_us": r["lat_avg_us"],
+                         "lat_p99_us": r["lat_p99_us"], "post_avg_us": r.get("post_avg_us", 0.0),
+                         "transfers": r.get("transfers", 0), "seconds": r.get("seconds", 0.0)})
+    if not rows:
+        raise RuntimeError(f"kvlane bench printed no rows:\n{out.stdout}\n{out.stderr}")
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], int(sys.argv[3]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--impl", default="native", help="comma list: native, kvlane.nixl, nixl_cu12._api")
+    ap.add_argument("--block-sizes", default="4K,64K,1M")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--op", default="WRITE,READ")
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds per point")
+    ap.add_argument("--rust", help="path of the kvlane binary: run its bench in the same go")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    sizes, ops = a.block_sizes.split(","), [o.upper() for o in a.op.split(",")]
+    rows = []
+    # Every implementation measures a point right after the others (the
+    # Rust bench first), so a drift in the machine's speed reaches them alike.
+    for size in sizes:
+        for op in ops:
+            if a.rust:
+                rows += rust_points(a.rust, [size], a.batch, [op], a.duration)
+            for impl in a.impl.split(","):
+                rows.append(point(impl, size, a.batch, op, a.duration))
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"{'impl':<16}{'op':<7}{'block':>6}{'batch':>6}{'GB/s':>8}{'lat avg us':>12}{'lat p99 us':>12}{'post us':>9}")
+    for r in rows:
+        print(f"{r['impl']:<16}{r['op']:<7}{r['block_size']:>6}{r['batch']:>6}{r['gbps']:>8.2f}"
+              f"{r['lat_avg_us']:>12.1f}{r['lat_p99_us']:>12.1f}{r['post_avg_us']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

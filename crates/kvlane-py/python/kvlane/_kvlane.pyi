@@ -1,0 +1,200 @@
+"""Type stubs of kvlane's native module (re-exported by ``kvlane``)."""
+
+from typing import Any, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+__version__: str
+
+# A descriptor list: (addr, len[, dev[, meta]]) tuples, or an (N, 2) / (N, 3)
+# array of 8-byte integers read in place.
+Spans = Union[Sequence[Tuple[int, ...]], Any]
+
+class Error(Exception):
+    """Base class of every kvlane error."""
+
+class TimeoutError(Error):
+    """A deadline passed (transfer, handshake)."""
+
+class PeerLostError(Error):
+    """The peer died, restarted or was disconnected."""
+
+class StaleError(PeerLostError):
+    """The transfer was prepared against an older incarnation of the peer."""
+
+class RefusedError(Error):
+    """The peer or target refused (keys, bounds, rights, handshake, peer cap)."""
+
+class BusyError(Error):
+    """The submission queue is full; retry after earlier transfers completed."""
+
+class InvalidInputError(Error):
+    """The request is invalid (layout, ids, spans, lengths, a released handle)."""
+
+class UnsupportedError(Error):
+    """The backend or device cannot do this here."""
+
+class ClosedError(Error):
+    """The agent is closed."""
+
+class IoError(Error):
+    """Network or OS failure."""
+
+class Memory:
+    """Registered memory: a buffer-protocol object, held zero-copy."""
+
+    def __init__(self, obj: Any, *, readonly: Optional[bool] = None) -> None: ...
+    @staticmethod
+    def unsafe_from_ptr(
+        ptr: int, nbytes: int, device: str = "cpu", *, readonly: bool = False, owner: Any = None
+    ) -> "Memory":
+        """Foreign host memory by address; the caller guarantees it outlives
+        the registration, every agent using it and every transfer."""
+    @property
+    def addr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def readonly(self) -> bool: ...
+    def __len__(self) -> int: ...
+
+class KvLayout:
+    """KV-cache geometry."""
+
+    def __init__(
+        self, layers: int, blocks: int, block_bytes: int, parts: str = "separate",
+        order: str = "layer_major",
+    ) -> None: ...
+    @property
+    def required_len(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    def offset(self, layer: int, part: int, block: int) -> int: ...
+
+class Telemetry:
+    """What one transfer cost (microseconds)."""
+
+    start_time_us: int
+    post_us: int
+    xfer_us: int
+    bytes: int
+    descriptors: int
+
+class Transfer:
+    """A posted transfer."""
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """True when it finished, False if still running after ``timeout``
+        seconds; raises its error if it failed. Ctrl-C interrupts it."""
+    def done(self) -> bool: ...
+    @property
+    def status(self) -> str:
+        """``"pending"``, ``"done"`` or ``"failed"``."""
+    def error(self) -> Optional[Error]: ...
+    @property
+    def telemetry(self) -> Telemetry: ...
+    def add_done_callback(self, callback: Any) -> None: ...
+    def release(self) -> None: ...
+    def __await__(self) -> Generator[Any, None, None]: ...
+
+class PreparedTransfer:
+    """A planned transfer; post it once with ``Peer.post``."""
+
+    @property
+    def descriptors(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+
+class Notification:
+    sender: str
+    payload: bytes
+
+class Notifications:
+    def recv(self, timeout: Optional[float] = None) -> Optional[Notification]: ...
+    def try_recv(self) -> Optional[Notification]: ...
+    def drain(self) -> List[Notification]: ...
+    @property
+    def closed(self) -> bool: ...
+    def __iter__(self) -> "Notifications": ...
+    def __next__(self) -> Notification: ...
+    def __aiter__(self) -> "Notifications": ...
+    def __anext__(self) -> Awaitable[Notification]: ...
+
+class PeerEvent:
+    peer: int
+    addr: str
+    kind: str
+    detail: str
+
+class PeerEvents:
+    def recv(self, timeout: Optional[float] = None) -> Optional[PeerEvent]: ...
+    @property
+    def closed(self) -> bool: ...
+    def __iter__(self) -> "PeerEvents": ...
+    def __next__(self) -> PeerEvent: ...
+    def __aiter__(self) -> "PeerEvents": ...
+    def __anext__(self) -> Awaitable[PeerEvent]: ...
+
+class Peer:
+    """A connected remote agent."""
+
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def addr(self) -> str: ...
+    @property
+    def incarnation(self) -> Optional[int]: ...
+    def remote_regions(self) -> List[Dict[str, Any]]: ...
+    def write_blocks(
+        self, layers: Tuple[int, int], local_ids: Sequence[int], remote_ids: Sequence[int],
+        notify: Optional[bytes] = None,
+    ) -> Transfer: ...
+    def read_blocks(
+        self, layers: Tuple[int, int], local_ids: Sequence[int], remote_ids: Sequence[int],
+        notify: Optional[bytes] = None,
+    ) -> Transfer: ...
+    def prepare_spans(
+        self, op: str, local: Spans, remote: Spans, notify: Optional[bytes] = None
+    ) -> PreparedTransfer: ...
+    def check_remote_spans(self, op: str, spans_: Spans) -> None: ...
+    def post(self, prepared: PreparedTransfer) -> Transfer: ...
+    def write_spans(self, local: Spans, remote: Spans, notify: Optional[bytes] = None) -> Transfer: ...
+    def read_spans(self, local: Spans, remote: Spans, notify: Optional[bytes] = None) -> Transfer: ...
+    def notify(self, payload: bytes) -> None: ...
+    def ping(self) -> float: ...
+    def disconnect(self) -> None: ...
+
+class Agent:
+    """An engine's kvlane endpoint."""
+
+    def __init__(
+        self,
+        engine_id: Optional[str] = None,
+        listen: str = "127.0.0.1:0",
+        backend: str = "auto",
+        psk: Optional[bytes] = None,
+        advertise: Optional[str] = None,
+        kv: Optional[Sequence[Tuple[KvLayout, Any]]] = None,
+        regions: Optional[Sequence[Any]] = None,
+        keepalive_interval: Optional[float] = None,
+        liveness_budget: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def addr(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def connect(self, addr: str) -> Peer: ...
+    def check_spans(self, op: str, spans_: Spans) -> None: ...
+    def notifications(self) -> Notifications: ...
+    def events(self) -> PeerEvents: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Agent": ...
+    def __exit__(self, *args: Any) -> bool: ...

@@ -1,0 +1,555 @@
+"""A NIXL-compatible agent on kvlane: ``nixl_agent`` and ``nixl_agent_config``.
+
+An engine connector written for NIXL (``from nixl._api import nixl_agent``)
+switches transport by importing these names from ``kvlane.nixl`` instead.
+The subset implemented is what vLLM's NixlConnector and SGLang's NIXL
+backend call; any other ``nixl_agent`` attribute raises
+``NotImplementedError`` naming it.
+
+Mapping onto kvlane
+-------------------
+
+* ``nixl_agent_config(backends=["UCX"], num_threads=..., capture_telemetry=...,
+  enable_prog_thread=..., enable_listen_thread=..., listen_port=...)``:
+  every NIXL backend name maps to kvlane's best backend (``"auto"``: verbs
+  when a device is usable, else tcp); ``backend=`` (or ``KVLANE_BACKEND``)
+  names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``,
+  ``enable_listen_thread`` and ``sync_mode`` mean nothing here (kvlane's
+  progress and listener threads always run, and it is thread-safe) and are
+  ignored; telemetry is always
+  captured. ``listen_port`` is the control port (0: any); ``listen_host``
+  (or ``KVLANE_NIXL_HOST``, default ``127.0.0.1``) is the host it binds and
+  advertises in the metadata; ``psk`` authenticates handshakes.
+* ``register_memory``: descriptors become kvlane plain regions
+  (``AgentBuilder::register_region``). NIXL registers before exchanging
+  metadata; the kvlane agent is built, with everything registered so far,
+  at the first call that needs it (``get_agent_metadata``,
+  ``add_remote_agent``, ``prep_xfer_dlist``). **Registering after that
+  raises** ``kvlane.UnsupportedError`` (the regions are advertised in the
+  handshake). ``deregister_memory`` (matched by address and length, as in
+  NIXL) before that drops the registration;
+  after it, the memory can no longer be used in local descriptor lists,
+  but stays registered (and must stay allocated) until the agent closes.
+* ``get_agent_metadata``: the agent's name and control address.
+  ``add_remote_agent`` connects from those bytes alone (handshake and data
+  plane) and returns the peer's name (as bytes, like NIXL; names are
+  accepted as str or bytes everywhere); ``remove_remote_agent`` disconnects
+  synchronously.
+* ``prep_xfer_dlist`` checks every descriptor against the registrations
+  (local, or those the remote agent advertised) and raises
+  ``kvlane.InvalidInputError`` for one outside them.
+  ``make_prepped_xfer`` / ``initialize_xfer`` plan the transfer
+  (``Peer.prepare_spans``: equal lengths pair by pair, rights, merged
+  contiguous runs) and raise for bad input; ``transfer`` posts it.
+* ``check_xfer_state``: ``"DONE"``, ``"PROC"`` or ``"ERR"``. Every kvlane
+  transfer has a deadline (30 s) and a dead peer fails its transfers within
+  the liveness budget, so nothing stays ``"PROC"`` forever.
+* Notifications (``notif_msg``, ``send_notif``) reach the target keyed by
+  the initiator's name, after every descriptor landed (READ too: the
+  notification is sent once the data is at the initiator).
+  ``get_new_notifs`` returns ``{agent_name: [bytes, ...]}``.
+* Handles are ``nixl_xfer_handle`` / ``nixl_prepped_dlist_handle`` objects
+  with ``release()``; releasing twice is a no-op, using a released handle
+  raises ``kvlane.InvalidInputError``. Releasing a running transfer lets it
+  run to its end (kvlane cannot abort a posted transfer).
+* Host memory only (``"DRAM"``/``"cpu"``); ``"VRAM"`` raises
+  ``kvlane.UnsupportedError`` until kvlane's GPU-memory support lands.
+"""
+
+import itertools
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+import kvlane
+
+__all__ = ["nixl_agent", "nixl_agent_config", "nixl_xfer_handle", "nixl_prepped_dlist_handle"]
+
+
+class _Handle:
+    """An opaque handle (NIXL's handle classes): ``release()`` frees it
+    (again: a no-op); using it afterwards raises ``kvlane.InvalidInputError``."""
+
+    __slots__ = ("_handle", "_agent", "_released")
+    _what = "handle"
+
+    def __init__(self, agent: "nixl_agent", value: int) -> None:
+        self._handle = value
+        self._agent = agent
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._agent._release(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._handle:#x}, released={self._released})"
+
+
+class nixl_xfer_handle(_Handle):
+    """A transfer request (``make_prepped_xfer``, ``initialize_xfer``).
+    Releasing a running transfer lets it run to its end."""
+
+    __slots__ = ()
+    _what = "transfer handle"
+
+
+class nixl_prepped_dlist_handle(_Handle):
+    """A prepared descriptor list (``prep_xfer_dlist``)."""
+
+    __slots__ = ()
+    _what = "dlist handle"
+
+_LOCAL = "NIXL_INIT_AGENT"
+_HOST_MEM = ("DRAM", "cpu", None)
+_SUBSET = (
+    "get_reg_descs register_memory deregister_memory get_agent_metadata add_remote_agent "
+    "remove_remote_agent get_xfer_descs prep_xfer_dlist release_dlist_handle make_prepped_xfer "
+    "initialize_xfer transfer check_xfer_state get_xfer_telemetry release_xfer_handle "
+    "get_new_notifs update_notifs check_remote_xfer_done send_notif name"
+)
+
+
+class nixl_agent_config:
+    """NIXL's agent configuration; see the module docstring for the mapping."""
+
+    def __init__(
+        self,
+        enable_prog_thread: bool = True,
+        enable_listen_thread: bool = False,
+        listen_port: int = 0,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
+        backends: Sequence[str] = ("UCX",),
+        sync_mode: Any = None,
+        *,
+        backend: Optional[str] = None,
+        listen_host: Optional[str] = None,
+        psk: Optional[bytes] = None,
+    ) -> None:
+        self.enable_pthread = enable_prog_thread
+        self.enable_listen = enable_listen_thread
+        self.port = listen_port
+        self.capture_telemetry = capture_telemetry
+        self.num_threads = num_threads
+        self.backends = list(backends)
+        self.sync_mode = sync_mode  # kvlane's agent is thread-safe in every mode
+        self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
+        self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
+        self.psk = psk
+
+
+class _RegDList:
+    """Registration descriptors: ``(addr, len, dev, meta)`` rows and the
+    ``kvlane.Memory`` of each (made at registration for raw addresses)."""
+
+    def __init__(self, rows: List[tuple], mems: List[Optional[kvlane.Memory]]) -> None:
+        self.rows = rows
+        self.mems = mems
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def descCount(self) -> int:  # noqa: N802 (NIXL's name)
+        return len(self.rows)
+
+
+class _XferDList:
+    """Transfer descriptors: an ``(N, 3)`` uint64 array (addr, len, dev)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+
+    def __len__(self) -> int:
+        return len(self.arr)
+
+    def descCount(self) -> int:  # noqa: N802 (NIXL's name)
+        return len(self.arr)
+
+
+class _Telemetry:
+    """NIXL's per-transfer telemetry (microseconds)."""
+
+    def __init__(self, t: kvlane.Telemetry) -> None:
+        self.startTime = t.start_time_us
+        self.postDuration = t.post_us
+        self.xferDuration = t.xfer_us
+        self.totalBytes = t.bytes
+        self.descCount = t.descriptors
+
+    def __repr__(self) -> str:
+        return (
+            f"nixlXferTelemetry(postDuration={self.postDuration}, xferDuration={self.xferDuration}, "
+            f"totalBytes={self.totalBytes}, descCount={self.descCount})"
+        )
+
+
+class _Xfer:
+    def __init__(self, peer: kvlane.Peer, op: str, local: np.ndarray, remote: np.ndarray,
+                 notif: Optional[bytes], prepared: kvlane.PreparedTransfer) -> None:
+        self.peer = peer
+        self.op = op
+        self.local = local
+        self.remote = remote
+        self.notif = notif
+        self.prepared = prepared
+        self.transfer: Optional[kvlane.Transfer] = None
+        self.failed: Optional[BaseException] = None
+
+
+def _bytes(msg: Any) -> Optional[bytes]:
+    if msg is None:
+        return None
+    if isinstance(msg, str):
+        msg = msg.encode()
+    msg = bytes(msg)
+    return msg or None
+
+
+def _name(name: Any) -> str:
+    # NIXL hands agent names back as bytes (add_remote_agent) and takes str
+    # or bytes; kvlane.nixl does the same.
+    return name.decode() if isinstance(name, (bytes, bytearray)) else name
+
+
+def _host_only(mem_type: Optional[str]) -> None:
+    if mem_type not in _HOST_MEM:
+        raise kvlane.UnsupportedError(
+            f"kvlane.nixl: memory type {mem_type!r} is not supported; host memory (\"DRAM\") only"
+        )
+
+
+def _rows_of(descs: Any, mem_type: Optional[str]) -> List[tuple]:
+    """``(addr, len, dev, obj)`` rows of a descriptor argument; ``obj`` is
+    the object whose buffer backs the row (registered zero-copy), or None."""
+    if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] in (3, 4):
+        _host_only(mem_type)
+        return [(int(r[0]), int(r[1]), int(r[2]), None) for r in descs]
+    items = descs if isinstance(descs, (list, tuple)) else [descs]
+    rows = []
+    for d in items:
+        if isinstance(d, tuple):
+            _host_only(mem_type)
+            if len(d) not in (3, 4):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: descriptor {d!r} is not (addr, len, dev[, meta])"
+                )
+            rows.append((int(d[0]), int(d[1]), int(d[2]), None))
+        elif hasattr(d, "data_ptr"):  # a torch tensor
+            if getattr(d, "is_cuda", False):
+                _host_only("VRAM")
+            rows.append((int(d.data_ptr()), int(d.numel() * d.element_size()), 0, d))
+        else:  # any buffer-protocol object
+            mv = memoryview(d)
+            addr = np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data if mv.nbytes else 0
+            rows.append((int(addr), mv.nbytes, 0, d))
+    return rows
+
+
+class nixl_agent:
+    """NIXL's ``nixl_agent`` on kvlane (see the module docstring)."""
+
+    def __init__(self, agent_name: str, nixl_conf: Optional[nixl_agent_config] = None,
+                 instantiate_all: bool = False) -> None:
+        self.name = agent_name
+        self._conf = nixl_conf or nixl_agent_config()
+        self._agent: Optional[kvlane.Agent] = None
+        self._regs: List[kvlane.Memory] = []
+        self._deregistered: List[kvlane.Memory] = []
+        self._remotes: Dict[str, kvlane.Peer] = {}
+        self._dlists: Dict[int, tuple] = {}
+        self._xfers: Dict[int, _Xfer] = {}
+        self._ids = itertools.count(1)
+        self.notifs: Dict[str, List[bytes]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"kvlane.nixl: nixl_agent.{name} is not implemented (the subset is: {_SUBSET})"
+        )
+
+    # -- the kvlane agent ------------------------------------------------
+
+    def _built(self) -> kvlane.Agent:
+        if self._agent is None:
+            c = self._conf
+            self._agent = kvlane.Agent(
+                engine_id=self.name,
+                listen=f"{c.listen_host}:{c.port}",
+                backend=c.backend,
+                psk=c.psk,
+                regions=list(self._regs),
+            )
+        return self._agent
+
+    def close(self) -> None:
+        """Closes the kvlane agent (not a NIXL call; NIXL closes on drop)."""
+        if self._agent is not None:
+            self._agent.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- registration ----------------------------------------------------
+
+    def _release(self, h: _Handle) -> None:
+        table = self._xfers if isinstance(h, nixl_xfer_handle) else self._dlists
+        entry = table.pop(h._handle, None)
+        if isinstance(entry, _Xfer) and entry.transfer is not None:
+            entry.transfer.release()
+
+    def get_reg_descs(self, descs: Any, mem_type: Optional[str] = None) -> _RegDList:
+        if isinstance(descs, _RegDList):
+            return descs
+        rows = _rows_of(descs, mem_type)
+        mems: List[Optional[kvlane.Memory]] = []
+        for addr, n, _dev, obj in rows:
+            if obj is not None and not hasattr(obj, "data_ptr"):
+                mems.append(kvlane.Memory(obj))
+            elif obj is not None:
+                mems.append(kvlane.Memory.unsafe_from_ptr(addr, n, owner=obj))
+            else:
+                mems.append(None)
+        return _RegDList([r[:3] + ("",) for r in rows], mems)
+
+    def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
+                        backends: Sequence[str] = ()) -> _RegDList:
+        descs = self.get_reg_descs(reg_list, mem_type)
+        if self._agent is not None:
+            raise kvlane.UnsupportedError(
+                f"kvlane.nixl: agent {self.name!r} already exchanged metadata; kvlane advertises "
+                "memory in the handshake, so register all memory before get_agent_metadata, "
+                "add_remote_agent or prep_xfer_dlist"
+            )
+        for i, (addr, n, _dev, _meta) in enumerate(descs.rows):
+            if descs.mems[i] is None:
+                # The NIXL contract: registered memory outlives its registration.
+                descs.mems[i] = kvlane.Memory.unsafe_from_ptr(addr, n)
+        self._regs.extend(m for m in descs.mems if m is not None)
+        return descs
+
+    def deregister_memory(self, dereg_list: Any, backends: Sequence[str] = ()) -> None:
+        # Matched by value (address and length), as NIXL does.
+        rows = self.get_reg_descs(dereg_list).rows
+        keys = {(r[0], r[1]) for r in rows}
+        gone = [m for m in self._regs if (m.addr, m.nbytes) in keys]
+        if len(gone) < len(keys):
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {len(keys) - len(gone)} of the descriptors to deregister "
+                "were not registered"
+            )
+        if self._agent is None:
+            self._regs = [m for m in self._regs if all(m is not g for g in gone)]
+        else:
+            self._deregistered.extend(gone)
+
+    # -- metadata ----------------------------------------------------------
+
+    def get_agent_metadata(self) -> bytes:
+        agent = self._built()
+        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": agent.addr}).encode()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        try:
+            md = json.loads(bytes(metadata))
+            name, addr = md["name"], md["addr"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: agent metadata does not decode ({e}); it comes from "
+                "kvlane.nixl's get_agent_metadata"
+            ) from None
+        if name in self._remotes:
+            return name.encode()
+        peer = self._built().connect(addr)
+        if peer.engine_id != name:
+            raise kvlane.RefusedError(
+                f"kvlane.nixl: {addr} is agent {peer.engine_id!r}, the metadata says {name!r}"
+            )
+        self._remotes[name] = peer
+        return name.encode()
+
+    def remove_remote_agent(self, agent: str) -> None:
+        agent = _name(agent)
+        peer = self._remotes.pop(agent, None)
+        if peer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
+        peer.disconnect()
+
+    # -- descriptor lists ------------------------------------------------
+
+    def get_xfer_descs(self, descs: Any, mem_type: Optional[str] = None) -> _XferDList:
+        if isinstance(descs, _XferDList):
+            return descs
+        if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
+            _host_only(mem_type)
+            if descs.dtype in (np.uint64, np.int64) and descs.flags.c_contiguous:
+                return _XferDList(descs.view(np.uint64))  # zero-copy
+            return _XferDList(np.ascontiguousarray(descs, dtype=np.uint64))
+        rows = _rows_of(descs, mem_type)
+        arr = np.array([r[:3] for r in rows], dtype=np.uint64).reshape(-1, 3)
+        return _XferDList(arr)
+
+    def _peer(self, agent_name: str) -> kvlane.Peer:
+        agent_name = _name(agent_name)
+        peer = self._remotes.get(agent_name)
+        if peer is None:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: no remote agent {agent_name!r}; add_remote_agent it first"
+            )
+        return peer
+
+    def _check_local(self, arr: np.ndarray) -> None:
+        for m in self._deregistered:
+            lo, hi = m.addr, m.addr + m.nbytes
+            if len(arr) and bool(np.any((arr[:, 0] < hi) & (arr[:, 0] + arr[:, 1] > lo))):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: a descriptor lies in deregistered memory {m!r}"
+                )
+        self._built().check_spans("WRITE", arr)
+
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: Optional[str] = None,
+                        backends: Sequence[str] = ()) -> nixl_prepped_dlist_handle:
+        arr = self.get_xfer_descs(xfer_list, mem_type).arr
+        agent_name = _name(agent_name)
+        if agent_name in (_LOCAL, "", self.name):
+            self._check_local(arr)
+            side = None
+        else:
+            self._peer(agent_name).check_remote_spans("READ", arr)
+            side = agent_name
+        h = next(self._ids)
+        self._dlists[h] = (side, arr)
+        return nixl_prepped_dlist_handle(self, h)
+
+    def release_dlist_handle(self, handle: nixl_prepped_dlist_handle) -> None:
+        handle.release()
+
+    def _entry(self, table: dict, handle: Any, kind: type) -> Any:
+        if not isinstance(handle, kind) or handle._agent is not self:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {handle!r} is not a {kind._what} of agent {self.name!r}"
+            )
+        entry = table.get(handle._handle)
+        if entry is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: {kind._what} {handle!r} was released")
+        return entry
+
+    def _dlist(self, handle: nixl_prepped_dlist_handle) -> tuple:
+        return self._entry(self._dlists, handle, nixl_prepped_dlist_handle)
+
+    # -- transfers ---------------------------------------------------------
+
+    def _make(self, operation: str, local: np.ndarray, remote: np.ndarray, agent_name: str,
+              notif_msg: Any) -> int:
+        if operation not in ("READ", "WRITE"):
+            raise kvlane.InvalidInputError(f"kvlane.nixl: operation is \"READ\" or \"WRITE\", not {operation!r}")
+        peer = self._peer(agent_name)
+        notif = _bytes(notif_msg)
+        prepared = peer.prepare_spans(operation, local, remote, notif)
+        h = next(self._ids)
+        self._xfers[h] = _Xfer(peer, operation, local, remote, notif, prepared)
+        return nixl_xfer_handle(self, h)
+
+    def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
+                          local_indices: Any, remote_xfer_side: nixl_prepped_dlist_handle,
+                          remote_indices: Any, notif_msg: Any = b"", backends: Sequence[str] = (),
+                          skip_desc_merge: bool = False) -> nixl_xfer_handle:
+        lside, larr = self._dlist(local_xfer_side)
+        rside, rarr = self._dlist(remote_xfer_side)
+        if lside is not None:
+            raise kvlane.InvalidInputError("kvlane.nixl: the local side must be a NIXL_INIT_AGENT dlist")
+        if rside is None:
+            raise kvlane.InvalidInputError("kvlane.nixl: the remote side must be a remote agent's dlist")
+        li = np.asarray(local_indices, dtype=np.int64).reshape(-1)
+        ri = np.asarray(remote_indices, dtype=np.int64).reshape(-1)
+        for what, idx, arr in (("local", li, larr), ("remote", ri, rarr)):
+            if len(idx) and (idx.min() < 0 or idx.max() >= len(arr)):
+                raise kvlane.InvalidInputError(
+                    f"kvlane.nixl: {what} index out of range 0..{len(arr)} of its dlist"
+                )
+        if len(li) != len(ri):
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: {len(li)} local indices but {len(ri)} remote indices"
+            )
+        return self._make(operation, larr[li], rarr[ri], rside, notif_msg)
+
+    def initialize_xfer(self, operation: str, local_descs: Any, remote_descs: Any,
+                        remote_agent: str, notif_msg: Any = b"",
+                        backends: Sequence[str] = ()) -> nixl_xfer_handle:
+        larr = self.get_xfer_descs(local_descs).arr
+        rarr = self.get_xfer_descs(remote_descs).arr
+        self._check_local(larr)
+        return self._make(operation, larr, rarr, remote_agent, notif_msg)
+
+    def _xfer(self, handle: nixl_xfer_handle) -> _Xfer:
+        return self._entry(self._xfers, handle, nixl_xfer_handle)
+
+    def transfer(self, handle: nixl_xfer_handle, notif_msg: Any = b"") -> str:
+        x = self._xfer(handle)
+        if x.transfer is not None and not x.transfer.done():
+            raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle!r} is still in progress")
+        notif = _bytes(notif_msg)
+        try:
+            if notif is not None and notif != x.notif:
+                x.notif = notif
+                x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, notif)
+            # Reposting plans the spans again against the peer's current
+            # incarnation (PreparedTransfer); the first post uses the plan.
+            x.failed = None
+            x.transfer = x.peer.post(x.prepared)
+        except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
+            x.transfer, x.failed = None, e
+            return "ERR"
+        return "DONE" if x.transfer.status == "done" else "PROC"
+
+    def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
+        x = self._xfer(handle)
+        if x.failed is not None:
+            return "ERR"
+        if x.transfer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
+        return {"pending": "PROC", "done": "DONE"}.get(x.transfer.status, "ERR")
+
+    def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
+        x = self._xfer(handle)
+        if x.transfer is None:
+            raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
+        return _Telemetry(x.transfer.telemetry)
+
+    def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
+        handle.release()
+
+    # -- notifications ---------------------------------------------------
+
+    def get_new_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
+        out: Dict[str, List[bytes]] = {}
+        if self._agent is None:
+            return out
+        for n in self._agent.notifications().drain():
+            out.setdefault(n.sender, []).append(n.payload)
+        return out
+
+    def update_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
+        for k, v in self.get_new_notifs().items():
+            self.notifs.setdefault(k, []).extend(v)
+        return self.notifs
+
+    def check_remote_xfer_done(self, remote_agent_name: str, lookup_tag: bytes,
+                               backends: Sequence[str] = (), tag_is_prefix: bool = True) -> bool:
+        self.update_notifs()
+        remote_agent_name = _name(remote_agent_name)
+        for msg in self.notifs.get(remote_agent_name, []):
+            if (msg.startswith(lookup_tag) if tag_is_prefix else lookup_tag in msg):
+                self.notifs[remote_agent_name].remove(msg)
+                return True
+        return False
+
+    def send_notif(self, remote_agent_name: str, notif_msg: Any) -> None:
+        self._peer(remote_agent_name).notify(_bytes(notif_msg) or b"")

@@ -1,0 +1,227 @@
+"""The native API: two processes over tcp, bad input, closing, signals,
+asyncio."""
+
+import asyncio
+import mmap
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvlane
+from conftest import LEN, expected_sha, pattern
+
+
+def test_write_and_read_between_two_processes_byte_checked_notifications_after_data(native_target):
+    t = native_target.info
+    mine = pattern(1)
+    with kvlane.Agent(engine_id="init", backend="tcp", regions=[mine]) as agent:
+        peer = agent.connect(t["addr"])
+        assert peer.engine_id == "target"
+        assert peer.remote_regions()[0]["nbytes"] == LEN
+        base, rbase = mine.ctypes.data, t["buf"]
+
+        # WRITE the first half of mine over the target's second half.
+        h = peer.write_spans([(base, LEN // 2)], [(rbase + LEN // 2, LEN // 2)], notify=b"w1")
+        assert h.wait(10) is True and h.status == "done" and h.done()
+        tel = h.telemetry
+        assert (tel.bytes, tel.descriptors) == (LEN // 2, 1) and tel.xfer_us > 0
+        theirs = pattern(7)
+        theirs[LEN // 2:] = mine[: LEN // 2]
+        (note,) = native_target.ask({"op": "notes", "n": 1})["notes"]
+        assert note == ["init", "w1", expected_sha(theirs)]
+
+        # READ their first 64 KiB into my last 64 KiB, as an (N, 2) array.
+        k = 64 << 10
+        local = np.array([[base + LEN - k, k]], dtype=np.uint64)
+        remote = np.array([[rbase, k]], dtype=np.uint64)
+        h = peer.read_spans(local, remote, notify=b"r1")
+        assert h.wait(10)
+        assert (mine[LEN - k:] == pattern(7)[:k]).all()
+        (note,) = native_target.ask({"op": "notes", "n": 1})["notes"]
+        assert note[:2] == ["init", "r1"]
+        assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs)
+
+        peer.notify(b"hello")
+        (note,) = native_target.ask({"op": "notes", "n": 1})["notes"]
+        assert note[:2] == ["init", "hello"]
+
+
+def test_blocks_with_kv_layout_in_one_process():
+    layout = kvlane.KvLayout(2, 16, 4096)
+    a_kv = pattern(3, layout.required_len)
+    b_kv = np.zeros(layout.required_len, dtype=np.uint8)
+    with kvlane.Agent(engine_id="a", backend="tcp", kv=[(layout, a_kv)]) as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", kv=[(layout, b_kv)]) as b:
+        peer = a.connect(b.addr)
+        assert peer.write_blocks((0, 2), [0, 1, 2], [8, 9, 10], notify=b"req").wait(10)
+        note = b.notifications().recv(10)
+        assert (note.sender, note.payload) == ("a", b"req")
+        for layer in range(2):
+            for part in range(2):
+                src, dst = layout.offset(layer, part, 0), layout.offset(layer, part, 8)
+                assert (b_kv[dst:dst + 3 * 4096] == a_kv[src:src + 3 * 4096]).all()
+        a_kv[:] = 0
+        assert peer.read_blocks((0, 1), [5], [8]).wait(10)
+        off = layout.offset(0, 0, 5)
+        assert (a_kv[off:off + 4096] == b_kv[layout.offset(0, 0, 8):][:4096]).all()
+
+
+def test_bytearray_and_mmap_register_zero_copy_and_await_works():
+    ba = bytearray(b"x" * 8192)
+    mm = mmap.mmap(-1, 8192)
+    with kvlane.Agent(engine_id="a", backend="tcp", regions=[ba]) as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", regions=[mm]) as b:
+        mem = kvlane.Memory(ba)
+        assert mem.nbytes == 8192 and not mem.readonly
+        peer = a.connect(b.addr)
+        rb = peer.remote_regions()[0]["addr"]
+        addr = np.frombuffer(ba, dtype=np.uint8).ctypes.data
+
+        async def go():
+            await peer.write_spans([(addr, 4096)], [(rb + 4096, 4096)])
+
+        asyncio.run(go())
+        assert mm[4096:8192] == b"x" * 4096
+        with pytest.raises(BufferError):
+            ba.extend(b"more")  # the registration holds the buffer in place
+
+
+def test_bad_input_is_a_clear_exception_and_nothing_hangs():
+    mine = pattern(1, 8192)
+    ro = bytes(8192)  # read-only
+    theirs = np.zeros(8192, dtype=np.uint8)
+    a = kvlane.Agent(engine_id="a", backend="tcp", regions=[mine, ro])
+    b = kvlane.Agent(engine_id="b", backend="tcp", regions=[theirs])
+    peer = a.connect(b.addr)
+    la, rb = mine.ctypes.data, theirs.ctypes.data
+    ro_addr = kvlane.Memory(ro).addr
+
+    with pytest.raises(kvlane.InvalidInputError, match="outside every local registration"):
+        peer.write_spans([(la + 8000, 1000)], [(rb, 1000)])
+    with pytest.raises(kvlane.InvalidInputError, match="advertised"):
+        peer.write_spans([(la, 1000)], [(rb + 8000, 1000)])
+    with pytest.raises(kvlane.InvalidInputError, match="span pair 0"):
+        peer.write_spans([(la, 1000)], [(rb, 2000)])
+    with pytest.raises(kvlane.InvalidInputError, match="pair one to one"):
+        peer.write_spans([(la, 10), (la + 10, 10)], [(rb, 20)])
+    with pytest.raises(kvlane.RefusedError, match="read-only"):
+        peer.read_spans([(ro_addr, 100)], [(rb, 100)])
+    assert kvlane.Memory(ro).readonly
+    with pytest.raises(kvlane.InvalidInputError, match="8-byte integers"):
+        peer.write_spans(np.zeros((1, 2), dtype=np.float32), [(rb, 1)])
+    with pytest.raises(kvlane.InvalidInputError, match="backend is"):
+        kvlane.Agent(backend="carrier-pigeon")
+    with pytest.raises(kvlane.UnsupportedError, match="device"):
+        kvlane.Memory.unsafe_from_ptr(la, 16, "cuda")
+    with pytest.raises(kvlane.Error):
+        peer.write_blocks((0, 1), [0], [0])  # no KV cache registered
+
+    h = peer.write_spans([(la, 100)], [(rb, 100)])
+    assert h.wait(10)
+    h.release()
+    for call in (lambda: h.wait(1), h.done, lambda: h.status):
+        with pytest.raises(kvlane.InvalidInputError, match="released"):
+            call()
+
+    a.close()
+    a.close()  # idempotent
+    assert a.closed
+    with pytest.raises(kvlane.ClosedError):
+        a.connect(b.addr)
+    with pytest.raises(kvlane.ClosedError):
+        peer.write_spans([(la, 100)], [(rb, 100)])
+    with pytest.raises(kvlane.ClosedError):
+        peer.notify(b"x")
+    assert a.notifications().recv(0.1) is None
+    b.close()
+    assert issubclass(kvlane.StaleError, kvlane.PeerLostError)
+    assert issubclass(kvlane.TimeoutError, kvlane.Error)
+
+
+def test_ctrl_c_interrupts_a_wait():
+    with kvlane.Agent(engine_id="a", backend="tcp") as a:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            a.notifications().recv()  # would wait forever
+        assert time.monotonic() - start < 5
+
+
+def test_peer_killed_mid_transfer_fails_with_peer_lost_within_the_liveness_budget(make_target):
+    size = 64 << 20
+    target = make_target("native", size)
+    t = target.info
+    mine = np.zeros(size, dtype=np.uint8)
+    with kvlane.Agent(engine_id="init", backend="tcp", regions=[mine],
+                      keepalive_interval=0.2, liveness_budget=3) as agent:
+        peer = agent.connect(t["addr"])
+        events = agent.events()
+        handles = [peer.read_spans([(mine.ctypes.data, size)], [(t["buf"], size)]) for _ in range(8)]
+        target.proc.kill()
+        target.proc.wait()
+        start = time.monotonic()
+        errors = []
+        for h in handles:
+            try:
+                h.wait(20)
+            except kvlane.PeerLostError as e:
+                errors.append(e)
+        assert errors, "some transfer was in flight when the peer died"
+        assert all(h.done() for h in handles)
+        assert time.monotonic() - start < 5
+        # Later transfers fail at once, and the peer is reported dead.
+        with pytest.raises(kvlane.PeerLostError):
+            peer.read_spans([(mine.ctypes.data, 10)], [(t["buf"], 10)]).wait(10)
+        kinds = set()
+        while "dead" not in kinds and time.monotonic() - start < 10:
+            ev = events.recv(0.5)
+            if ev is not None:
+                kinds.add(ev.kind)
+        assert "dead" in kinds
+
+
+def test_notifications_and_peer_events_as_sync_and_async_iterators():
+    a_mem, b_mem = bytearray(4096), bytearray(4096)
+    with kvlane.Agent(engine_id="a", backend="tcp", regions=[a_mem]) as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", regions=[b_mem]) as b:
+        events = a.events()
+        peer = a.connect(b.addr)
+        ev = events.recv(10)
+        assert (ev.kind, ev.detail) == ("up", "b")
+        peer.notify(b"one")
+        assert next(iter(b.notifications())).payload == b"one"
+
+        async def first_two():
+            got = []
+            async for note in b.notifications():
+                got.append(note.payload)
+                if len(got) == 2:
+                    return got
+
+        peer.notify(b"two")
+        peer.notify(b"three")
+        assert asyncio.run(asyncio.wait_for(first_two(), 10)) == [b"two", b"three"]
+        peer.disconnect()
+        kinds = {e.kind for e in iter(lambda: events.recv(1), None)}
+        assert "closed" in kinds
+    assert list(b.notifications()) == []  # closed: iteration ends
+
+    async def after_close():
+        return [n async for n in b.notifications()]
+
+    assert asyncio.run(after_close()) == []
+
+
+def test_psk_authenticates_and_a_wrong_key_is_refused():
+    with kvlane.Agent(engine_id="a", backend="tcp", psk=b"secret") as a, \
+         kvlane.Agent(engine_id="b", backend="tcp", psk=b"secret") as b, \
+         kvlane.Agent(engine_id="c", backend="tcp", psk=b"other") as c:
+        assert a.connect(b.addr).engine_id == "b"
+        start = time.monotonic()
+        with pytest.raises(kvlane.RefusedError, match="pre-shared key"):
+            c.connect(b.addr)
+        assert time.monotonic() - start < 30

@@ -1,0 +1,185 @@
+"""kvlane.nixl: the connector's flow between two processes over tcp, and
+NIXL's error semantics."""
+
+import time
+
+import numpy as np
+import pytest
+
+import kvlane
+from kvlane.nixl import nixl_agent, nixl_agent_config
+from conftest import LEN, expected_sha, pattern
+from flow import wait as wait_done
+
+BLOCK = 4096
+
+
+def agent(name: str, buf: np.ndarray) -> nixl_agent:
+    a = nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=4,
+                                           capture_telemetry=True, backend="tcp"))
+    descs = a.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    assert a.register_memory(descs) is descs
+    return a
+
+
+def blocks(base: int, n: int) -> list:
+    return [(base + i * BLOCK, BLOCK, 0) for i in range(n)]
+
+
+def test_connector_flow_read_write_notifications_between_two_processes(nixl_target):
+    t = nixl_target.info
+    mine = pattern(1)
+    a = agent("decode", mine)
+    name = a.add_remote_agent(bytes.fromhex(t["md"]))
+    assert name == b"target" and a.name == "decode"
+    n = LEN // BLOCK
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs(blocks(mine.ctypes.data, n), "DRAM"))
+    # The remote list as an Nx3 uint64 array (zero-copy).
+    rarr = np.array(blocks(t["buf"], n), dtype=np.uint64)
+    remote = a.prep_xfer_dlist(name, a.get_xfer_descs(rarr, "DRAM"))
+
+    # READ remote blocks 0..9 into local blocks 100..109, with a notification.
+    h = a.make_prepped_xfer("READ", local, np.arange(100, 110, dtype=np.int32), remote,
+                            np.arange(10, dtype=np.int32), notif_msg=b"read-done")
+    assert a.transfer(h) in ("PROC", "DONE")
+    assert wait_done(a, h) == "DONE"
+    assert (mine[100 * BLOCK:110 * BLOCK] == pattern(7)[:10 * BLOCK]).all()
+    tel = a.get_xfer_telemetry(h)
+    assert (tel.totalBytes, tel.descCount) == (10 * BLOCK, 1) and tel.xferDuration > 0
+    (note,) = nixl_target.ask({"op": "notes", "n": 1})["notes"]
+    assert note[:2] == ["decode", "read-done"]
+    a.release_xfer_handle(h)
+
+    # WRITE local blocks 0, 2, 4 into remote blocks 200, 201, 202.
+    h = a.make_prepped_xfer("WRITE", local, [0, 2, 4], remote, [200, 201, 202], b"write-done")
+    a.transfer(h)
+    assert wait_done(a, h) == "DONE"
+    theirs = pattern(7)
+    for i, j in zip([0, 2, 4], [200, 201, 202]):
+        theirs[j * BLOCK:(j + 1) * BLOCK] = mine[i * BLOCK:(i + 1) * BLOCK]
+    (note,) = nixl_target.ask({"op": "notes", "n": 1})["notes"]
+    assert note == ["decode", "write-done", expected_sha(theirs)]  # after the data
+    # A handle can be posted again once done.
+    assert a.transfer(h) in ("PROC", "DONE") and wait_done(a, h) == "DONE"
+    nixl_target.ask({"op": "notes", "n": 1})
+    a.release_xfer_handle(h)
+
+    # initialize_xfer with full lists, and send_notif both ways.
+    h = a.initialize_xfer("READ", blocks(mine.ctypes.data, 2), blocks(t["buf"] + 8 * BLOCK, 2),
+                          name, b"")
+    a.transfer(h)
+    assert wait_done(a, h) == "DONE"
+    assert (mine[:2 * BLOCK] == pattern(7)[8 * BLOCK:10 * BLOCK]).all()
+    a.release_xfer_handle(h)
+    a.send_notif(name, b"ping")
+    (note,) = nixl_target.ask({"op": "notes", "n": 1})["notes"]
+    assert note[:2] == ["decode", "ping"]
+    assert nixl_target.ask({"op": "add", "md": a.get_agent_metadata().hex()})["name"] == "decode"
+    nixl_target.ask({"op": "send", "to": "decode", "msg": "pong"})
+    got, end = {}, time.monotonic() + 10
+    while not got and time.monotonic() < end:
+        got = a.get_new_notifs()
+    assert got == {"target": [b"pong"]}
+
+    a.release_dlist_handle(local)
+    a.release_dlist_handle(remote)
+    a.remove_remote_agent(name)
+    a.close()
+
+
+def test_nixl_bad_input_and_unsupported_calls_raise_clearly(nixl_target):
+    t = nixl_target.info
+    mine = pattern(1, 8 * BLOCK)
+    a = agent("decode", mine)
+    name = a.add_remote_agent(bytes.fromhex(t["md"]))
+    with pytest.raises(kvlane.InvalidInputError, match="outside every local registration"):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", [(mine.ctypes.data + 7 * BLOCK, 2 * BLOCK, 0)], "DRAM")
+    with pytest.raises(kvlane.InvalidInputError, match="advertised"):
+        a.prep_xfer_dlist(name, [(t["buf"] + LEN, BLOCK, 0)], "DRAM")
+    with pytest.raises(kvlane.InvalidInputError, match="no remote agent"):
+        a.prep_xfer_dlist("nobody", [(t["buf"], BLOCK, 0)], "DRAM")
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", blocks(mine.ctypes.data, 8), "DRAM")
+    remote = a.prep_xfer_dlist(name, [(t["buf"], 2 * BLOCK, 0)], "DRAM")
+    with pytest.raises(kvlane.InvalidInputError, match="span pair 0"):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    with pytest.raises(kvlane.InvalidInputError, match="index out of range"):
+        a.make_prepped_xfer("WRITE", local, [8], remote, [0])
+    with pytest.raises(kvlane.InvalidInputError, match="local indices"):
+        a.make_prepped_xfer("WRITE", local, [0, 1], remote, [0])
+    with pytest.raises(kvlane.UnsupportedError, match="register all memory before"):
+        a.register_memory([(mine.ctypes.data, 16, 0, "")], "DRAM")
+    with pytest.raises(kvlane.UnsupportedError, match="VRAM"):
+        a.get_xfer_descs([(1, 2, 0)], "VRAM")
+    with pytest.raises(NotImplementedError, match="nixl_agent.make_connection"):
+        a.make_connection(name)
+    h = a.initialize_xfer("WRITE", [(mine.ctypes.data, BLOCK, 0)], [(t["buf"], BLOCK, 0)], name)
+    with pytest.raises(kvlane.InvalidInputError, match="not posted"):
+        a.check_xfer_state(h)
+    a.transfer(h)
+    assert wait_done(a, h) == "DONE"
+    a.release_xfer_handle(h)
+    with pytest.raises(kvlane.InvalidInputError, match="released"):
+        a.check_xfer_state(h)
+    with pytest.raises(kvlane.InvalidInputError, match="released"):
+        a.transfer(h)
+    a.release_dlist_handle(local)
+    with pytest.raises(kvlane.InvalidInputError, match="released"):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    a.close()
+
+
+def test_nixl_peer_killed_mid_transfer_gives_err_never_proc_forever(make_target):
+    size = 64 << 20
+    target = make_target("nixl", size)
+    t = target.info
+    mine = np.zeros(size, dtype=np.uint8)
+    a = agent("decode", mine)
+    name = a.add_remote_agent(bytes.fromhex(t["md"]))
+    handles = []
+    for _ in range(8):
+        h = a.initialize_xfer("READ", [(mine.ctypes.data, size, 0)], [(t["buf"], size, 0)], name)
+        a.transfer(h)
+        handles.append(h)
+    target.proc.kill()
+    target.proc.wait()
+    start = time.monotonic()
+    states = [wait_done(a, h, 20) for h in handles]
+    assert "PROC" not in states and "ERR" in states, states
+    assert time.monotonic() - start < 5
+    a.close()
+
+
+def test_hundred_thousand_indices_and_deregistration_in_one_process():
+    n, size = 100_000, 64
+    a_buf = pattern(1, n * size)
+    b_buf = np.zeros(n * size, dtype=np.uint8)
+    a, b = agent("a", a_buf), agent("b", b_buf)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    base = np.arange(n, dtype=np.uint64) * size
+    descs = lambda addr: np.stack([addr + base, np.full(n, size, np.uint64), np.zeros(n, np.uint64)], 1)
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", descs(a_buf.ctypes.data), "DRAM")
+    remote = a.prep_xfer_dlist(name, descs(b_buf.ctypes.data), "DRAM")
+    idx = np.arange(n, dtype=np.int32)
+    start = time.monotonic()
+    h = a.make_prepped_xfer("WRITE", local, idx, remote, idx[::-1].copy(), b"all")
+    a.transfer(h)
+    assert wait_done(a, h, 30) == "DONE"
+    elapsed = time.monotonic() - start
+    assert a.get_xfer_telemetry(h).descCount == n  # reversed: nothing merges
+    got = b_buf.reshape(n, size)
+    assert (got[::-1] == a_buf.reshape(n, size)).all()
+    end = time.monotonic() + 10
+    notes = {}
+    while not notes and time.monotonic() < end:
+        notes = b.get_new_notifs()
+    assert notes == {"a": [b"all"]}
+    print(f"1e5 descriptors: {elapsed:.3f} s")
+
+    # Deregistered memory cannot be used in a local list any more.
+    with pytest.raises(kvlane.InvalidInputError, match="not registered"):
+        a.deregister_memory(a.get_reg_descs([(a_buf.ctypes.data, 64, 0, "")], "DRAM"))
+    a.deregister_memory(a.get_reg_descs([(a_buf.ctypes.data, a_buf.nbytes, 0, "")], "DRAM"))
+    with pytest.raises(kvlane.InvalidInputError, match="deregistered"):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", [(a_buf.ctypes.data, 16, 0)], "DRAM")
+    a.close()
+    b.close()
