@@ -153,6 +153,7 @@ mod tests {
     fn advert(layout: KvLayout, len: u64) -> DataPlaneInfo {
         DataPlaneInfo {
             endpoint: None,
+            regions: Vec::new(),
             kv: vec![KvAdvert {
                 region: RemoteRegion {
                     key: kvlane_data::RemoteKey(1),
