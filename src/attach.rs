@@ -66,6 +66,19 @@ struct Target {
 }
 
 impl Target {
+    /// What `entry` (of connection `id` at `addr`) holds of the handshake.
+    fn of(id: ConnectionId, addr: String, entry: &PeerEntry) -> Self {
+        Self {
+            id,
+            addr,
+            generation: entry.generation,
+            incarnation: entry.incarnation,
+            engine_id: entry.engine_id.clone(),
+            kv: entry.kv.clone(),
+            regions: entry.regions.clone(),
+        }
+    }
+
     fn regions(&self) -> Vec<RemoteRegion> {
         self.kv
             .iter()
@@ -105,15 +118,7 @@ impl Inner {
             entry.attach.send_replace(Attach::Pending {
                 incarnation: info.incarnation,
             });
-            Target {
-                id,
-                addr,
-                generation: entry.generation,
-                incarnation: info.incarnation,
-                engine_id: info.engine_id,
-                kv: dp.kv,
-                regions: dp.regions,
-            }
+            Target::of(id, addr, entry)
         };
         if self.per_peer {
             // The dialer offers; the acceptor waits for the offer
@@ -322,15 +327,7 @@ impl Inner {
                     offer.incarnation, e.incarnation
                 )));
             }
-            Target {
-                id,
-                addr: addr.to_owned(),
-                generation: e.generation,
-                incarnation: e.incarnation,
-                engine_id: e.engine_id.clone(),
-                kv: e.kv.clone(),
-                regions: e.regions.clone(),
-            }
+            Target::of(id, addr.to_owned(), e)
         };
         let regions = t.regions();
         let (peer, endpoint) = self
@@ -354,7 +351,9 @@ impl Inner {
     }
 
     /// Installs a connected data-plane peer unless the connection changed
-    /// (died, restarted, closed) since the attach began.
+    /// (died, restarted, closed) since the attach began. What the
+    /// handshake said is already in the entry (`on_ready` recorded it in
+    /// the same generation).
     fn install(&self, t: &Target, data_peer: PeerId) -> Result<(), Error> {
         let mut peers = lock(&self.peers);
         let Some(entry) = peers
@@ -372,10 +371,6 @@ impl Inner {
             ));
         };
         let old = entry.data_peer.replace(data_peer);
-        entry.incarnation = t.incarnation;
-        entry.engine_id.clone_from(&t.engine_id);
-        entry.kv.clone_from(&t.kv);
-        entry.regions.clone_from(&t.regions);
         drop(peers);
         if let Some(old) = old {
             self.transport.with_backend(|b| b.remove_peer(old));
@@ -397,8 +392,23 @@ impl Inner {
                     },
                 );
             }
+            Err(e) if !self.is_current(t) => {
+                // The connection died, restarted or closed meanwhile, and
+                // its own event said so: no second, misleading `Refused`.
+                // Only a waiting `connect` still gets the outcome.
+                debug!(peer = %t.id, error = %e, "attach of an ended connection dropped");
+                self.set_attach(t.id, t.incarnation, Err((e.kind(), with_causes(&e))));
+            }
             Err(e) => self.attach_failed(t.id, &t.addr, &t.engine_id, t.incarnation, role, e),
         }
+    }
+
+    /// Whether `t`'s connection is still in the generation its attach
+    /// began in.
+    fn is_current(&self, t: &Target) -> bool {
+        lock(&self.peers)
+            .get(&t.id)
+            .is_some_and(|e| e.generation == t.generation)
     }
 
     /// An attach that failed.

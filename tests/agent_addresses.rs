@@ -153,25 +153,25 @@ async fn a_group_with_a_rank_whose_data_plane_fails_leaves_no_rank_connected() {
         "{msg}"
     );
     assert!(msg.contains("[::1]:"), "{msg}");
-    // Rank 0 had come up, and is let go (`bye`).
-    let closed = tokio::time::timeout(Duration::from_secs(10), async {
-        let mut saw_up = false;
+    // Rank 0's data plane was attached (the error names only rank 1), and
+    // rank 0 is let go (`bye`). Its own `Up` is not awaited: it comes from
+    // rank 0's attach back to the dialer, which may lose the race against
+    // the `bye`.
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             match rank0_events.recv().await.map(|ev| ev.kind) {
-                Ok(PeerEventKind::Up { .. }) => saw_up = true,
                 // The dialer said `bye`: on this side the connection ends.
                 Ok(PeerEventKind::Dead { last_error, .. }) if last_error.contains("closed") => {
-                    return saw_up
+                    return
                 }
-                Ok(PeerEventKind::Closed) => return saw_up,
+                Ok(PeerEventKind::Closed) => return,
                 Ok(_) => {}
                 Err(e) => panic!("rank 0 events: {e}"),
             }
         }
     })
-    .await
-    .expect("rank 0's connection was closed");
-    assert!(closed, "rank 0 was up before the group was given up");
+    .await;
+    assert!(ended.is_ok(), "rank 0's connection was not closed");
     for a in ranks.iter().chain([&prefill]) {
         a.close().await;
     }
