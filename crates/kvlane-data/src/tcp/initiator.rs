@@ -346,6 +346,16 @@ impl PeerConn {
         drop(completions);
         self.shared.wake();
         for s in &self.sockets {
+            // Abort, do not close gracefully: bytes still queued in the
+            // kernel belong to transfers just reported as failed, and must
+            // not reach the target later (after a link comes back, say)
+            // on top of newer writes. Linger 0 discards them and resets
+            // once the last handle of the socket closes; a 1 ms user
+            // timeout aborts it at the next retransmission meanwhile.
+            let sock = socket2::SockRef::from(s);
+            let _ = sock.set_linger(Some(Duration::ZERO));
+            #[cfg(target_os = "linux")]
+            let _ = sock.set_tcp_user_timeout(Some(Duration::from_millis(1)));
             let _ = s.shutdown(Shutdown::Both);
         }
         for tx in &self.senders {
