@@ -65,6 +65,7 @@ pub mod layout;
 pub mod loopback;
 mod memory;
 pub mod tcp;
+pub mod topology;
 mod transfer;
 #[cfg(feature = "verbs")]
 pub mod verbs;
