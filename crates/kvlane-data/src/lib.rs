@@ -72,7 +72,7 @@ pub mod verbs;
 
 pub use backend::{connect_pair, Backend, Connected, Connecting};
 pub use error::{DataError, SubmitError};
-pub use handle::{TransferHandle, Transport};
+pub use handle::{OnDone, TransferHandle, Transport};
 pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};
