@@ -544,11 +544,7 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
             let Some(region) = &job.local else {
                 return conn.lost(i, protocol("READ without local memory"));
             };
-            let r = region
-                .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
-                .map_err(|e| io::Error::other(e.to_string()))
-                .and_then(|r| r);
-            if let Err(e) = r {
+            if let Err(e) = rd.payload_into(region, job.local_offset, job.len) {
                 return conn.lost(i, e);
             }
         }

@@ -178,8 +178,7 @@ pub fn fuzz_request(data: &[u8]) {
                 };
                 assert!(region.access().contains(needed), "{req:?} accepted");
                 // Touch exactly what the server would.
-                let touched = region.with_slice(req.offset, req.len, |s| s.len() as u64);
-                assert_eq!(touched.ok(), Some(req.len));
+                assert!(region.check_range(req.offset, req.len).is_ok(), "{req:?}");
             }
             Ok(None) => assert_eq!(req.kind, RequestKind::Notify),
             Err(status) => assert_ne!(status, Status::Ok),
@@ -405,9 +404,7 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         };
         let status = match checked {
             Ok(Some(region)) if req.kind == RequestKind::Write => {
-                region
-                    .with_slice_mut(req.offset, req.len, |s| rd.payload(s))
-                    .map_err(|e| io::Error::other(e.to_string()))??;
+                rd.payload_into(&region, req.offset, req.len)?;
                 bump(&c.writes_served, 1);
                 bump(&c.bytes_written, req.len);
                 Status::Ok
