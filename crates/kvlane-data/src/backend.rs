@@ -173,6 +173,12 @@ pub trait Backend: Send + 'static {
     fn needs_busy_poll(&self) -> bool {
         false
     }
+
+    /// What each rail carried, for a multi-rail backend
+    /// ([`Rails`](crate::Rails)); empty for a single-device backend.
+    fn rail_stats(&self) -> Vec<crate::RailStats> {
+        Vec::new()
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -230,6 +236,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn endpoint_per_peer(&self) -> bool {
         (**self).endpoint_per_peer()
+    }
+    fn rail_stats(&self) -> Vec<crate::RailStats> {
+        (**self).rail_stats()
     }
 }
 

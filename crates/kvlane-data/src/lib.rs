@@ -69,6 +69,7 @@ pub mod layout;
 pub mod loopback;
 #[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness
 mod memory;
+pub mod rails;
 pub mod tcp;
 pub mod topology;
 mod transfer;
@@ -85,6 +86,7 @@ pub use loopback::{LoopbackBackend, LoopbackConfig};
 #[cfg(unix)]
 pub use memory::send_vectored;
 pub use memory::{Access, IoPart, MemoryKind, Region, RemoteRegion, IOV_MAX, REGION_ALIGN};
+pub use rails::{RailStats, Rails, RailsConfig};
 pub use smallvec::{smallvec, SmallVec};
 pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};
 pub use transfer::{

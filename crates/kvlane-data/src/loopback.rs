@@ -261,6 +261,8 @@ impl Backend for LoopbackBackend {
         remote: &Endpoint,
         _regions: &[RemoteRegion],
     ) -> Result<(), DataError> {
+        // A multi-rail peer's endpoint: this backend pairs its first rail.
+        let remote = &remote.primary();
         let bad = |reason: &str| DataError::BadEndpoint {
             backend: "loopback",
             reason: reason.to_owned(),

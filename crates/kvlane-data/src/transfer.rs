@@ -276,6 +276,9 @@ impl Endpoint {
     /// Other backends' endpoints do not carry an IP address and are
     /// returned as they are.
     pub fn reached_at(&self, host: Option<std::net::IpAddr>) -> Result<Self, DataError> {
+        if let Some(r) = crate::rails::map_rails(self, |rail| rail.reached_at(host)) {
+            return r;
+        }
         match self.backend {
             BackendKind::Tcp => Ok(crate::tcp::TcpEndpoint::from_endpoint(self)?
                 .reached_at(host)?

@@ -224,6 +224,8 @@ impl TcpEndpoint {
 
     /// Decodes a peer's [`Endpoint`].
     pub fn from_endpoint(e: &Endpoint) -> Result<Self, DataError> {
+        // A multi-rail peer's endpoint: this backend pairs its first rail.
+        let e = &e.primary();
         let bad = |reason: String| DataError::BadEndpoint {
             backend: "tcp",
             reason,

@@ -290,6 +290,8 @@ impl Backend for VerbsBackend {
         remote: &Endpoint,
         regions: &[RemoteRegion],
     ) -> Result<(), DataError> {
+        // A multi-rail peer's endpoint: this backend pairs its first rail.
+        let remote = &remote.primary();
         let bad = |reason: String| DataError::BadEndpoint {
             backend: "verbs",
             reason,

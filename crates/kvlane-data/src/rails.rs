@@ -1,0 +1,979 @@
+//! Several backends of one kind used as rails of one: every NIC of a node.
+//!
+//! [`Rails`] is a [`Backend`] over a list of backends of the same kind,
+//! one per device (an RDMA device each, or a tcp backend per network).
+//!
+//! - **Endpoints.** A peer gets one endpoint that carries every rail's
+//!   endpoint and, for each rail past the first, the keys that rail serves
+//!   each region under. The first rail's endpoint stays readable alone, so a
+//!   single-rail peer ([`Endpoint::primary`]) pairs rail 0 only; two
+//!   multi-rail peers pair as many rails as both have.
+//! - **Striping.** A transfer smaller than [`RailsConfig::stripe_min`], or
+//!   with a notification, goes whole on one rail, rotating; a larger one is
+//!   cut into one contiguous byte range per usable rail. Its completion is
+//!   reported once every part landed.
+//! - **Failure.** A part that fails on a rail with the peer lost or an I/O
+//!   error is posted again on another rail of that peer (READ and WRITE of
+//!   the same bytes are idempotent), until its deadline; the rail is set
+//!   aside for that peer and tried again, with one part, after
+//!   [`RailsConfig::retry_after`]: a success takes it back into use. With
+//!   no rail left the transfer fails with the last error.
+//!
+//! Per-rail counters: [`Backend::rail_stats`].
+
+use crate::backend::{Backend, Connected, Connecting};
+use crate::error::{DataError, SubmitError};
+use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
+use crate::memory::{Region, RemoteRegion};
+use crate::transfer::{
+    BackendKind, Completion, Descriptor, Descriptors, Endpoint, Notification, RemoteDescriptor,
+    RemoteDescriptors, Transfer,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+/// How [`Rails`] spreads and recovers transfers.
+#[derive(Clone, Debug)]
+pub struct RailsConfig {
+    /// Transfers of at least this many bytes are split over the rails.
+    pub stripe_min: u64,
+    /// Parts are cut at multiples of this (the last one takes the rest).
+    pub stripe_align: u64,
+    /// A rail set aside after a failure is tried again after this long.
+    pub retry_after: Duration,
+}
+
+impl Default for RailsConfig {
+    fn default() -> Self {
+        Self {
+            stripe_min: 256 << 10,
+            stripe_align: 4096,
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What one rail carried (from this side's transfers).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RailStats {
+    /// The rail's name (device or address).
+    pub name: String,
+    /// Bytes of parts that completed on it.
+    pub bytes: u64,
+    /// Parts that completed on it.
+    pub parts: u64,
+    /// Parts that failed on it.
+    pub failures: u64,
+    /// Parts moved from it to another rail after a failure.
+    pub reposts: u64,
+    /// Peers for which it is set aside now.
+    pub down_peers: u64,
+}
+
+/// The endpoint of a multi-rail backend: rail 0's bytes first, so a
+/// single-rail peer reads it as its own (see [`Endpoint::primary`]).
+#[derive(Serialize, Deserialize)]
+struct RailsWire {
+    /// `"kvlane-rails"`: tells a rails endpoint from a plain one.
+    magic: String,
+    rails: Vec<RailWire>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RailWire {
+    name: String,
+    #[serde(with = "serde_bytes")]
+    data: Vec<u8>,
+    /// (rail 0 key, this rail's key) of each region registered so far.
+    keys: Vec<(RemoteKey, RemoteKey)>,
+}
+
+const MAGIC: &str = "kvlane-rails";
+
+impl Endpoint {
+    /// The first rail of a multi-rail endpoint, or this endpoint itself:
+    /// what a single-rail backend connects to.
+    pub fn primary(&self) -> Self {
+        match decode_rails(self) {
+            Some(w) if !w.rails.is_empty() => Self {
+                backend: self.backend,
+                data: w.rails[0].data.clone(),
+            },
+            _ => self.clone(),
+        }
+    }
+}
+
+/// Applies `f` to every rail of a multi-rail endpoint; `None` for a plain
+/// endpoint.
+pub(crate) fn map_rails(
+    e: &Endpoint,
+    f: impl Fn(&Endpoint) -> Result<Endpoint, DataError>,
+) -> Option<Result<Endpoint, DataError>> {
+    let mut w = decode_rails(e)?;
+    Some((|| {
+        for r in &mut w.rails {
+            let one = Endpoint {
+                backend: e.backend,
+                data: std::mem::take(&mut r.data),
+            };
+            r.data = f(&one)?.data;
+        }
+        let data = rmp_serde::to_vec_named(&w).map_err(|err| DataError::BadEndpoint {
+            backend: "rails",
+            reason: err.to_string(),
+        })?;
+        Ok(Endpoint {
+            backend: e.backend,
+            data,
+        })
+    })())
+}
+
+fn decode_rails(e: &Endpoint) -> Option<RailsWire> {
+    let w: RailsWire = rmp_serde::from_slice(&e.data).ok()?;
+    (w.magic == MAGIC).then_some(w)
+}
+
+struct Rail {
+    name: String,
+    backend: Box<dyn Backend>,
+    stats: RailStats,
+    /// Rail 0 key -> this rail's key, for this side's registrations.
+    local_keys: HashMap<RemoteKey, RemoteKey>,
+}
+
+struct RailPeer {
+    /// This rail's peer id, when the rail is paired with the remote.
+    id: Option<PeerId>,
+    /// The peer's rail 0 key -> its key on this rail.
+    keys: HashMap<RemoteKey, RemoteKey>,
+    /// Set aside since, after a failure.
+    down_since: Option<Instant>,
+}
+
+struct PeerState {
+    rails: Vec<RailPeer>,
+}
+
+struct Parent {
+    peer: PeerId,
+    remaining: usize,
+    error: Option<DataError>,
+}
+
+struct Part {
+    parent: TransferId,
+    /// Rail-0 form of the part (remote keys of rail 0), for re-posting.
+    transfer: Transfer,
+    bytes: u64,
+    /// Rails this part already failed on.
+    tried: u64,
+}
+
+/// A part no rail took.
+struct Unposted {
+    part: Box<Part>,
+    why: Why,
+}
+
+enum Why {
+    /// Every usable rail's queue is full.
+    Full { in_flight: usize },
+    /// Refused (no rail usable, or the rail's own typed refusal).
+    Refused(DataError),
+}
+
+static NEXT_PEER: AtomicU64 = AtomicU64::new(1 << 62);
+
+/// Several backends of one kind as one (see the module docs).
+pub struct Rails {
+    rails: Vec<Rail>,
+    cfg: RailsConfig,
+    peers: HashMap<PeerId, PeerState>,
+    parents: HashMap<TransferId, Parent>,
+    /// (rail, part id) -> the part.
+    parts: HashMap<(usize, TransferId), Part>,
+    /// Parts waiting for room on a rail.
+    pending: VecDeque<Part>,
+    done: Vec<Completion>,
+    next: usize,
+    scratch: Vec<Completion>,
+}
+
+impl std::fmt::Debug for Rails {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rails")
+            .field(
+                "rails",
+                &self.rails.iter().map(|r| &r.name).collect::<Vec<_>>(),
+            )
+            .field("in_flight", &self.parents.len())
+            .finish()
+    }
+}
+
+impl Rails {
+    /// Rails over `backends` (named, all of one kind; at least one).
+    pub fn new(
+        backends: Vec<(String, Box<dyn Backend>)>,
+        cfg: RailsConfig,
+    ) -> Result<Self, DataError> {
+        let Some(kind) = backends.first().map(|(_, b)| b.kind()) else {
+            return Err(DataError::Unsupported {
+                backend: "rails",
+                what: "no rail: give at least one backend",
+            });
+        };
+        if backends.len() > 64 {
+            return Err(DataError::Unsupported {
+                backend: "rails",
+                what: "more than 64 rails",
+            });
+        }
+        if backends.iter().any(|(_, b)| b.kind() != kind) {
+            return Err(DataError::Unsupported {
+                backend: "rails",
+                what: "rails of different backend kinds",
+            });
+        }
+        Ok(Self {
+            rails: backends
+                .into_iter()
+                .map(|(name, backend)| Rail {
+                    stats: RailStats {
+                        name: name.clone(),
+                        ..RailStats::default()
+                    },
+                    name,
+                    backend,
+                    local_keys: HashMap::new(),
+                })
+                .collect(),
+            cfg,
+            peers: HashMap::new(),
+            parents: HashMap::new(),
+            parts: HashMap::new(),
+            pending: VecDeque::new(),
+            done: Vec::new(),
+            next: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The rails a transfer to `peer` with these remote keys can use now:
+    /// paired, not set aside (or due for a retry), serving every key.
+    fn usable(&self, peer: &PeerState, keys: &[RemoteKey], tried: u64, now: Instant) -> Vec<usize> {
+        peer.rails
+            .iter()
+            .enumerate()
+            .filter(|(i, rp)| {
+                rp.id.is_some()
+                    && tried & (1 << i) == 0
+                    && rp
+                        .down_since
+                        .is_none_or(|t| now.duration_since(t) >= self.cfg.retry_after)
+                    && (*i == 0 || keys.iter().all(|k| rp.keys.contains_key(k)))
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// Posts `part` (rail-0 form) on one of `rails`, rotating; on a full
+    /// queue tries the next. Returns the part back when no rail took it.
+    fn post_part(&mut self, mut part: Part, rails: &[usize]) -> Result<(), Unposted> {
+        let mut last = None;
+        for k in 0..rails.len() {
+            let i = rails[(self.next + k) % rails.len()];
+            let Some(peer) = self.peers.get(&part.transfer.peer) else {
+                break;
+            };
+            let rp = &peer.rails[i];
+            let Some(rail_peer) = rp.id else { continue };
+            let mut t = part.transfer.clone();
+            t.id = TransferId::next();
+            t.peer = rail_peer;
+            if i > 0 {
+                let mapped: Option<Vec<RemoteKey>> = t
+                    .remote
+                    .iter()
+                    .map(|d| rp.keys.get(&d.key).copied())
+                    .collect();
+                // `usable` only offers rails that serve every key.
+                let Some(mapped) = mapped else { continue };
+                for (d, k) in t.remote.iter_mut().zip(mapped) {
+                    d.key = k;
+                }
+            }
+            let id = t.id;
+            match self.rails[i].backend.submit(t) {
+                Ok(()) => {
+                    self.next = self.next.wrapping_add(1);
+                    // A rail that was set aside is on probation: this part
+                    // decides whether it is back.
+                    self.parts.insert((i, id), part);
+                    return Ok(());
+                }
+                Err(SubmitError::QueueFull { .. }) => {
+                    last = Some(Why::Full {
+                        in_flight: self.rails[i].backend.in_flight(),
+                    });
+                }
+                Err(SubmitError::Rejected(e)) => {
+                    part.tried |= 1 << i;
+                    last = Some(Why::Refused(e));
+                }
+            }
+        }
+        let why = last.unwrap_or(Why::Refused(DataError::PeerLost {
+            peer: part.transfer.peer,
+            reason: "no rail of the peer is usable",
+            source: None,
+        }));
+        Err(Unposted {
+            part: Box::new(part),
+            why,
+        })
+    }
+
+    /// A part that could not be re-posted: it waits for room, or its
+    /// transfer fails.
+    fn park_or_fail(&mut self, u: Unposted) {
+        match u.why {
+            Why::Full { .. } => self.pending.push_back(*u.part),
+            Why::Refused(e) => self.finish_part(u.part.parent, Err(e)),
+        }
+    }
+
+    fn finish_part(&mut self, parent: TransferId, result: Result<(), DataError>) {
+        let Some(p) = self.parents.get_mut(&parent) else {
+            return;
+        };
+        p.remaining -= 1;
+        if let Err(e) = result {
+            p.error.get_or_insert(e);
+        }
+        if p.remaining == 0 {
+            let p = self.parents.remove(&parent).expect("present");
+            self.done.push(Completion {
+                id: parent,
+                peer: p.peer,
+                result: p.error.map_or(Ok(()), Err),
+            });
+        }
+    }
+
+    fn on_part_done(&mut self, rail: usize, c: Completion, now: Instant) {
+        let Some(mut part) = self.parts.remove(&(rail, c.id)) else {
+            return;
+        };
+        let peer = part.transfer.peer;
+        match c.result {
+            Ok(()) => {
+                let s = &mut self.rails[rail].stats;
+                s.bytes += part.bytes;
+                s.parts += 1;
+                if let Some(rp) = self
+                    .peers
+                    .get_mut(&peer)
+                    .and_then(|p| p.rails.get_mut(rail))
+                {
+                    rp.down_since = None;
+                }
+                self.finish_part(part.parent, Ok(()));
+            }
+            Err(e) => {
+                self.rails[rail].stats.failures += 1;
+                let moves = matches!(e, DataError::PeerLost { .. } | DataError::Io { .. })
+                    && now < part.transfer.deadline;
+                if let Some(rp) = self
+                    .peers
+                    .get_mut(&peer)
+                    .and_then(|p| p.rails.get_mut(rail))
+                {
+                    if moves {
+                        rp.down_since = Some(now);
+                    }
+                }
+                part.tried |= 1 << rail;
+                let others = match self.peers.get(&peer) {
+                    Some(p) if moves => {
+                        let keys: Vec<RemoteKey> =
+                            part.transfer.remote.iter().map(|d| d.key).collect();
+                        self.usable(p, &keys, part.tried, now)
+                    }
+                    _ => Vec::new(),
+                };
+                if others.is_empty() {
+                    tracing::debug!(rail = %self.rails[rail].name, error = %e, "rails: part failed, no rail left");
+                    self.finish_part(part.parent, Err(e));
+                    return;
+                }
+                self.rails[rail].stats.reposts += 1;
+                tracing::debug!(from = %self.rails[rail].name, error = %e, "rails: part moved to another rail");
+                if let Err(u) = self.post_part(part, &others) {
+                    self.park_or_fail(u);
+                }
+            }
+        }
+    }
+
+    fn retry_pending(&mut self, now: Instant) {
+        for _ in 0..self.pending.len() {
+            let Some(part) = self.pending.pop_front() else {
+                break;
+            };
+            if now >= part.transfer.deadline {
+                let e = DataError::Timeout {
+                    id: part.parent,
+                    peer: part.transfer.peer,
+                    overdue: now.duration_since(part.transfer.deadline),
+                };
+                self.finish_part(part.parent, Err(e));
+                continue;
+            }
+            let rails = match self.peers.get(&part.transfer.peer) {
+                Some(p) => {
+                    let keys: Vec<RemoteKey> = part.transfer.remote.iter().map(|d| d.key).collect();
+                    self.usable(p, &keys, part.tried, now)
+                }
+                None => Vec::new(),
+            };
+            if let Err(u) = self.post_part(part, &rails) {
+                self.park_or_fail(u);
+            }
+        }
+    }
+}
+
+/// Cuts a transfer's byte stream into `n` contiguous ranges of about equal
+/// size (multiples of `align`), each with its local and remote spans.
+pub(crate) fn split(
+    local: &[Descriptor],
+    remote: &[RemoteDescriptor],
+    n: usize,
+    align: u64,
+) -> Vec<(Descriptors, RemoteDescriptors, u64)> {
+    let total: u64 = local.iter().map(|d| d.len).sum();
+    let n = n.max(1) as u64;
+    let share = (total / n).div_ceil(align.max(1)) * align.max(1);
+    let (mut li, mut loff, mut ri, mut roff) = (0usize, 0u64, 0usize, 0u64);
+    let mut out = Vec::new();
+    let mut left = total;
+    while left > 0 {
+        let want = if out.len() as u64 + 1 == n {
+            left
+        } else {
+            share.min(left)
+        };
+        let (mut l, mut r) = (Descriptors::new(), RemoteDescriptors::new());
+        let mut need = want;
+        while need > 0 {
+            let d = &local[li];
+            let take = (d.len - loff).min(need);
+            l.push(Descriptor {
+                region: d.region,
+                offset: d.offset + loff,
+                len: take,
+            });
+            loff += take;
+            need -= take;
+            if loff == d.len {
+                li += 1;
+                loff = 0;
+            }
+        }
+        let mut need = want;
+        while need > 0 {
+            let d = &remote[ri];
+            let take = (d.len - roff).min(need);
+            r.push(RemoteDescriptor {
+                key: d.key,
+                offset: d.offset + roff,
+                len: take,
+            });
+            roff += take;
+            need -= take;
+            if roff == d.len {
+                ri += 1;
+                roff = 0;
+            }
+        }
+        out.push((l, r, want));
+        left -= want;
+    }
+    out
+}
+
+fn remap(regions: &[RemoteRegion], keys: &HashMap<RemoteKey, RemoteKey>) -> Vec<RemoteRegion> {
+    regions
+        .iter()
+        .filter_map(|r| keys.get(&r.key).map(|k| RemoteRegion { key: *k, ..*r }))
+        .collect()
+}
+
+/// What each rail's `Connecting::run` produced.
+struct RailsConnected(Vec<(usize, Result<Connected, DataError>)>);
+
+impl Backend for Rails {
+    fn kind(&self) -> BackendKind {
+        self.rails[0].backend.kind()
+    }
+
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        let first = self.rails[0].backend.register(region)?;
+        for i in 1..self.rails.len() {
+            match self.rails[i].backend.register(region) {
+                Ok(r) => {
+                    self.rails[i].local_keys.insert(first.key, r.key);
+                }
+                Err(e) => {
+                    for rail in &mut self.rails[..i] {
+                        let _ = rail.backend.deregister(region.id());
+                        rail.local_keys.remove(&first.key);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(first)
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        let mut first = Ok(());
+        for rail in &mut self.rails {
+            if let Err(e) = rail.backend.deregister(region) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        let mut rails = Vec::with_capacity(self.rails.len());
+        let mut wires = Vec::with_capacity(self.rails.len());
+        for i in 0..self.rails.len() {
+            match self.rails[i].backend.prepare_peer() {
+                Ok((id, ep)) => {
+                    rails.push(RailPeer {
+                        id: Some(id),
+                        keys: HashMap::new(),
+                        down_since: None,
+                    });
+                    wires.push(RailWire {
+                        name: self.rails[i].name.clone(),
+                        data: ep.data,
+                        keys: self.rails[i]
+                            .local_keys
+                            .iter()
+                            .map(|(a, b)| (*a, *b))
+                            .collect(),
+                    });
+                }
+                Err(e) => {
+                    for (j, rp) in rails.iter().enumerate() {
+                        if let Some(id) = rp.id {
+                            self.rails[j].backend.remove_peer(id);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let data = rmp_serde::to_vec_named(&RailsWire {
+            magic: MAGIC.into(),
+            rails: wires,
+        })
+        .map_err(|e| DataError::BadEndpoint {
+            backend: "rails",
+            reason: e.to_string(),
+        })?;
+        let id = PeerId(NEXT_PEER.fetch_add(1, Ordering::Relaxed));
+        self.peers.insert(id, PeerState { rails });
+        Ok((
+            id,
+            Endpoint {
+                backend: self.kind(),
+                data,
+            },
+        ))
+    }
+
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        let c = self.start_connect(peer, remote, regions)?;
+        let done = c.run()?;
+        self.finish_connect(peer, done)
+    }
+
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        let kind = self.kind();
+        let theirs: Vec<(Endpoint, HashMap<RemoteKey, RemoteKey>)> = match decode_rails(remote) {
+            Some(w) => w
+                .rails
+                .into_iter()
+                .map(|r| {
+                    (
+                        Endpoint {
+                            backend: remote.backend,
+                            data: r.data,
+                        },
+                        r.keys.into_iter().collect(),
+                    )
+                })
+                .collect(),
+            None => vec![(remote.clone(), HashMap::new())],
+        };
+        let state = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(DataError::UnknownPeer(peer))?;
+        let mut work = Vec::new();
+        for (i, rp) in state.rails.iter_mut().enumerate() {
+            let Some(id) = rp.id else { continue };
+            let Some((ep, keys)) = theirs.get(i) else {
+                // The peer has fewer rails: this one stays unpaired.
+                self.rails[i].backend.remove_peer(id);
+                rp.id = None;
+                continue;
+            };
+            let ep = Endpoint {
+                backend: kind,
+                data: ep.data.clone(),
+            };
+            let regs = if i == 0 {
+                regions.to_vec()
+            } else {
+                rp.keys = keys.clone();
+                remap(regions, keys)
+            };
+            match self.rails[i].backend.start_connect(id, &ep, &regs) {
+                Ok(c) => work.push((i, c)),
+                Err(e) if i == 0 => {
+                    for (j, _) in &work {
+                        if let Some(id) = state.rails[*j].id {
+                            self.rails[*j].backend.remove_peer(id);
+                        }
+                    }
+                    return Err(e);
+                }
+                Err(e) => {
+                    tracing::warn!(rail = %self.rails[i].name, error = %e, "rails: rail not paired");
+                    self.rails[i].backend.remove_peer(id);
+                    rp.id = None;
+                }
+            }
+        }
+        Ok(Connecting::new(move || {
+            // The rails dial in parallel: a slow one does not delay the rest.
+            let handles: Vec<_> = work
+                .into_iter()
+                .map(|(i, c)| (i, std::thread::spawn(move || c.run())))
+                .collect();
+            let out = handles
+                .into_iter()
+                .map(|(i, h)| {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(DataError::Unsupported {
+                            backend: "rails",
+                            what: "a rail's connect panicked",
+                        })
+                    });
+                    (i, r)
+                })
+                .collect();
+            Ok(Box::new(RailsConnected(out)) as Box<dyn std::any::Any + Send>)
+        }))
+    }
+
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        let results = connected
+            .take::<RailsConnected>()
+            .ok_or(DataError::BadEndpoint {
+                backend: "rails",
+                reason: "connect result of another backend".into(),
+            })?
+            .0;
+        let Some(state) = self.peers.get_mut(&peer) else {
+            return Err(DataError::UnknownPeer(peer));
+        };
+        let mut first_err = None;
+        for (i, r) in results {
+            let Some(id) = state.rails[i].id else {
+                continue;
+            };
+            let r = r.and_then(|c| self.rails[i].backend.finish_connect(id, c));
+            if let Err(e) = r {
+                if i == 0 {
+                    first_err = Some(e);
+                } else {
+                    tracing::warn!(rail = %self.rails[i].name, error = %e, "rails: rail not paired");
+                }
+                self.rails[i].backend.remove_peer(id);
+                state.rails[i].id = None;
+            }
+        }
+        match first_err {
+            Some(e) => {
+                self.remove_peer(peer);
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        if let Some(state) = self.peers.remove(&peer) {
+            for (i, rp) in state.rails.iter().enumerate() {
+                if let Some(id) = rp.id {
+                    self.rails[i].backend.remove_peer(id);
+                }
+            }
+        }
+        // Parts still queued here fail now; parts on the rails fail through
+        // their backends' completions (PeerLost) and find no rail left.
+        let pending: Vec<Part> = self.pending.drain(..).collect();
+        for part in pending {
+            if part.transfer.peer == peer {
+                let e = DataError::PeerLost {
+                    peer,
+                    reason: "peer removed",
+                    source: None,
+                };
+                self.finish_part(part.parent, Err(e));
+            } else {
+                self.pending.push_back(part);
+            }
+        }
+    }
+
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
+        let now = Instant::now();
+        let Some(state) = self.peers.get(&transfer.peer) else {
+            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
+        };
+        if self.parents.contains_key(&transfer.id) {
+            return Err(SubmitError::Rejected(DataError::DuplicateTransfer(
+                transfer.id,
+            )));
+        }
+        let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
+        let rails = self.usable(state, &keys, 0, now);
+        let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
+        let remote_bytes: u64 = transfer.remote.iter().map(|d| d.len).sum();
+        let whole = rails.len() <= 1
+            || bytes < self.cfg.stripe_min
+            || transfer.notify.is_some()
+            || bytes != remote_bytes;
+        let parent = transfer.id;
+        if whole {
+            let part = Part {
+                parent,
+                transfer,
+                bytes,
+                tried: 0,
+            };
+            self.parents.insert(
+                parent,
+                Parent {
+                    peer: part.transfer.peer,
+                    remaining: 1,
+                    error: None,
+                },
+            );
+            // Nothing usable: let rail 0 give its own typed refusal.
+            let rails = if rails.is_empty() { vec![0] } else { rails };
+            return self.post_part(part, &rails).map_err(|u| {
+                self.parents.remove(&parent);
+                match u.why {
+                    Why::Full { in_flight } => SubmitError::QueueFull {
+                        transfer: Box::new(u.part.transfer),
+                        in_flight,
+                    },
+                    Why::Refused(e) => SubmitError::Rejected(e),
+                }
+            });
+        }
+        let pieces = split(
+            &transfer.local,
+            &transfer.remote,
+            rails.len(),
+            self.cfg.stripe_align,
+        );
+        self.parents.insert(
+            parent,
+            Parent {
+                peer: transfer.peer,
+                remaining: pieces.len(),
+                error: None,
+            },
+        );
+        for (k, (local, remote, len)) in pieces.into_iter().enumerate() {
+            let mut t = transfer.clone();
+            t.local = local;
+            t.remote = remote;
+            let part = Part {
+                parent,
+                transfer: t,
+                bytes: len,
+                tried: 0,
+            };
+            // Part k prefers rail k; a full rail passes it on.
+            let mut order = rails.clone();
+            order.rotate_left(k % rails.len());
+            let saved = self.next;
+            self.next = 0;
+            let r = self.post_part(part, &order);
+            self.next = saved;
+            match r {
+                Ok(()) => {}
+                Err(Unposted {
+                    why: Why::Full { in_flight },
+                    ..
+                }) if k == 0 => {
+                    self.parents.remove(&parent);
+                    return Err(SubmitError::QueueFull {
+                        transfer: Box::new(transfer),
+                        in_flight,
+                    });
+                }
+                // Some parts are on the wire: this one waits for room (or
+                // fails the transfer).
+                Err(u) => self.park_or_fail(u),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        let now = Instant::now();
+        for i in 0..self.rails.len() {
+            let mut got = std::mem::take(&mut self.scratch);
+            self.rails[i].backend.poll(&mut got);
+            for c in got.drain(..) {
+                self.on_part_done(i, c, now);
+            }
+            self.scratch = got;
+        }
+        if !self.pending.is_empty() {
+            self.retry_pending(now);
+        }
+        let n = self.done.len();
+        completions.append(&mut self.done);
+        n
+    }
+
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        self.rails
+            .iter_mut()
+            .map(|r| r.backend.poll_notifications(out))
+            .sum()
+    }
+
+    fn in_flight(&self) -> usize {
+        self.parents.len()
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        for r in &mut self.rails {
+            r.backend.set_waker(waker.clone());
+        }
+    }
+
+    fn endpoint_per_peer(&self) -> bool {
+        self.rails.iter().any(|r| r.backend.endpoint_per_peer())
+    }
+
+    fn needs_busy_poll(&self) -> bool {
+        self.rails.iter().any(|r| r.backend.needs_busy_poll())
+    }
+
+    fn rail_stats(&self) -> Vec<RailStats> {
+        self.rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RailStats {
+                down_peers: self
+                    .peers
+                    .values()
+                    .filter(|p| p.rails.get(i).is_some_and(|rp| rp.down_since.is_some()))
+                    .count() as u64,
+                ..r.stats.clone()
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn d(region: u64, offset: u64, len: u64) -> Descriptor {
+        Descriptor {
+            region: RegionId(region),
+            offset,
+            len,
+        }
+    }
+
+    fn r(key: u64, offset: u64, len: u64) -> RemoteDescriptor {
+        RemoteDescriptor {
+            key: RemoteKey(key.try_into().unwrap()),
+            offset,
+            len,
+        }
+    }
+
+    proptest! {
+        /// Splitting keeps every byte, in order, on both sides.
+        #[test]
+        fn split_covers_both_lists_exactly(
+            lens in proptest::collection::vec(1u64..100_000, 1..8),
+            cuts in proptest::collection::vec(1u64..100_000, 0..8),
+            n in 1usize..5,
+        ) {
+            let total: u64 = lens.iter().sum();
+            let local: Vec<Descriptor> = lens.iter().scan(0, |o, &l| { let x = d(1, *o, l); *o += l; Some(x) }).collect();
+            // Remote spans: the same total cut elsewhere.
+            let mut remote = Vec::new();
+            let mut at = 0;
+            for c in cuts { if at + c < total { remote.push(r(9, 1000 + at, c)); at += c; } }
+            remote.push(r(9, 1000 + at, total - at));
+            let parts = split(&local, &remote, n, 4096);
+            prop_assert!(parts.len() <= n);
+            let (mut lo, mut ro) = (0u64, 1000u64);
+            for (l, rm, len) in &parts {
+                prop_assert_eq!(l.iter().map(|x| x.len).sum::<u64>(), *len);
+                prop_assert_eq!(rm.iter().map(|x| x.len).sum::<u64>(), *len);
+                for x in l { prop_assert_eq!(x.offset, lo); lo += x.len; }
+                for x in rm { prop_assert_eq!(x.offset, ro); ro += x.len; }
+            }
+            prop_assert_eq!(lo, total);
+            prop_assert_eq!(ro, 1000 + total);
+        }
+    }
+
+    #[test]
+    fn a_plain_endpoint_is_its_own_primary() {
+        let e = Endpoint {
+            backend: BackendKind::Tcp,
+            data: vec![1, 2, 3],
+        };
+        assert_eq!(e.primary(), e);
+    }
+}

@@ -1,0 +1,326 @@
+//! Rails: several tcp backends used as one. The conformance suite over two
+//! rails, then striping, rotation, a rail failing and coming back, and a
+//! peer with fewer rails.
+
+use kvlane_data::conformance::Fixture;
+use kvlane_data::{
+    connect_pair, Access, Backend, BackendKind, Completion, Connected, Connecting, DataError,
+    Descriptor, Endpoint, Notification, Op, PeerId, RailStats, Rails, RailsConfig, Region,
+    RegionId, RemoteDescriptor, RemoteRegion, SubmitError, TcpBackend, TcpConfig, Transfer,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn tcp() -> Box<dyn Backend> {
+    Box::new(
+        TcpBackend::new(TcpConfig {
+            queue_depth: 256,
+            chunk_bytes: 64 << 10,
+            ..TcpConfig::default()
+        })
+        .expect("start tcp backend"),
+    )
+}
+
+fn rails(n: usize, cfg: RailsConfig) -> Rails {
+    Rails::new((0..n).map(|i| (format!("tcp{i}"), tcp())).collect(), cfg).unwrap()
+}
+
+struct TwoRails;
+
+impl Fixture for TwoRails {
+    type Backend = Rails;
+    fn backends(&self) -> (Rails, Rails) {
+        // Striping from 64 KiB on, so the suite's larger transfers split.
+        let cfg = RailsConfig {
+            stripe_min: 64 << 10,
+            ..RailsConfig::default()
+        };
+        (rails(2, cfg.clone()), rails(2, cfg))
+    }
+}
+
+kvlane_data::conformance_tests!(TwoRails);
+
+/// A rail whose completions fail with `PeerLost` while `broken` is set:
+/// the NIC port going down, as the initiator sees it.
+struct Flaky {
+    inner: Box<dyn Backend>,
+    broken: Arc<AtomicBool>,
+}
+
+impl Backend for Flaky {
+    fn kind(&self) -> BackendKind {
+        self.inner.kind()
+    }
+    fn register(&mut self, r: &Region) -> Result<RemoteRegion, DataError> {
+        self.inner.register(r)
+    }
+    fn deregister(&mut self, r: RegionId) -> Result<(), DataError> {
+        self.inner.deregister(r)
+    }
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        self.inner.prepare_peer()
+    }
+    fn connect_peer(
+        &mut self,
+        p: PeerId,
+        e: &Endpoint,
+        r: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        self.inner.connect_peer(p, e, r)
+    }
+    fn start_connect(
+        &mut self,
+        p: PeerId,
+        e: &Endpoint,
+        r: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        self.inner.start_connect(p, e, r)
+    }
+    fn finish_connect(&mut self, p: PeerId, c: Connected) -> Result<(), DataError> {
+        self.inner.finish_connect(p, c)
+    }
+    fn remove_peer(&mut self, p: PeerId) {
+        self.inner.remove_peer(p)
+    }
+    fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
+        self.inner.submit(t)
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
+        let start = out.len();
+        let n = self.inner.poll(out);
+        if self.broken.load(Ordering::Relaxed) {
+            for c in &mut out[start..] {
+                c.result = Err(DataError::PeerLost {
+                    peer: c.peer,
+                    reason: "rail down (test)",
+                    source: None,
+                });
+            }
+        }
+        n
+    }
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        self.inner.poll_notifications(out)
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+}
+
+struct Pair {
+    init: Rails,
+    target: Box<dyn Backend>,
+    src: Region,
+    dst: Region,
+    key: kvlane_data::RemoteKey,
+    peer: PeerId,
+}
+
+const LEN: usize = 8 << 20;
+
+fn pair(init: Rails, mut target: Box<dyn Backend>) -> Pair {
+    let mut init = init;
+    let src =
+        Region::from_vec((0..LEN).map(|i| (i * 7 % 251) as u8).collect(), Access::ALL).unwrap();
+    let dst = Region::alloc(LEN, Access::ALL).unwrap();
+    let s = init.register(&src).unwrap();
+    let d = target.register(&dst).unwrap();
+    let (peer, _) = connect_pair(&mut init, &[s], &mut *target, &[d]).unwrap();
+    Pair {
+        init,
+        target,
+        src,
+        dst,
+        key: d.key,
+        peer,
+    }
+}
+
+fn run(p: &mut Pair, op: Op, offset: u64, len: u64) -> Result<(), DataError> {
+    let t = Transfer::new(
+        p.peer,
+        op,
+        vec![Descriptor {
+            region: p.src.id(),
+            offset,
+            len,
+        }],
+        vec![RemoteDescriptor {
+            key: p.key,
+            offset,
+            len,
+        }],
+    );
+    let id = t.id;
+    p.init.submit(t).map_err(|e| match e {
+        SubmitError::Rejected(e) => e,
+        other => panic!("{other:?}"),
+    })?;
+    let end = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    loop {
+        p.init.poll(&mut out);
+        let _ = p.target.poll(&mut Vec::new());
+        if let Some(c) = out.iter().position(|c| c.id == id) {
+            return out.swap_remove(c).result;
+        }
+        assert!(Instant::now() < end, "transfer {id} never completed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn same(p: &Pair, offset: u64, len: u64) -> bool {
+    let mut a = vec![0u8; len as usize];
+    let mut b = vec![0u8; len as usize];
+    p.src.read(offset, &mut a).unwrap();
+    p.dst.read(offset, &mut b).unwrap();
+    a == b
+}
+
+fn bytes(s: &[RailStats]) -> Vec<u64> {
+    s.iter().map(|r| r.bytes).collect()
+}
+
+#[test]
+fn a_large_write_is_striped_over_both_rails_and_lands_whole() {
+    let mut p = pair(
+        rails(2, RailsConfig::default()),
+        Box::new(rails(2, RailsConfig::default())),
+    );
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert_eq!(bytes(&s), [LEN as u64 / 2, LEN as u64 / 2], "{s:?}");
+    assert_eq!(s.iter().map(|r| r.parts).collect::<Vec<_>>(), [1, 1]);
+}
+
+#[test]
+fn small_transfers_go_whole_and_rotate_over_the_rails() {
+    let mut p = pair(
+        rails(2, RailsConfig::default()),
+        Box::new(rails(2, RailsConfig::default())),
+    );
+    for i in 0..10 {
+        run(&mut p, Op::Write, i * 4096, 4096).unwrap();
+    }
+    assert!(same(&p, 0, 10 * 4096));
+    let s = p.init.rail_stats();
+    assert_eq!(
+        s.iter().map(|r| r.parts).collect::<Vec<_>>(),
+        [5, 5],
+        "{s:?}"
+    );
+}
+
+#[test]
+fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
+    let broken = Arc::new(AtomicBool::new(false));
+    let cfg = RailsConfig {
+        retry_after: Duration::from_millis(200),
+        ..RailsConfig::default()
+    };
+    let init = Rails::new(
+        vec![
+            ("tcp0".into(), tcp()),
+            (
+                "tcp1".into(),
+                Box::new(Flaky {
+                    inner: tcp(),
+                    broken: broken.clone(),
+                }),
+            ),
+        ],
+        cfg.clone(),
+    )
+    .unwrap();
+    let mut p = pair(init, Box::new(rails(2, cfg)));
+    broken.store(true, Ordering::Relaxed);
+    // Striped READs and WRITEs while rail 1 is down all complete.
+    for round in 0..4u64 {
+        let op = if round % 2 == 0 { Op::Write } else { Op::Read };
+        run(&mut p, op, 0, LEN as u64).unwrap();
+        assert!(same(&p, 0, LEN as u64));
+    }
+    let s = p.init.rail_stats();
+    assert!(s[1].failures >= 1 && s[1].reposts >= 1, "{s:?}");
+    assert_eq!(s[1].down_peers, 1, "{s:?}");
+    let rail1_before = s[1].bytes;
+    assert_eq!(rail1_before, 0, "{s:?}");
+    // The rail comes back: after retry_after it carries parts again.
+    broken.store(false, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 0..4 {
+        run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    }
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert!(s[1].bytes > 0, "{s:?}");
+    assert_eq!(s[1].down_peers, 0, "{s:?}");
+}
+
+#[test]
+fn with_every_rail_failing_the_transfer_fails_typed() {
+    let broken = Arc::new(AtomicBool::new(true));
+    let flaky = |b: &Arc<AtomicBool>| -> Box<dyn Backend> {
+        Box::new(Flaky {
+            inner: tcp(),
+            broken: b.clone(),
+        })
+    };
+    let init = Rails::new(
+        vec![("a".into(), flaky(&broken)), ("b".into(), flaky(&broken))],
+        RailsConfig::default(),
+    )
+    .unwrap();
+    let mut p = pair(init, Box::new(rails(2, RailsConfig::default())));
+    let e = run(&mut p, Op::Write, 0, LEN as u64).unwrap_err();
+    assert!(matches!(e, DataError::PeerLost { .. }), "{e}");
+}
+
+#[test]
+fn a_peer_with_one_rail_pairs_the_first_rail_only() {
+    // Two rails here, a plain tcp backend there (and the other way round).
+    let mut p = pair(rails(2, RailsConfig::default()), tcp());
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    assert_eq!(bytes(&p.init.rail_stats()), [LEN as u64, 0]);
+
+    let mut plain = TcpBackend::new(TcpConfig::default()).unwrap();
+    let mut two = rails(2, RailsConfig::default());
+    let src = Region::alloc(4096, Access::ALL).unwrap();
+    src.fill(0, 4096, 9).unwrap();
+    let dst = Region::alloc(4096, Access::ALL).unwrap();
+    let s = plain.register(&src).unwrap();
+    let d = two.register(&dst).unwrap();
+    let (peer, _) = connect_pair(&mut plain, &[s], &mut two, &[d]).unwrap();
+    let t = Transfer::new(
+        peer,
+        Op::Write,
+        vec![Descriptor {
+            region: src.id(),
+            offset: 0,
+            len: 4096,
+        }],
+        vec![RemoteDescriptor {
+            key: d.key,
+            offset: 0,
+            len: 4096,
+        }],
+    );
+    let id = t.id;
+    plain.submit(t).unwrap();
+    let mut out = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    while !out.iter().any(|c: &Completion| c.id == id) {
+        plain.poll(&mut out);
+        two.poll(&mut Vec::new());
+        assert!(Instant::now() < end);
+    }
+    assert!(out.iter().all(|c| c.result.is_ok()));
+    let mut got = [0u8; 4096];
+    dst.read(0, &mut got).unwrap();
+    assert_eq!(got, [9u8; 4096]);
+}
