@@ -50,6 +50,7 @@ pub struct AgentBuilder {
     kv: Vec<(KvLayout, Region)>,
     regions: Vec<Region>,
     custom: Option<Box<dyn Backend>>,
+    rails: crate::backend::RailChoice,
 }
 
 impl std::fmt::Debug for AgentBuilder {
@@ -81,6 +82,7 @@ impl Default for AgentBuilder {
             kv: Vec::new(),
             regions: Vec::new(),
             custom: None,
+            rails: crate::backend::RailChoice::default(),
         }
     }
 }
@@ -109,7 +111,10 @@ impl AgentBuilder {
     }
 
     /// Data-plane (tcp backend) listen address; default: the control
-    /// host with port 0.
+    /// host with port 0. A comma-separated list (`10.0.0.1:0,10.0.1.1:0`)
+    /// gives one tcp rail per address (see [`kvlane_data::Rails`]); give
+    /// each its own network's address, not a wildcard, so each rail is
+    /// dialed on its own network.
     pub fn data_listen(mut self, addr: impl Into<String>) -> Self {
         self.data_listen = Some(addr.into());
         self
@@ -121,6 +126,19 @@ impl AgentBuilder {
     /// connection reached this agent at.
     pub fn advertise(mut self, host: impl Into<String>) -> Self {
         self.advertise = Some(host.into());
+        self
+    }
+
+    /// The RDMA devices to use as rails (verbs), overriding
+    /// `KVLANE_IB_DEVICES`; by default every device with an ACTIVE port.
+    pub fn verbs_devices<S: Into<String>>(mut self, devices: impl IntoIterator<Item = S>) -> Self {
+        self.rails.devices = Some(devices.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Uses at most `n` rails (devices or tcp addresses), the first ones.
+    pub fn max_rails(mut self, n: usize) -> Self {
+        self.rails.max = Some(n);
         self
     }
 
@@ -187,7 +205,12 @@ impl AgentBuilder {
         };
         let mut backend = match self.custom {
             Some(b) => b,
-            None => crate::backend::create(self.backend, &data_listen, self.advertise.as_deref())?,
+            None => crate::backend::create(
+                self.backend,
+                &data_listen,
+                self.advertise.as_deref(),
+                &self.rails,
+            )?,
         };
         let mut kv = Vec::new();
         let mut adverts = Vec::new();
@@ -405,6 +428,7 @@ impl Agent {
     pub fn metrics(&self) -> String {
         let mut snap = crate::metrics::Snapshot {
             in_flight: i64::try_from(self.inner.transport.in_flight()).unwrap_or(i64::MAX),
+            rails: self.inner.transport.with_backend(|b| b.rail_stats()),
             ..Default::default()
         };
         for e in lock(&self.inner.peers).values() {
@@ -417,6 +441,12 @@ impl Agent {
             }
         }
         self.inner.metrics.encode(snap)
+    }
+
+    /// What each rail carried, when the data plane runs over several
+    /// ([`kvlane_data::Rails`]); empty for one device.
+    pub fn rail_stats(&self) -> Vec<kvlane_data::RailStats> {
+        self.inner.transport.with_backend(|b| b.rail_stats())
     }
 
     /// The backend in use.

@@ -6,22 +6,82 @@ use kvlane_data::tcp::{TcpBackend, TcpConfig};
 use kvlane_data::{Backend, LoopbackBackend};
 use std::net::{IpAddr, ToSocketAddrs};
 
+/// Named rail backends, in rail order.
+type NamedRails = Vec<(String, Box<dyn Backend>)>;
+
+/// Which devices (verbs) or addresses (tcp) become rails.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RailChoice {
+    /// Verbs devices by name; `None`: `KVLANE_IB_DEVICES`, else every
+    /// device with an ACTIVE port.
+    pub(crate) devices: Option<Vec<String>>,
+    /// Use at most this many rails.
+    pub(crate) max: Option<usize>,
+}
+
+/// The environment variable naming the verbs devices to use as rails
+/// (`mlx5_0,mlx5_1`).
+pub const ENV_IB_DEVICES: &str = "KVLANE_IB_DEVICES";
+
 /// Creates the backend `choice` names; `Auto` tries verbs and falls back
-/// to tcp, logging why.
+/// to tcp, logging why. `data_listen` is a comma-separated list of tcp
+/// listen addresses, one rail each; several rails are joined by
+/// [`Rails`](kvlane_data::Rails).
 pub(crate) fn create(
     choice: BackendChoice,
     data_listen: &str,
     advertise: Option<&str>,
+    rails: &RailChoice,
 ) -> Result<Box<dyn Backend>, Error> {
+    let one = |named: NamedRails| -> Result<Box<dyn Backend>, Error> {
+        let mut named = named;
+        if let Some(max) = rails.max {
+            named.truncate(max.max(1));
+        }
+        if named.len() == 1 {
+            return Ok(named.pop().expect("one").1);
+        }
+        tracing::info!(
+            rails = ?named.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+            "data plane over several rails"
+        );
+        Ok(Box::new(kvlane_data::Rails::new(
+            named,
+            kvlane_data::RailsConfig::default(),
+        )?))
+    };
+    let tcp_rails = || -> Result<NamedRails, Error> {
+        data_listen
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(|a| Ok((format!("tcp:{a}"), tcp(a, advertise)?)))
+            .collect()
+    };
     match choice {
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
-        BackendChoice::Tcp => tcp(data_listen, advertise),
-        BackendChoice::Verbs => verbs(),
-        BackendChoice::Auto => verbs().or_else(|e| {
-            tracing::info!(reason = %e, "backend auto: verbs unavailable, using tcp");
-            tcp(data_listen, advertise)
-        }),
+        BackendChoice::Tcp => one(tcp_rails()?),
+        BackendChoice::Verbs => one(verbs(rails)?),
+        BackendChoice::Auto => match verbs(rails) {
+            Ok(v) => one(v),
+            Err(e) => {
+                tracing::info!(reason = %e, "backend auto: verbs unavailable, using tcp");
+                one(tcp_rails()?)
+            }
+        },
     }
+}
+
+/// The device names of `KVLANE_IB_DEVICES` (`None` when unset or empty).
+#[cfg(feature = "verbs")]
+fn env_devices() -> Option<Vec<String>> {
+    let v = std::env::var(ENV_IB_DEVICES).ok()?;
+    let list: Vec<String> = v
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect();
+    (!list.is_empty()).then_some(list)
 }
 
 /// Resolves `host` (an IP address or a name) to the address advertised.
@@ -47,16 +107,71 @@ fn advertised_ip(host: &str) -> Result<IpAddr, Error> {
         })
 }
 
+/// One verbs backend per rail device: the named ones, or every device
+/// with an ACTIVE port (a device that fails to open is skipped, with the
+/// reason logged, unless it was named).
 #[cfg(feature = "verbs")]
-fn verbs() -> Result<Box<dyn Backend>, Error> {
-    use kvlane_data::verbs::{VerbsBackend, VerbsConfig};
-    let backend =
-        VerbsBackend::new(VerbsConfig::default()).map_err(kvlane_data::DataError::from)?;
-    Ok(Box::new(backend))
+fn verbs(rails: &RailChoice) -> Result<NamedRails, Error> {
+    use kvlane_data::verbs::{list_devices, DeviceConfig, VerbsBackend, VerbsConfig};
+    let named = rails.devices.clone().or_else(env_devices);
+    let open = |dev: Option<&str>| -> Result<Box<dyn Backend>, Error> {
+        let mut cfg = VerbsConfig::default();
+        if let Some(d) = dev {
+            cfg.device = DeviceConfig {
+                device: Some(d.to_string()),
+                ..cfg.device
+            };
+        }
+        Ok(Box::new(
+            VerbsBackend::new(cfg).map_err(kvlane_data::DataError::from)?,
+        ))
+    };
+    match named {
+        Some(list) => list
+            .iter()
+            .map(|d| {
+                open(Some(d)).map(|b| (d.clone(), b)).map_err(|e| {
+                    Error::msg(
+                        e.kind(),
+                        format!("verbs rail {d} (from the rail list): {e}"),
+                    )
+                })
+            })
+            .collect(),
+        None => {
+            let active: Vec<String> = list_devices()
+                .map_err(kvlane_data::DataError::from)?
+                .into_iter()
+                .filter(|d| d.first_active_port().is_some())
+                .map(|d| d.name)
+                .collect();
+            if active.len() <= 1 {
+                // One device, or none ACTIVE: the backend's own choice and
+                // its own error.
+                let b = open(None)?;
+                let name = active.into_iter().next().unwrap_or_else(|| "verbs".into());
+                return Ok(vec![(name, b)]);
+            }
+            let mut out = Vec::new();
+            for d in active {
+                match open(Some(&d)) {
+                    Ok(b) => out.push((d, b)),
+                    Err(e) => tracing::warn!(device = %d, error = %e, "verbs rail skipped"),
+                }
+            }
+            if out.is_empty() {
+                return Err(Error::msg(
+                    ErrorKind::Unsupported,
+                    "verbs: no device with an ACTIVE port could be opened",
+                ));
+            }
+            Ok(out)
+        }
+    }
 }
 
 #[cfg(not(feature = "verbs"))]
-fn verbs() -> Result<Box<dyn Backend>, Error> {
+fn verbs(_: &RailChoice) -> Result<NamedRails, Error> {
     Err(Error::msg(
         ErrorKind::Unsupported,
         "verbs backend: this kvlane was built without the `verbs` cargo feature",

@@ -79,6 +79,7 @@ mod spans;
 mod state;
 
 pub use agent::{Agent, AgentBuilder, BackendChoice};
+pub use backend::ENV_IB_DEVICES;
 pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};
 pub use events::{Notification, PeerEvent, PeerEventKind};

@@ -14,8 +14,15 @@
 //! | `kvlane_peers` | gauge | `state` (`up`, `attaching`, `down`) |
 //! | `kvlane_transfers_in_flight` | gauge | |
 //!
-//! `rail` is the data-plane device a transfer went over (`tcp`, `loopback`,
-//! or the RDMA device name).
+//! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
+//! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
+//! | `kvlane_rail_failures_total` | counter | `rail` (parts that failed on it) |
+//! | `kvlane_rail_reposts_total` | counter | `rail` (failed parts moved to another rail) |
+//! | `kvlane_rail_down_peers` | gauge | `rail` (peers it is set aside for) |
+//!
+//! `rail` on the transfer families is the backend (`tcp`, `loopback`,
+//! `verbs`); the `kvlane_rail_*` families name each rail of a multi-rail
+//! agent (its device or `tcp:ADDR`).
 
 use crate::error::ErrorKind;
 use kvlane_data::Op;
@@ -76,12 +83,82 @@ struct StateLabels {
 }
 
 /// Peer counts and queue depths read at scrape time.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Snapshot {
     pub(crate) up: i64,
     pub(crate) attaching: i64,
     pub(crate) down: i64,
     pub(crate) in_flight: i64,
+    pub(crate) rails: Vec<kvlane_data::RailStats>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RailLabels {
+    rail: String,
+}
+
+/// The multi-rail backend's counters, as they were at the last scrape.
+#[derive(Debug, Default)]
+struct RailsCollector(Mutex<Vec<kvlane_data::RailStats>>);
+
+impl prometheus_client::collector::Collector for RailsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let rails = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if rails.is_empty() {
+            return Ok(());
+        }
+        type Pick = fn(&kvlane_data::RailStats) -> u64;
+        let counters: [(&str, &str, Pick); 4] = [
+            ("rail_bytes", "Bytes each rail carried", |r| r.bytes),
+            ("rail_parts", "Transfer parts completed on each rail", |r| {
+                r.parts
+            }),
+            (
+                "rail_failures",
+                "Transfer parts that failed on each rail",
+                |r| r.failures,
+            ),
+            (
+                "rail_reposts",
+                "Failed parts moved from each rail to another",
+                |r| r.reposts,
+            ),
+        ];
+        for (name, help, pick) in counters {
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for r in rails.iter() {
+                let labels = RailLabels {
+                    rail: r.name.clone(),
+                };
+                ConstCounter::new(pick(r)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "rail_down_peers",
+            "Peers each rail is set aside for after a failure",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for r in rails.iter() {
+            let labels = RailLabels {
+                rail: r.name.clone(),
+            };
+            ConstGauge::new(i64::try_from(r.down_peers).unwrap_or(i64::MAX))
+                .encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 /// An agent's metrics. Cheap to clone; recording takes no lock the data
@@ -99,6 +176,7 @@ struct MetricsInner {
     errors: Family<KindLabels, Counter>,
     peers: Family<StateLabels, Gauge>,
     in_flight: Gauge,
+    rails: Arc<RailsCollector>,
 }
 
 fn duration_histogram() -> Histogram {
@@ -143,6 +221,8 @@ impl Metrics {
             "Transfers posted and not yet ended",
             in_flight.clone(),
         );
+        let rails = Arc::new(RailsCollector::default());
+        registry.register_collector(Box::new(rails.clone()));
         Self {
             inner: Arc::new(MetricsInner {
                 registry: Mutex::new(registry),
@@ -152,6 +232,7 @@ impl Metrics {
                 errors,
                 peers,
                 in_flight,
+                rails,
             }),
         }
     }
@@ -224,6 +305,7 @@ impl Metrics {
             m.peers.get_or_create(&StateLabels { state }).set(v);
         }
         m.in_flight.set(snap.in_flight);
+        *m.rails.0.lock().unwrap_or_else(|e| e.into_inner()) = snap.rails;
         let mut out = String::new();
         let registry = m.registry.lock().unwrap_or_else(|e| e.into_inner());
         // Writing into a String cannot fail.
