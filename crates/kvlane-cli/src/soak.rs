@@ -25,7 +25,7 @@ use kvlane::data::tcp::{TcpBackend, TcpConfig};
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};
 use kvlane::{Agent, BackendChoice, ErrorKind, Peer, PeerEvent, PeerEventKind};
 use kvlane::{PreparedTransfer, DEFAULT_TRANSFER_DEADLINE};
-use report::{ms, secs, Latencies, Line, Liveness, Out, PeerSummary};
+use report::{ms, secs, Latencies, Line, Liveness, Out, PeerSummary, RailSummary};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
@@ -58,6 +58,11 @@ pub(crate) struct SoakArgs {
     /// Data-plane dial timeout per stream (tcp backend).
     #[arg(long, default_value = "5s", value_parser = units::parse_duration)]
     connect_timeout: Duration,
+    /// tcp data-plane listen addresses of the soaking agent, one rail each
+    /// (comma list; give each network's own address); default: one rail on
+    /// the tcp backend's default address.
+    #[arg(long, value_delimiter = ',')]
+    data_listen: Vec<String>,
     /// Interval of the per-peer `stats` lines.
     #[arg(long, default_value = "5s", value_parser = units::parse_duration)]
     stats_interval: Duration,
@@ -455,6 +460,24 @@ impl Ctx {
             };
             self.out.emit(&line);
         }
+        let rails = self.rails();
+        if !rails.is_empty() {
+            self.out.emit(&Line::Rails { rails });
+        }
+    }
+
+    fn rails(&self) -> Vec<RailSummary> {
+        self.agent
+            .rail_stats()
+            .into_iter()
+            .map(|r| RailSummary {
+                rail: r.name,
+                bytes: r.bytes,
+                parts: r.parts,
+                failures: r.failures,
+                reposts: r.reposts,
+            })
+            .collect()
     }
 
     fn summary(&self, liveness: Liveness) -> (bool, Line) {
@@ -485,13 +508,46 @@ impl Ctx {
         let healthy = peers
             .iter()
             .all(|p| p.came_up && !p.unusable && p.mismatches == 0 && p.stale_violations == 0);
+        let rails = self.rails();
         let line = Line::Summary {
             healthy,
             duration_s: secs(elapsed),
             liveness,
             peers,
+            rails,
         };
         (healthy, line)
+    }
+}
+
+/// The soaking agent's tcp data plane: one backend per `--data-listen`
+/// address (several: rails), each with the dial timeout.
+fn tcp_rails(args: &SoakArgs) -> Result<Box<dyn kvlane::data::Backend>, BoxError> {
+    let one = |listen: Option<&str>| -> Result<TcpBackend, BoxError> {
+        let mut cfg = TcpConfig {
+            connect_timeout: args.connect_timeout,
+            ..TcpConfig::default()
+        };
+        if let Some(l) = listen {
+            cfg.listen = l
+                .parse()
+                .map_err(|e| format!("--data-listen {l}: not an ip:port ({e})"))?;
+        }
+        Ok(TcpBackend::new(cfg)?)
+    };
+    match args.data_listen.as_slice() {
+        [] => Ok(Box::new(one(None)?)),
+        [l] => Ok(Box::new(one(Some(l))?)),
+        many => {
+            let mut rails: Vec<(String, Box<dyn kvlane::data::Backend>)> = Vec::new();
+            for l in many {
+                rails.push((format!("tcp:{l}"), Box::new(one(Some(l))?)));
+            }
+            Ok(Box::new(kvlane::data::Rails::new(
+                rails,
+                kvlane::data::RailsConfig::default(),
+            )?))
+        }
     }
 }
 
@@ -525,10 +581,7 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         .control_config(control.clone())
         .register_kv(layout, region.clone());
     builder = match args.backend {
-        ServeBackend::Tcp => builder.backend_instance(TcpBackend::new(TcpConfig {
-            connect_timeout: args.connect_timeout,
-            ..TcpConfig::default()
-        })?),
+        ServeBackend::Tcp => builder.backend_instance(tcp_rails(&args)?),
         ServeBackend::Verbs => builder.backend(BackendChoice::Verbs),
         ServeBackend::Auto => builder.backend(BackendChoice::Auto),
     };

@@ -752,3 +752,75 @@ fn blackholed_data_plane_of_one_peer_leaves_the_other_flowing() {
     );
     assert!(net.blackholed(t2) > 0, "the blackhole dropped nothing");
 }
+
+// ------------------------------------------------------------------ rails
+
+/// The bytes each rail had carried at the first `rails` line of a soak
+/// stamped at or after `after_ms`.
+fn rail_bytes(soak: &mut Soak, after_ms: u64) -> Vec<u64> {
+    let v = soak.wait("a rails line", after_ms, Duration::from_secs(10), |v| {
+        event(v) == "rails"
+    });
+    v["rails"]
+        .as_array()
+        .expect("rails")
+        .iter()
+        .map(|r| r["bytes"].as_u64().expect("bytes"))
+        .collect()
+}
+
+#[test]
+fn a_rail_whose_link_goes_down_hands_its_work_to_the_other_and_comes_back() {
+    // Two hosts on two networks; serve and soak each use both as rails.
+    let net = Net::with_rails(2, 2);
+    let rails_of = |h: usize| format!("{}:0,{}:0", net.ip_on(h, 0), net.ip_on(h, 1));
+    let target = net.addr(0, PORT);
+    let _serve = serve(&net, 0, &target, &["--data-listen", &rails_of(0)]);
+    let mut soak = Soak::start(
+        &net,
+        1,
+        std::slice::from_ref(&target),
+        "20s",
+        &["--data-listen", &rails_of(1), "--stats-interval", "250ms"],
+    );
+    soak.wait_ok(&target, unix_ms(), Duration::from_secs(30));
+    std::thread::sleep(Duration::from_secs(2));
+    let before = rail_bytes(&mut soak, unix_ms());
+    assert_eq!(before.len(), 2, "{}", soak.dump());
+    assert!(
+        before.iter().all(|&b| b > 0),
+        "both rails carry bytes: {before:?}"
+    );
+
+    // Rail 1 of the soaking host goes down for 6 s: transfers go on.
+    net.link_rail(1, 1, false);
+    let down = unix_ms();
+    std::thread::sleep(Duration::from_secs(6));
+    soak.wait_ok(&target, down + 4000, Duration::from_secs(10));
+    let during = rail_bytes(&mut soak, unix_ms());
+    net.link_rail(1, 1, true);
+    let up = unix_ms();
+    // After it is back (re-dialed within retry_after), it carries bytes again.
+    std::thread::sleep(Duration::from_secs(5));
+    let after = rail_bytes(&mut soak, unix_ms());
+    let (status, summary) = soak.finish(Duration::from_secs(60));
+    println!("rails: before {before:?}, down {during:?}, up {after:?}");
+    assert!(status.success(), "{status}\n{}", soak.dump());
+    // Not one transfer failed: the parts on the dead rail moved.
+    assert_clean(&summary, &target, true);
+    soak.assert_never_dead("with one rail down");
+    let rails = summary["rails"].as_array().expect("rails in the summary");
+    assert!(
+        rails[1]["reposts"].as_u64() >= Some(1),
+        "nothing moved off the downed rail: {summary}"
+    );
+    assert!(
+        during[0] > before[0],
+        "rail 0 carried nothing while rail 1 was down"
+    );
+    assert!(
+        after[1] > during[1],
+        "rail 1 carried nothing in the 5 s after its link came back (at {up}): {during:?} -> {after:?}\n{}",
+        soak.dump()
+    );
+}

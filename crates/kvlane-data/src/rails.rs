@@ -44,6 +44,13 @@ pub struct RailsConfig {
     pub stripe_align: u64,
     /// A rail set aside after a failure is tried again after this long.
     pub retry_after: Duration,
+    /// A part not done on its rail within `part_timeout` plus its bytes at
+    /// `part_min_rate` (bytes per second) is taken as failed there and
+    /// posted again on another rail (a link that went silent fails no
+    /// socket for minutes). Never past the transfer's own deadline.
+    pub part_timeout: Duration,
+    /// See `part_timeout`.
+    pub part_min_rate: u64,
 }
 
 impl Default for RailsConfig {
@@ -52,6 +59,8 @@ impl Default for RailsConfig {
             stripe_min: 256 << 10,
             stripe_align: 4096,
             retry_after: Duration::from_secs(1),
+            part_timeout: Duration::from_secs(2),
+            part_min_rate: 256 << 20,
         }
     }
 }
@@ -153,7 +162,30 @@ struct RailPeer {
     keys: HashMap<RemoteKey, RemoteKey>,
     /// Set aside since, after a failure.
     down_since: Option<Instant>,
+    /// The rail's connection to the peer is gone (lost, not just slow):
+    /// it is dialed again, not probed with a part.
+    lost: bool,
+    /// A re-dial is running.
+    redialing: bool,
+    /// What this rail was connected with, to dial it again.
+    remote: Option<(Endpoint, Vec<RemoteRegion>)>,
 }
+
+impl RailPeer {
+    fn new(id: PeerId) -> Self {
+        Self {
+            id: Some(id),
+            keys: HashMap::new(),
+            down_since: None,
+            lost: false,
+            redialing: false,
+            remote: None,
+        }
+    }
+}
+
+/// A re-dial's outcome: (peer, rail, the new rail peer and its connect).
+type Redialed = (PeerId, usize, PeerId, Result<Connected, DataError>);
 
 struct PeerState {
     rails: Vec<RailPeer>,
@@ -202,6 +234,11 @@ pub struct Rails {
     done: Vec<Completion>,
     next: usize,
     scratch: Vec<Completion>,
+    redials: (
+        std::sync::mpsc::Sender<Redialed>,
+        std::sync::mpsc::Receiver<Redialed>,
+    ),
+    waker: Option<Waker>,
 }
 
 impl std::fmt::Debug for Rails {
@@ -261,6 +298,8 @@ impl Rails {
             done: Vec::new(),
             next: 0,
             scratch: Vec::new(),
+            redials: std::sync::mpsc::channel(),
+            waker: None,
         })
     }
 
@@ -272,6 +311,7 @@ impl Rails {
             .enumerate()
             .filter(|(i, rp)| {
                 rp.id.is_some()
+                    && !rp.lost
                     && tried & (1 << i) == 0
                     && rp
                         .down_since
@@ -296,6 +336,9 @@ impl Rails {
             let mut t = part.transfer.clone();
             t.id = TransferId::next();
             t.peer = rail_peer;
+            let allowance = self.cfg.part_timeout
+                + Duration::from_secs_f64(part.bytes as f64 / self.cfg.part_min_rate.max(1) as f64);
+            t.deadline = t.deadline.min(Instant::now() + allowance);
             if i > 0 {
                 let mapped: Option<Vec<RemoteKey>> = t
                     .remote
@@ -387,8 +430,13 @@ impl Rails {
             }
             Err(e) => {
                 self.rails[rail].stats.failures += 1;
-                let moves = matches!(e, DataError::PeerLost { .. } | DataError::Io { .. })
-                    && now < part.transfer.deadline;
+                let lost = matches!(e, DataError::PeerLost { .. });
+                // A part timeout before the transfer's deadline is the rail
+                // going silent, not the transfer running out of time.
+                let moves = matches!(
+                    e,
+                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
+                ) && now < part.transfer.deadline;
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
@@ -396,6 +444,7 @@ impl Rails {
                 {
                     if moves {
                         rp.down_since = Some(now);
+                        rp.lost |= lost && rail_peer_is(rp, c.peer);
                     }
                 }
                 part.tried |= 1 << rail;
@@ -444,6 +493,75 @@ impl Rails {
             };
             if let Err(u) = self.post_part(part, &rails) {
                 self.park_or_fail(u);
+            }
+        }
+    }
+}
+
+impl Rails {
+    /// Dials lost rails again once they are due, and installs the dials
+    /// that finished. The dial itself runs on a thread of its own.
+    fn redial(&mut self, now: Instant) {
+        while let Ok((peer, i, new, result)) = self.redials.1.try_recv() {
+            let Rail { backend, name, .. } = &mut self.rails[i];
+            let Some(rp) = self.peers.get_mut(&peer).and_then(|p| p.rails.get_mut(i)) else {
+                backend.remove_peer(new);
+                continue;
+            };
+            rp.redialing = false;
+            match result.and_then(|c| backend.finish_connect(new, c)) {
+                Ok(()) => {
+                    tracing::info!(rail = %name, "rails: rail dialed again, back in use");
+                    rp.id = Some(new);
+                    rp.lost = false;
+                    rp.down_since = None;
+                }
+                Err(e) => {
+                    tracing::debug!(rail = %name, error = %e, "rails: re-dial failed");
+                    backend.remove_peer(new);
+                    rp.down_since = Some(now);
+                }
+            }
+        }
+        let retry = self.cfg.retry_after;
+        for (peer, state) in &mut self.peers {
+            for (i, rp) in state.rails.iter_mut().enumerate() {
+                let due = rp.lost
+                    && !rp.redialing
+                    && rp.down_since.is_none_or(|t| now.duration_since(t) >= retry);
+                let Some((ep, regs)) = rp.remote.as_ref().filter(|_| due) else {
+                    continue;
+                };
+                let Rail { backend, name, .. } = &mut self.rails[i];
+                if let Some(old) = rp.id.take() {
+                    backend.remove_peer(old);
+                }
+                let started = backend
+                    .prepare_peer()
+                    .and_then(|(new, _)| Ok((new, backend.start_connect(new, ep, regs)?)));
+                let (new, connecting) = match started {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::debug!(rail = %name, error = %e, "rails: re-dial failed");
+                        rp.down_since = Some(now);
+                        continue;
+                    }
+                };
+                rp.redialing = true;
+                let (tx, waker, peer) = (self.redials.0.clone(), self.waker.clone(), *peer);
+                let spawned = std::thread::Builder::new()
+                    .name("kvlane-rail-dial".into())
+                    .spawn(move || {
+                        let _ = tx.send((peer, i, new, connecting.run()));
+                        if let Some(w) = waker {
+                            w.wake();
+                        }
+                    });
+                if spawned.is_err() {
+                    rp.redialing = false;
+                    rp.down_since = Some(now);
+                    backend.remove_peer(new);
+                }
             }
         }
     }
@@ -508,6 +626,12 @@ pub(crate) fn split(
     out
 }
 
+/// Whether a completion's peer is the rail's current peer (not one that
+/// was replaced by a re-dial since).
+fn rail_peer_is(rp: &RailPeer, id: PeerId) -> bool {
+    rp.id == Some(id)
+}
+
 fn remap(regions: &[RemoteRegion], keys: &HashMap<RemoteKey, RemoteKey>) -> Vec<RemoteRegion> {
     regions
         .iter()
@@ -560,11 +684,7 @@ impl Backend for Rails {
         for i in 0..self.rails.len() {
             match self.rails[i].backend.prepare_peer() {
                 Ok((id, ep)) => {
-                    rails.push(RailPeer {
-                        id: Some(id),
-                        keys: HashMap::new(),
-                        down_since: None,
-                    });
+                    rails.push(RailPeer::new(id));
                     wires.push(RailWire {
                         name: self.rails[i].name.clone(),
                         data: ep.data,
@@ -661,6 +781,7 @@ impl Backend for Rails {
                 rp.keys = keys.clone();
                 remap(regions, keys)
             };
+            rp.remote = Some((ep.clone(), regs.clone()));
             match self.rails[i].backend.start_connect(id, &ep, &regs) {
                 Ok(c) => work.push((i, c)),
                 Err(e) if i == 0 => {
@@ -872,6 +993,7 @@ impl Backend for Rails {
         if !self.pending.is_empty() {
             self.retry_pending(now);
         }
+        self.redial(now);
         let n = self.done.len();
         completions.append(&mut self.done);
         n
@@ -889,6 +1011,7 @@ impl Backend for Rails {
     }
 
     fn set_waker(&mut self, waker: Waker) {
+        self.waker = Some(waker.clone());
         for r in &mut self.rails {
             r.backend.set_waker(waker.clone());
         }

@@ -245,10 +245,10 @@ fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
         assert!(same(&p, 0, LEN as u64));
     }
     let s = p.init.rail_stats();
-    assert!(s[1].failures >= 1 && s[1].reposts >= 1, "{s:?}");
-    assert_eq!(s[1].down_peers, 1, "{s:?}");
-    let rail1_before = s[1].bytes;
-    assert_eq!(rail1_before, 0, "{s:?}");
+    // Every part it took failed and moved (a lost rail is dialed again
+    // after retry_after, and fails again while broken).
+    assert!(s[1].failures >= 1 && s[1].reposts == s[1].failures, "{s:?}");
+    assert_eq!(s[1].bytes, 0, "{s:?}");
     // The rail comes back: after retry_after it carries parts again.
     broken.store(false, Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(300));

@@ -90,6 +90,8 @@ pub(crate) enum Line {
         p99_us: Option<u32>,
         gbps: f64,
     },
+    /// What each rail carried so far (multi-rail agents), with `stats`.
+    Rails { rails: Vec<RailSummary> },
     /// Last line.
     Summary {
         healthy: bool,
@@ -97,7 +99,20 @@ pub(crate) enum Line {
         #[serde(flatten)]
         liveness: Liveness,
         peers: Vec<PeerSummary>,
+        /// What each rail carried, when the soaking agent has several.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        rails: Vec<RailSummary>,
     },
+}
+
+/// One rail of the soaking agent (see `kvlane::data::RailStats`).
+#[derive(Debug, Serialize)]
+pub(crate) struct RailSummary {
+    pub(crate) rail: String,
+    pub(crate) bytes: u64,
+    pub(crate) parts: u64,
+    pub(crate) failures: u64,
+    pub(crate) reposts: u64,
 }
 
 /// The control-plane liveness settings in effect.

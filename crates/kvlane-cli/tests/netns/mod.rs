@@ -214,17 +214,25 @@ fn kill_inside(ns: &str) {
     }
 }
 
-/// N hosts on one bridge. See the module docs.
+/// N hosts on one bridge (or one bridge per rail). See the module docs.
 pub(crate) struct Net {
     tag: String,
     subnet: u8,
     switch: String,
     hosts: Vec<String>,
+    rails: usize,
 }
 
 impl Net {
     /// `n` hosts `h1..hn` with addresses `10.231.S.1..n`.
     pub(crate) fn new(n: usize) -> Self {
+        Self::with_rails(n, 1)
+    }
+
+    /// `n` hosts, each on `rails` networks: rail `r` is its own bridge,
+    /// `eth{r}` in every host, addresses `10.(231+r).S.1..n`.
+    pub(crate) fn with_rails(n: usize, rails: usize) -> Self {
+        assert!((1..=4).contains(&rails));
         assert!((1..=250).contains(&n));
         prepare_machine();
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
@@ -234,6 +242,7 @@ impl Net {
             hosts: (1..=n).map(|i| format!("{tag}h{i}")).collect(),
             subnet: (seq % 250) as u8 + 1,
             tag,
+            rails,
         };
         // A leftover of a process that had our pid: start clean.
         for ns in net.namespaces() {
@@ -244,22 +253,57 @@ impl Net {
         }
         let sw = net.switch.clone();
         sh(&["ip", "netns", "add", &sw]);
-        sh(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"]);
-        sh(&["ip", "-n", &sw, "link", "set", "br0", "up"]);
-        for (i, h) in net.hosts.iter().enumerate() {
-            let port = format!("p{}", i + 1);
-            let ip = format!("{}/24", net.ip(i));
+        for h in &net.hosts {
             sh(&["ip", "netns", "add", h]);
-            sh(&[
-                "ip", "-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
-                "netns", h,
-            ]);
-            sh(&["ip", "-n", &sw, "link", "set", &port, "master", "br0", "up"]);
             sh(&["ip", "-n", h, "link", "set", "lo", "up"]);
-            sh(&["ip", "-n", h, "addr", "add", &ip, "dev", "eth0"]);
-            sh(&["ip", "-n", h, "link", "set", "eth0", "up"]);
+        }
+        for r in 0..rails {
+            let br = format!("br{r}");
+            sh(&["ip", "-n", &sw, "link", "add", &br, "type", "bridge"]);
+            sh(&["ip", "-n", &sw, "link", "set", &br, "up"]);
+            for (i, h) in net.hosts.iter().enumerate() {
+                let port = net.port(i, r);
+                let eth = format!("eth{r}");
+                let ip = format!("{}/24", net.ip_on(i, r));
+                sh(&[
+                    "ip", "-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", &eth,
+                    "netns", h,
+                ]);
+                sh(&["ip", "-n", &sw, "link", "set", &port, "master", &br, "up"]);
+                sh(&["ip", "-n", h, "addr", "add", &ip, "dev", &eth]);
+                sh(&["ip", "-n", h, "link", "set", &eth, "up"]);
+            }
         }
         net
+    }
+
+    /// The switch-side port of host `h` on rail `r`.
+    fn port(&self, h: usize, r: usize) -> String {
+        if r == 0 {
+            format!("p{}", h + 1)
+        } else {
+            format!("r{r}p{}", h + 1)
+        }
+    }
+
+    /// The address of host `h` (0-based) on rail `r` (0-based).
+    pub(crate) fn ip_on(&self, h: usize, r: usize) -> Ipv4Addr {
+        assert!(r < self.rails, "rail {r} of {}", self.rails);
+        Ipv4Addr::new(10, 231 + r as u8, self.subnet, h as u8 + 1)
+    }
+
+    /// Takes host `h`'s link on rail `r` down or up.
+    pub(crate) fn link_rail(&self, h: usize, r: usize, up: bool) {
+        let state = if up { "up" } else { "down" };
+        sh(&[
+            "ip",
+            "-n",
+            &self.switch,
+            "link",
+            "set",
+            &self.port(h, r),
+            state,
+        ]);
     }
 
     fn namespaces(&self) -> Vec<String> {
