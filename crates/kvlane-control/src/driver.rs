@@ -127,7 +127,7 @@ impl ControlNode {
         listen_addr: &str,
     ) -> Result<Self, ControlError> {
         config.validate()?;
-        let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
+        let chan = ZmqChannel::bind(listen_addr, &config).await?;
         Ok(Self::with_channel(config, local, chan))
     }
 

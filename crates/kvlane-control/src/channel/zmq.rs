@@ -31,12 +31,13 @@ use tracing::{debug, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
     DealerRecvHalf, DealerSocket, Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket,
-    SocketOptions, SocketRecv, ZmqMessage, ZmqResult,
+    SocketOptions, SocketRecv, ZmqMessage, ZmqResult, MESSAGE_PART_OVERHEAD,
 };
 
 use super::inbound::Inbound;
 use super::lane::{DealerTx, Lane, Report, QUEUE};
 use super::{Channel, ChannelEvent};
+use crate::config::Config;
 use crate::error::ControlError;
 use crate::registry::Link;
 use crate::ConnectionId;
@@ -90,6 +91,7 @@ pub struct ZmqChannel {
     local_addr: String,
     nonce: u64,
     connect_timeout: Duration,
+    max_message: usize,
     side_tx: mpsc::UnboundedSender<Side>,
     side_rx: mpsc::UnboundedReceiver<Side>,
     /// `None` once closed.
@@ -117,10 +119,20 @@ impl fmt::Debug for ZmqChannel {
 }
 
 impl ZmqChannel {
-    /// Binds a ROUTER on `addr` (`host:port`, port 0 = any). Dials time out
-    /// after `connect_timeout`.
-    pub async fn bind(addr: &str, connect_timeout: Duration) -> Result<Self, ControlError> {
-        let mut router = RouterSocket::new();
+    /// Binds a ROUTER on `addr` (`host:port`, port 0 = any) with the limits
+    /// of `config`: dials and the ZMTP handshake of accepted connections time
+    /// out after [`Config::handshake_timeout`]; a ZeroMQ message (every
+    /// frame, a multipart message summed) announcing more than
+    /// [`Config::frame_cap`] ends its connection before anything is reserved
+    /// for it; at most [`Config::peer_cap`] + [`Config::handshake_cap`]
+    /// accepted connections are open at once, later ones are closed on accept.
+    pub async fn bind(addr: &str, config: &Config) -> Result<Self, ControlError> {
+        let max_message = zmq_message_cap(config.frame_cap);
+        let mut opts = SocketOptions::default();
+        opts.max_message_size(max_message)
+            .handshake_timeout(config.handshake_timeout)
+            .max_connections(config.peer_cap.saturating_add(config.handshake_cap));
+        let mut router = RouterSocket::with_options(opts);
         let endpoint =
             router
                 .bind(&format!("tcp://{addr}"))
@@ -144,7 +156,8 @@ impl ZmqChannel {
         Ok(Self {
             local_addr,
             nonce: rand::random(),
-            connect_timeout,
+            connect_timeout: config.handshake_timeout,
+            max_message,
             side_tx,
             side_rx,
             router: Some(Router {
@@ -231,6 +244,7 @@ impl Channel for ZmqChannel {
             addr.to_owned(),
             rid.clone(),
             self.connect_timeout,
+            self.max_message,
             self.side_tx.clone(),
         ));
         self.dials.insert(
@@ -366,6 +380,12 @@ impl Channel for ZmqChannel {
     }
 }
 
+/// The ZeroMQ message size limit for a frame cap: one control frame plus
+/// room for the per-part accounting of a few (empty) envelope parts.
+fn zmq_message_cap(frame_cap: usize) -> usize {
+    frame_cap.saturating_add(4 * MESSAGE_PART_OVERHEAD)
+}
+
 /// What the ROUTER receives. A receive error is not expected (the ROUTER
 /// waits while it has no peers); the stream pauses after one so it never spins.
 fn listen(half: RouterRecvHalf) -> BoxStream<'static, ZmqResult<ZmqMessage>> {
@@ -386,10 +406,12 @@ async fn dial(
     addr: String,
     rid: Bytes,
     connect_timeout: Duration,
+    max_message: usize,
     side: mpsc::UnboundedSender<Side>,
 ) {
     let mut opts = SocketOptions::default();
-    opts.connect_timeout(connect_timeout);
+    opts.connect_timeout(connect_timeout)
+        .max_message_size(max_message);
     if let Ok(pid) = PeerIdentity::try_from(rid) {
         opts.peer_identity(pid);
     }
