@@ -50,7 +50,12 @@ pub struct AgentBuilder {
     kv: Vec<(KvLayout, Region)>,
     regions: Vec<Region>,
     custom: Option<Box<dyn Backend>>,
+    notification_capacity: usize,
 }
+
+/// Default of [`AgentBuilder::notification_capacity`]: with the default
+/// 64 KiB notification cap, at most 256 MiB of unread payloads.
+pub const DEFAULT_NOTIFICATION_CAPACITY: usize = 4096;
 
 impl std::fmt::Debug for AgentBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -81,6 +86,7 @@ impl Default for AgentBuilder {
             kv: Vec::new(),
             regions: Vec::new(),
             custom: None,
+            notification_capacity: DEFAULT_NOTIFICATION_CAPACITY,
         }
     }
 }
@@ -141,6 +147,16 @@ impl AgentBuilder {
     /// a key or address of this agent's memory without it.
     pub fn psk(mut self, key: impl Into<Vec<u8>>) -> Self {
         self.control.psk = Some(kvlane_control::Psk::new(key));
+        self
+    }
+
+    /// Notifications kept for [`Agent::notifications`] until read (at least
+    /// 1; default [`DEFAULT_NOTIFICATION_CAPACITY`]). When the queue is full
+    /// a new notification is dropped and counted
+    /// ([`Agent::notifications_dropped`]) instead of growing memory or
+    /// holding up the control plane.
+    pub fn notification_capacity(mut self, n: usize) -> Self {
+        self.notification_capacity = n.max(1);
         self
     }
 
@@ -232,7 +248,7 @@ impl AgentBuilder {
         let transport = Transport::new(backend)?;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
         let (events, _) = broadcast::channel(1024);
-        let (note_tx, note_rx) = mpsc::unbounded_channel();
+        let (note_tx, note_rx) = mpsc::channel(self.notification_capacity);
         let data_notes = transport.take_notifications();
         let inner = Arc::new(Inner {
             engine_id: self.engine_id,
@@ -245,6 +261,7 @@ impl AgentBuilder {
             events,
             notifications: Mutex::new(Some(note_rx)),
             note_tx,
+            notes_dropped: Default::default(),
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
             per_peer,
@@ -274,7 +291,7 @@ impl AgentBuilder {
             while let Some(n) = rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
                 let note = frames::notification(n.payload.to_vec(), || "a data-plane peer".into());
-                let _ = inner.note_tx.send(note);
+                inner.deliver(note);
             }
         });
         lock(&inner.tasks).extend([control_task, note_task]);
@@ -346,7 +363,7 @@ impl Inner {
                         .filter(|e| !e.is_empty())
                         .unwrap_or_else(|| addr.clone())
                 });
-                let _ = self.note_tx.send(note);
+                self.deliver(note);
                 return;
             }
             _ => return,
@@ -492,9 +509,17 @@ impl Agent {
 
     /// Notifications for this agent (WRITE notifications after their data
     /// landed, and control-plane notifications). One receiver: `None`
-    /// after the first call.
-    pub fn notifications(&self) -> Option<mpsc::UnboundedReceiver<Notification>> {
+    /// after the first call. Bounded: see
+    /// [`AgentBuilder::notification_capacity`].
+    pub fn notifications(&self) -> Option<mpsc::Receiver<Notification>> {
         lock(&self.inner.notifications).take()
+    }
+
+    /// Notifications dropped because the queue of unread ones was full.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.inner
+            .notes_dropped
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Closes the control node (saying `bye` to peers and flushing pending

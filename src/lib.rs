@@ -77,7 +77,7 @@ mod peer;
 mod spans;
 mod state;
 
-pub use agent::{Agent, AgentBuilder, BackendChoice};
+pub use agent::{Agent, AgentBuilder, BackendChoice, DEFAULT_NOTIFICATION_CAPACITY};
 pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};
 pub use events::{Notification, PeerEvent, PeerEventKind};
