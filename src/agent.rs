@@ -51,6 +51,7 @@ pub struct AgentBuilder {
     regions: Vec<Region>,
     custom: Option<Box<dyn Backend>>,
     notification_capacity: usize,
+    dial_any_data_host: bool,
 }
 
 /// Default of [`AgentBuilder::notification_capacity`]: with the default
@@ -87,6 +88,7 @@ impl Default for AgentBuilder {
             regions: Vec::new(),
             custom: None,
             notification_capacity: DEFAULT_NOTIFICATION_CAPACITY,
+            dial_any_data_host: false,
         }
     }
 }
@@ -157,6 +159,17 @@ impl AgentBuilder {
     /// holding up the control plane.
     pub fn notification_capacity(mut self, n: usize) -> Self {
         self.notification_capacity = n.max(1);
+        self
+    }
+
+    /// Dial a peer's data endpoint on whatever host it advertises. Off by
+    /// default: the agent dials a data endpoint only on the host of its
+    /// control connection to that peer (the address it dialed, or where an
+    /// inbound connection says it comes from), loopback counting as one
+    /// host, so a peer cannot make it connect to a third host. Turn it on
+    /// for targets that `advertise` another host on purpose.
+    pub fn dial_any_data_host(mut self, yes: bool) -> Self {
+        self.dial_any_data_host = yes;
         self
     }
 
@@ -262,6 +275,7 @@ impl AgentBuilder {
             notifications: Mutex::new(Some(note_rx)),
             note_tx,
             notes_dropped: Default::default(),
+            dial_any_data_host: self.dial_any_data_host,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
             per_peer,

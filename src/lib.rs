@@ -70,6 +70,7 @@ mod agent;
 mod attach;
 mod backend;
 pub mod blocking;
+mod dial;
 mod error;
 mod events;
 mod frames;

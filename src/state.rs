@@ -102,6 +102,9 @@ pub(crate) struct Inner {
     /// a notification that finds the queue full is dropped and counted.
     pub(crate) note_tx: mpsc::Sender<Notification>,
     pub(crate) notes_dropped: AtomicU64,
+    /// Dial data endpoints on any host, not only on the host of the
+    /// control connection (see the `dial` module).
+    pub(crate) dial_any_data_host: bool,
     pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The runtime the agent was built on (posts from plain threads use it).
     pub(crate) runtime: tokio::runtime::Handle,

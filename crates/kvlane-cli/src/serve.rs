@@ -75,6 +75,11 @@ pub(crate) struct ServeArgs {
     /// refuses to otherwise).
     #[arg(long)]
     pub(crate) insecure: bool,
+    /// Dial a peer's data endpoint on any host it advertises; default: only
+    /// on the host of the control connection to it (a target that
+    /// advertises another host on purpose needs this).
+    #[arg(long)]
+    pub(crate) dial_any_data_host: bool,
     #[command(flatten)]
     pub(crate) liveness: LivenessArgs,
 }
@@ -131,6 +136,7 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
         .listen(&args.listen)
         .backend(args.backend.into())
         .control_config(control)
+        .dial_any_data_host(args.dial_any_data_host)
         .register_kv(layout, region);
     if let Some(d) = &args.data_listen {
         b = b.data_listen(d);

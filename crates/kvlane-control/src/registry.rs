@@ -168,6 +168,11 @@ impl Registry {
         self.peers.keys().copied().collect()
     }
 
+    /// How connection `id` is reached on the channel.
+    pub fn link(&self, id: ConnectionId) -> Option<&Link> {
+        self.peers.get(&id).map(|e| &e.link)
+    }
+
     /// The connection currently registered for `addr`, if any.
     pub fn by_addr(&self, addr: &str) -> Option<ConnectionId> {
         self.by_addr.get(addr).copied()

@@ -24,14 +24,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::channel::mpsc as fmpsc;
 use futures::stream::{self, BoxStream, StreamExt};
+use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
     DealerRecvHalf, DealerSocket, Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket,
-    SocketOptions, SocketRecv, ZmqMessage, ZmqResult, MESSAGE_PART_OVERHEAD,
+    SocketEvent, SocketOptions, SocketRecv, ZmqMessage, ZmqResult, MESSAGE_PART_OVERHEAD,
 };
 
 use super::inbound::Inbound;
@@ -84,6 +86,30 @@ struct Router {
     /// Holds the listener's accept task (moved here before the split, which
     /// has no `close`), so `close().await` still waits until the port is free.
     binds: RouterSocket,
+    /// Accepted / disconnected connections, for [`Channel::peer_ip`].
+    monitor: fmpsc::Receiver<SocketEvent>,
+    /// Where each accepted connection (by routing id) comes from; at most
+    /// one entry per open connection (the accept cap bounds it).
+    peer_ips: HashMap<Bytes, std::net::IpAddr>,
+}
+
+impl Router {
+    fn on_monitor(&mut self, ev: SocketEvent) {
+        match ev {
+            SocketEvent::Accepted(Endpoint::Tcp(host, _), rid) => {
+                let ip = match host {
+                    zeromq::Host::Ipv4(ip) => std::net::IpAddr::V4(ip),
+                    zeromq::Host::Ipv6(ip) => std::net::IpAddr::V6(ip),
+                    zeromq::Host::Domain(_) => return,
+                };
+                self.peer_ips.insert(Bytes::from(rid), ip);
+            }
+            SocketEvent::Disconnected(rid) => {
+                self.peer_ips.remove(&Bytes::from(rid));
+            }
+            _ => {}
+        }
+    }
 }
 
 /// ZeroMQ ROUTER/DEALER channel.
@@ -147,6 +173,7 @@ impl ZmqChannel {
             Endpoint::Tcp(host, port) => format!("{host}:{port}"),
             other => other.to_string(),
         };
+        let monitor = router.monitor();
         let mut binds = RouterSocket::new();
         binds.binds().extend(router.binds().drain());
         let (tx, rx) = router.split();
@@ -164,6 +191,8 @@ impl ZmqChannel {
                 rx: listen(rx),
                 tx: Lane::new(tx, report),
                 binds,
+                monitor,
+                peer_ips: HashMap::new(),
             }),
             dials: HashMap::new(),
             inbound: Inbound::new(),
@@ -261,6 +290,20 @@ impl Channel for ZmqChannel {
         );
     }
 
+    fn peer_ip(&mut self, link: &Link) -> Option<std::net::IpAddr> {
+        let Link::Accepted(rid) = link else {
+            return None;
+        };
+        let router = self.router.as_mut()?;
+        // The accept task reports a connection right after registering it,
+        // so its first frames can be read before the report: take what is
+        // queued now.
+        while let Some(Some(ev)) = router.monitor.next().now_or_never() {
+            router.on_monitor(ev);
+        }
+        router.peer_ips.get(rid).copied()
+    }
+
     fn send(&mut self, link: &Link, frame: Bytes) {
         match link {
             Link::Dial(id) => {
@@ -323,6 +366,7 @@ impl Channel for ZmqChannel {
                     // The channel holds a sender itself.
                     None => return None,
                 },
+                Some(ev) = router.monitor.next() => router.on_monitor(ev),
                 Some(msg) = router.rx.next() => match msg {
                     Ok(msg) => {
                         let mut frames = msg.into_vec();
@@ -358,7 +402,7 @@ impl Channel for ZmqChannel {
         self.inbound.clear();
         // Spilled frames (of dials and of the router) are sent before the
         // listener and the accepted connections are released.
-        let router = self.router.take().map(|Router { rx, tx, binds }| {
+        let router = self.router.take().map(|Router { rx, tx, binds, .. }| {
             tx.retire(&mut self.retired);
             (rx, binds)
         });
