@@ -9,7 +9,7 @@
 #            then ib_write_bw / ib_read_bw (server in a, client in b) at the
 #            same message sizes, tx depth = the batch; prints both in GB/s
 #            (1e9 B/s) and the ratio kvlane / perftest.
-#   restart  a: kvlane serve --backend verbs --listen 0.0.0.0:5555 --block-size 64K ...
+#   restart  a: kvlane serve --backend verbs --listen 0.0.0.0:5555 --insecure --block-size 64K ...
 #            b: kvlane soak --backend verbs --connect 10.232.0.1:5555 --block-size 64K --json
 #            (both with short liveness knobs: keep-alive 500 ms, budget 4,
 #            i.e. a silent peer is dead after 2.5 s).  Once soak's byte-checked
@@ -174,7 +174,8 @@ if has bench; then
 fi
 if has restart; then
   # shellcheck disable=SC2086 # RESTART_LIVENESS is a list of options
-  set -- "$KV" serve --backend verbs --listen "0.0.0.0:$PORT" --layers 1 --blocks 16 --block-size "$RESTART_BLOCK" $RESTART_LIVENESS
+  # --insecure: the two guests' private link; the restart check needs no key.
+  set -- "$KV" serve --backend verbs --listen "0.0.0.0:$PORT" --insecure --layers 1 --blocks 16 --block-size "$RESTART_BLOCK" $RESTART_LIVENESS
   echo "===== [a] restart: target + $* ($(ack_timeout))"
   "$@" > /tmp/r1.log 2>&1 &
   tp=$!

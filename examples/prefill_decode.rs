@@ -179,7 +179,7 @@ async fn one_process() -> Result<(), BoxError> {
 }
 
 async fn next_note(
-    notes: &mut tokio::sync::mpsc::UnboundedReceiver<Notification>,
+    notes: &mut tokio::sync::mpsc::Receiver<Notification>,
 ) -> Result<Notification, BoxError> {
     tokio::time::timeout(PATIENCE, notes.recv())
         .await

@@ -51,7 +51,13 @@ pub struct AgentBuilder {
     regions: Vec<Region>,
     custom: Option<Box<dyn Backend>>,
     rails: crate::backend::RailChoice,
+    notification_capacity: usize,
+    dial_any_data_host: bool,
 }
+
+/// Default of [`AgentBuilder::notification_capacity`]: with the default
+/// 64 KiB notification cap, at most 256 MiB of unread payloads.
+pub const DEFAULT_NOTIFICATION_CAPACITY: usize = 4096;
 
 impl std::fmt::Debug for AgentBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -83,6 +89,8 @@ impl Default for AgentBuilder {
             regions: Vec::new(),
             custom: None,
             rails: crate::backend::RailChoice::default(),
+            notification_capacity: DEFAULT_NOTIFICATION_CAPACITY,
+            dial_any_data_host: false,
         }
     }
 }
@@ -159,6 +167,27 @@ impl AgentBuilder {
     /// a key or address of this agent's memory without it.
     pub fn psk(mut self, key: impl Into<Vec<u8>>) -> Self {
         self.control.psk = Some(kvlane_control::Psk::new(key));
+        self
+    }
+
+    /// Notifications kept for [`Agent::notifications`] until read (at least
+    /// 1; default [`DEFAULT_NOTIFICATION_CAPACITY`]). When the queue is full
+    /// a new notification is dropped and counted
+    /// ([`Agent::notifications_dropped`]) instead of growing memory or
+    /// holding up the control plane.
+    pub fn notification_capacity(mut self, n: usize) -> Self {
+        self.notification_capacity = n.max(1);
+        self
+    }
+
+    /// Dial a peer's data endpoint on whatever host it advertises. Off by
+    /// default: the agent dials a data endpoint only on the host of its
+    /// control connection to that peer (the address it dialed, or where an
+    /// inbound connection says it comes from), loopback counting as one
+    /// host, so a peer cannot make it connect to a third host. Turn it on
+    /// for targets that `advertise` another host on purpose.
+    pub fn dial_any_data_host(mut self, yes: bool) -> Self {
+        self.dial_any_data_host = yes;
         self
     }
 
@@ -255,7 +284,7 @@ impl AgentBuilder {
         let transport = Transport::new(backend)?;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
         let (events, _) = broadcast::channel(1024);
-        let (note_tx, note_rx) = mpsc::unbounded_channel();
+        let (note_tx, note_rx) = mpsc::channel(self.notification_capacity);
         let data_notes = transport.take_notifications();
         let rail = transport.with_backend(|b| b.kind()).as_str();
         let inner = Arc::new(Inner {
@@ -269,6 +298,8 @@ impl AgentBuilder {
             events,
             notifications: Mutex::new(Some(note_rx)),
             note_tx,
+            notes_dropped: Default::default(),
+            dial_any_data_host: self.dial_any_data_host,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
             per_peer,
@@ -300,7 +331,7 @@ impl AgentBuilder {
             while let Some(n) = rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
                 let note = frames::notification(n.payload.to_vec(), || "a data-plane peer".into());
-                let _ = inner.note_tx.send(note);
+                inner.deliver(note);
             }
         });
         lock(&inner.tasks).extend([control_task, note_task]);
@@ -372,7 +403,7 @@ impl Inner {
                         .filter(|e| !e.is_empty())
                         .unwrap_or_else(|| addr.clone())
                 });
-                let _ = self.note_tx.send(note);
+                self.deliver(note);
                 return;
             }
             _ => return,
@@ -546,9 +577,17 @@ impl Agent {
 
     /// Notifications for this agent (WRITE notifications after their data
     /// landed, and control-plane notifications). One receiver: `None`
-    /// after the first call.
-    pub fn notifications(&self) -> Option<mpsc::UnboundedReceiver<Notification>> {
+    /// after the first call. Bounded: see
+    /// [`AgentBuilder::notification_capacity`].
+    pub fn notifications(&self) -> Option<mpsc::Receiver<Notification>> {
         lock(&self.inner.notifications).take()
+    }
+
+    /// Notifications dropped because the queue of unread ones was full.
+    pub fn notifications_dropped(&self) -> u64 {
+        self.inner
+            .notes_dropped
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Closes the control node (saying `bye` to peers and flushing pending

@@ -201,6 +201,9 @@ impl Inner {
             ))
         })?;
         let endpoint = endpoint.reached_at(peer_host)?;
+        if !self.dial_any_data_host {
+            crate::dial::check(&t.addr, &endpoint, peer_host)?;
+        }
         let regions = t.regions();
         let (data_peer, _) = self
             .off_thread(move |tr| tr.connect_peer(&endpoint, &regions))

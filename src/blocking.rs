@@ -15,7 +15,7 @@ use tokio::sync::{broadcast, mpsc};
 #[derive(Debug)]
 pub struct BlockingAgent {
     agent: Agent,
-    notifications: Option<mpsc::UnboundedReceiver<Notification>>,
+    notifications: Option<mpsc::Receiver<Notification>>,
     runtime: tokio::runtime::Runtime,
 }
 

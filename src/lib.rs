@@ -70,6 +70,7 @@ mod agent;
 mod attach;
 mod backend;
 pub mod blocking;
+mod dial;
 mod error;
 mod events;
 mod frames;
@@ -78,7 +79,7 @@ mod peer;
 mod spans;
 mod state;
 
-pub use agent::{Agent, AgentBuilder, BackendChoice};
+pub use agent::{Agent, AgentBuilder, BackendChoice, DEFAULT_NOTIFICATION_CAPACITY};
 pub use backend::ENV_IB_DEVICES;
 pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};

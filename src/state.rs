@@ -8,11 +8,12 @@ use crate::frames::{DpFrame, KvAdvert};
 use kvlane_control::{ConnectionId, ControlNode};
 use kvlane_data::{KvLayout, PeerId, Region, RemoteRegion, Transport};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
-use tracing::debug;
+use tracing::{debug, warn};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -96,8 +97,14 @@ pub(crate) struct Inner {
     pub(crate) regions: Vec<Region>,
     pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
     pub(crate) events: broadcast::Sender<PeerEvent>,
-    pub(crate) notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
-    pub(crate) note_tx: mpsc::UnboundedSender<Notification>,
+    pub(crate) notifications: Mutex<Option<mpsc::Receiver<Notification>>>,
+    /// Bounded ([`AgentBuilder::notification_capacity`](crate::AgentBuilder::notification_capacity)):
+    /// a notification that finds the queue full is dropped and counted.
+    pub(crate) note_tx: mpsc::Sender<Notification>,
+    pub(crate) notes_dropped: AtomicU64,
+    /// Dial data endpoints on any host, not only on the host of the
+    /// control connection (see the `dial` module).
+    pub(crate) dial_any_data_host: bool,
     pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The runtime the agent was built on (posts from plain threads use it).
     pub(crate) runtime: tokio::runtime::Handle,
@@ -127,6 +134,24 @@ impl Inner {
             .map(|k| &k.region)
             .chain(&self.regions)
             .collect()
+    }
+
+    /// Queues a notification for the user, or drops and counts it when the
+    /// queue is full (the user is not reading): never waits, so neither the
+    /// control loop nor the data plane's completion path is held up. The
+    /// first drop and every 1,000th after it are logged.
+    pub(crate) fn deliver(&self, note: Notification) {
+        if let Err(mpsc::error::TrySendError::Full(n)) = self.note_tx.try_send(note) {
+            let dropped = self.notes_dropped.fetch_add(1, Ordering::AcqRel) + 1;
+            if dropped % 1000 == 1 {
+                warn!(
+                    dropped,
+                    capacity = self.note_tx.max_capacity(),
+                    from = %n.from,
+                    "notification queue full (notifications are not being read); dropping"
+                );
+            }
+        }
     }
 
     pub(crate) fn emit(&self, peer: ConnectionId, addr: String, kind: PeerEventKind) {

@@ -4,6 +4,7 @@
 mod bench;
 mod devices;
 mod liveness;
+mod logging;
 mod ping;
 mod serve;
 mod soak;
@@ -91,21 +92,29 @@ pub(crate) fn runtime() -> tokio::runtime::Runtime {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logging never blocks the control or data path: lines go through a
+    // bounded queue to a writer thread (a full stderr pipe drops them,
+    // counted), drained (bounded) before the process exits.
+    let log = logging::Lossy::stderr();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RUST_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(log.clone())
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match cli.cmd {
+    let code = match cli.cmd {
         Command::Bench(args) => {
             bench::run(args).map_or_else(|e| report(&*e), |()| ExitCode::SUCCESS)
         }
-        Command::Serve(args) => runtime()
-            .block_on(serve::run(args))
-            .map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
+        Command::Serve(args) => {
+            let rt = runtime();
+            let r = rt.block_on(serve::run(args));
+            // Tasks still running (a close cut short) are not waited for.
+            rt.shutdown_timeout(std::time::Duration::from_millis(100));
+            r.map_or_else(|e| report(&e), |()| ExitCode::SUCCESS)
+        }
         Command::Ping(args) => runtime()
             .block_on(ping::run(args))
             .map_or_else(|e| report(&e), |()| ExitCode::SUCCESS),
@@ -121,5 +130,7 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         }
-    }
+    };
+    log.drain_for(std::time::Duration::from_millis(100));
+    code
 }

@@ -19,6 +19,11 @@ pub(crate) struct PingArgs {
     /// Pre-shared key.
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     pub(crate) psk: Option<String>,
+    /// Dial a peer's data endpoint on any host it advertises; default: only
+    /// on the host of the control connection to it (a target that
+    /// advertises another host on purpose needs this).
+    #[arg(long)]
+    pub(crate) dial_any_data_host: bool,
 }
 
 /// Why `ping` failed.
@@ -49,6 +54,7 @@ pub(crate) async fn run(args: PingArgs) -> Result<(), PingError> {
     let mut b = Agent::builder()
         .engine_id(format!("kvlane-ping-{}", std::process::id()))
         .backend(BackendChoice::Tcp)
+        .dial_any_data_host(args.dial_any_data_host)
         .control_config(config);
     if let Some(k) = &args.psk {
         b = b.psk(k.as_bytes().to_vec());

@@ -7,6 +7,33 @@ use clap::Args;
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice, Error};
 use std::io::Write;
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// How long `serve` may take to exit after SIGTERM / Ctrl-C: the agent's
+/// orderly close gets this long, then the process exits regardless of load.
+const EXIT_BUDGET: Duration = Duration::from_millis(600);
+
+/// Why `kvlane serve` did not run.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ServeError {
+    /// A non-loopback listen address without a key.
+    #[error(
+        "refusing to serve on {addr} without --psk: anyone who reaches a non-loopback \
+         address could read and write the served memory; give --psk KEY (or KVLANE_PSK), \
+         or --insecure to serve without authentication"
+    )]
+    Unauthenticated {
+        /// The listen address.
+        addr: String,
+    },
+    /// Output could not be set up.
+    #[error("cannot start the output thread")]
+    Output(#[source] std::io::Error),
+    /// The agent failed.
+    #[error(transparent)]
+    Agent(#[from] Error),
+}
 
 /// Options of `kvlane serve` (also used by `bench --role target`).
 #[derive(Args, Debug, Clone)]
@@ -47,6 +74,15 @@ pub(crate) struct ServeArgs {
     /// Serve Prometheus metrics at `http://ADDR/metrics` (`host:port`).
     #[arg(long, value_name = "ADDR")]
     pub(crate) metrics: Option<String>,
+    /// Serve on a non-loopback address without `--psk` (`kvlane serve`
+    /// refuses to otherwise).
+    #[arg(long)]
+    pub(crate) insecure: bool,
+    /// Dial a peer's data endpoint on any host it advertises; default: only
+    /// on the host of the control connection to it (a target that
+    /// advertises another host on purpose needs this).
+    #[arg(long)]
+    pub(crate) dial_any_data_host: bool,
     #[command(flatten)]
     pub(crate) liveness: LivenessArgs,
 }
@@ -103,6 +139,7 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
         .listen(&args.listen)
         .backend(args.backend.into())
         .control_config(control)
+        .dial_any_data_host(args.dial_any_data_host)
         .register_kv(layout, region);
     if let Some(d) = &args.data_listen {
         b = b.data_listen(d);
@@ -116,8 +153,27 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
     b.build().await
 }
 
+/// Whether `listen` (`host:port`) binds only loopback.
+fn is_loopback(listen: &str) -> bool {
+    let host = listen
+        .rsplit_once(':')
+        .map_or(listen, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Runs until Ctrl-C / SIGTERM, printing peer events and notifications.
-pub(crate) async fn run(args: ServeArgs) -> Result<(), Error> {
+/// After the signal it exits within [`EXIT_BUDGET`] (plus the runtime's
+/// shutdown) whatever the load: event lines go through a lossy queue, so
+/// a stdout nobody reads never holds up the loop that sees the signal.
+pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
+    if args.psk.is_none() && !args.insecure && !is_loopback(&args.listen) {
+        return Err(ServeError::Unauthenticated {
+            addr: args.listen.clone(),
+        });
+    }
     let agent = agent(&args).await?;
     let mut events = agent.events();
     let mut notes = agent.notifications();
@@ -144,25 +200,32 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Error> {
                 source: e,
             })
         })?;
+    let out = crate::logging::Lossy::stdout().map_err(ServeError::Output)?;
     loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break,
             _ = term.recv() => break,
             ev = events.recv() => match ev {
-                Ok(ev) => println!("event {} {} {:?}", ev.peer, ev.addr, ev.kind),
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => println!("event lagged {n}"),
+                Ok(ev) => out.line(format!("event {} {} {:?}", ev.peer, ev.addr, ev.kind)),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => out.line(format!("event lagged {n}")),
                 Err(_) => break,
             },
             Some(n) = async { match notes.as_mut() { Some(rx) => rx.recv().await, None => None } } => {
-                println!("notification from={} payload={:?}", n.from, String::from_utf8_lossy(&n.payload));
+                out.line(format!("notification from={} payload={:?}", n.from, String::from_utf8_lossy(&n.payload)));
             }
         }
     }
-    eprintln!("kvlane serve: shutting down");
+    tracing::info!("kvlane serve: shutting down");
     if let Some(task) = metrics {
         task.abort();
     }
-    agent.close().await;
+    if tokio::time::timeout(EXIT_BUDGET, agent.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!(budget = ?EXIT_BUDGET, "agent close did not finish in time; exiting anyway");
+    }
+    out.drain_for(Duration::from_millis(50));
     Ok(())
 }
 
@@ -187,4 +250,25 @@ pub(crate) async fn serve_metrics(
         listener,
         move || agent.metrics(),
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback;
+
+    #[test]
+    fn loopback_addresses() {
+        for a in ["127.0.0.1:5555", "127.3.4.5:0", "[::1]:5555", "localhost:1"] {
+            assert!(is_loopback(a), "{a}");
+        }
+        for a in [
+            "0.0.0.0:5555",
+            "[::]:5555",
+            "10.0.0.1:1",
+            "example.com:1",
+            "[::ffff:10.0.0.1]:1",
+        ] {
+            assert!(!is_loopback(a), "{a}");
+        }
+    }
 }

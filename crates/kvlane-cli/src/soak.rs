@@ -71,6 +71,11 @@ pub(crate) struct SoakArgs {
     /// Pre-shared key of the handshake.
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     psk: Option<String>,
+    /// Dial a peer's data endpoint on any host it advertises; default: only
+    /// on the host of the control connection to it (a target that
+    /// advertises another host on purpose needs this).
+    #[arg(long)]
+    dial_any_data_host: bool,
     /// One JSON object per line instead of text.
     #[arg(long)]
     json: bool,
@@ -588,7 +593,10 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
     if let Some(k) = &args.psk {
         builder = builder.psk(k.as_bytes().to_vec());
     }
-    let agent = builder.build().await?;
+    let agent = builder
+        .dial_any_data_host(args.dial_any_data_host)
+        .build()
+        .await?;
     let liveness = Liveness {
         keepalive_interval_ms: ms(control.keepalive_interval),
         liveness_budget: control.liveness_budget,

@@ -54,6 +54,11 @@ fn serve(net: &Net, h: usize, listen: &str, extra: &[&str]) -> Proc {
     args.extend(strings(&["--blocks", "16", "--block-size", BLOCK]));
     args.extend(strings(&LIVENESS));
     args.extend(strings(extra));
+    // Namespace addresses are not loopback: without a key, serve must be
+    // told it may run unauthenticated.
+    if !extra.contains(&"--psk") {
+        args.push("--insecure".into());
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut p = net.spawn(h, "serve", KVLANE, &args);
     p.wait_line("listening line", Duration::from_secs(60), |l| {
@@ -305,7 +310,7 @@ fn unreachable_advertise_address_is_named_with_the_listening_address() {
     let net = Net::new(2);
     let listen = format!("0.0.0.0:{PORT}");
     let mut args = strings(&["serve", "--listen", &listen, "--advertise", NOWHERE]);
-    args.extend(strings(&["--layers", "1", "--blocks", "16"]));
+    args.extend(strings(&["--insecure", "--layers", "1", "--blocks", "16"]));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut serve = net.spawn(0, "serve", KVLANE, &args);
     // Either `serve` refuses the address at once, or the first peer that

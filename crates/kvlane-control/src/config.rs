@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
+use crate::wire::Identity;
 
 /// Tunables of the control plane. Every field has a documented default.
 #[derive(Debug, Clone)]
@@ -25,8 +26,15 @@ pub struct Config {
     pub reconnect: bool,
     /// Largest accepted frame in bytes. Default 16 MiB.
     pub frame_cap: usize,
-    /// Largest number of peers (inbound + outbound). Default 1024.
+    /// Largest number of peers (inbound + outbound) past the handshake.
+    /// Accepted connections still handshaking (not yet authenticated) never
+    /// count here. Default 1024.
     pub peer_cap: usize,
+    /// Largest number of accepted connections still handshaking; past it
+    /// the oldest handshake is dropped for the new one (counted), so a
+    /// flood of unauthenticated hellos cycles through these slots and never
+    /// takes a `peer_cap` slot. Default 256.
+    pub handshake_cap: usize,
     /// Largest notification payload in bytes; larger ones are refused when
     /// sending and dropped (counted as oversized) when received. Default 64 KiB.
     pub notify_cap: usize,
@@ -39,8 +47,10 @@ pub struct Config {
     /// frames were delivered. Default 200 ms.
     pub close_linger: Duration,
     /// Optional pre-shared key; when set the handshake is authenticated
-    /// (HMAC-SHA256 over both nonces) and no data-plane blob is sent before
-    /// the other side has proven the key. Default none.
+    /// (HMAC-SHA256 over the handshake transcript: both nonces, both
+    /// identities, both data-plane blobs) and neither identity nor blob is
+    /// sent before the other side has proven the key. An empty key is
+    /// refused by [`validate`](Self::validate). Default none.
     pub psk: Option<Psk>,
     /// Seed of the jitter RNG (deterministic simulations). Default: random.
     pub rng_seed: u64,
@@ -57,6 +67,7 @@ impl Default for Config {
             reconnect: true,
             frame_cap: 16 << 20,
             peer_cap: 1024,
+            handshake_cap: 256,
             notify_cap: 64 << 10,
             event_capacity: 1024,
             close_linger: Duration::from_millis(200),
@@ -79,7 +90,7 @@ impl Config {
     /// 1000 are refused). The error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |d: Duration| d.is_zero() || d > MAX_INTERVAL;
-        let checks: [(&'static str, bool); 9] = [
+        let checks: [(&'static str, bool); 11] = [
             ("keepalive_interval", bad(self.keepalive_interval)),
             (
                 "liveness_budget",
@@ -94,7 +105,13 @@ impl Config {
             ("close_linger", self.close_linger > MAX_INTERVAL),
             ("frame_cap", self.frame_cap < 64),
             ("peer_cap", self.peer_cap == 0),
+            ("handshake_cap", self.handshake_cap == 0),
             ("event_capacity", self.event_capacity == 0),
+            // An empty key proves nothing: anyone can compute its MACs.
+            (
+                "psk",
+                self.psk.as_ref().is_some_and(|k| k.as_bytes().is_empty()),
+            ),
         ];
         match checks.iter().find(|(_, bad)| *bad) {
             Some((field, _)) => Err(ConfigError { field }),
@@ -117,6 +134,7 @@ impl Config {
             close_linger: self.close_linger.min(MAX_INTERVAL),
             frame_cap: self.frame_cap.max(64),
             peer_cap: self.peer_cap.max(1),
+            handshake_cap: self.handshake_cap.max(1),
             event_capacity: self.event_capacity.max(1),
             ..self.clone()
         }
@@ -205,6 +223,47 @@ impl LocalInfo {
     pub fn with_data_plane(mut self, blob: Vec<u8>) -> Self {
         self.data_plane = blob;
         self
+    }
+
+    /// The identity half of this info (what a handshake tells about us).
+    pub(crate) fn identity(&self) -> Identity {
+        Identity {
+            engine_id: self.engine_id.clone(),
+            incarnation: self.incarnation,
+            dp_rank: self.ranks.dp_rank,
+            tp_rank: self.ranks.tp_rank,
+            tp_size: self.ranks.tp_size,
+            fingerprint: self.fingerprint.clone(),
+            capabilities: self.capabilities.clone(),
+        }
+    }
+}
+
+impl Identity {
+    /// The ranks part.
+    pub(crate) fn ranks(&self) -> Ranks {
+        Ranks {
+            dp_rank: self.dp_rank,
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+        }
+    }
+
+    /// What a finished handshake learned about the peer.
+    pub(crate) fn into_remote(
+        self,
+        data_plane: Vec<u8>,
+        peer_host: Option<std::net::IpAddr>,
+    ) -> RemoteInfo {
+        RemoteInfo {
+            ranks: self.ranks(),
+            engine_id: self.engine_id,
+            incarnation: self.incarnation,
+            fingerprint: self.fingerprint,
+            data_plane,
+            capabilities: self.capabilities,
+            peer_host,
+        }
     }
 }
 

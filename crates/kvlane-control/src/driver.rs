@@ -14,7 +14,7 @@ use crate::channel::{Channel, ChannelEvent, ZmqChannel};
 use crate::config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo, Route};
 use crate::error::{ControlError, GroupError, PeerError};
 use crate::group::{GroupHandshake, GroupMember};
-use crate::peer::{Event, State, Stats, Transmit};
+use crate::peer::{Event, Role, State, Stats, Transmit};
 use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
 use crate::ConnectionId;
 
@@ -127,7 +127,7 @@ impl ControlNode {
         listen_addr: &str,
     ) -> Result<Self, ControlError> {
         config.validate()?;
-        let chan = ZmqChannel::bind(listen_addr, config.handshake_timeout).await?;
+        let chan = ZmqChannel::bind(listen_addr, &config).await?;
         Ok(Self::with_channel(config, local, chan))
     }
 
@@ -150,7 +150,7 @@ impl ControlNode {
                 let _ = watch_events.send(PeerEvent {
                     id: ConnectionId(0),
                     addr: watch_addr,
-                    role: crate::Role::Acceptor,
+                    role: Role::Acceptor,
                     event: Event::Closed,
                 });
             }
@@ -655,7 +655,16 @@ impl<C: Channel> Driver<C> {
                 }
             }
         }
-        while let Some(ev) = self.reg.poll_event() {
+        while let Some(mut ev) = self.reg.poll_event() {
+            // A peer that dialed us is where its connection comes from, as
+            // the transport saw it, not where its hello says.
+            if let (Event::Ready(info), Role::Acceptor) = (&mut ev.event, ev.role) {
+                if let Some(link) = self.reg.link(ev.id).cloned() {
+                    if let Some(ip) = self.chan.peer_ip(&link) {
+                        info.peer_host = Some(ip);
+                    }
+                }
+            }
             self.resolve(&ev);
             let _ = self.events.send(ev);
         }

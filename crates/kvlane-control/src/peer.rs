@@ -114,6 +114,14 @@ pub struct Stats {
     pub unknown_type: u64,
     /// Valid frames that make no sense in the current state.
     pub unexpected: u64,
+    /// Inbound peers refused before they were authenticated (peer cap,
+    /// failed or incompatible handshake); logged as a rate-limited summary.
+    pub refused_inbound: u64,
+    /// Handshaking inbound connections dropped for a newer one because
+    /// [`Config::handshake_cap`](crate::Config::handshake_cap) was reached.
+    pub handshakes_evicted: u64,
+    /// Remembered incarnations forgotten because the map was full.
+    pub incarnations_evicted: u64,
 }
 
 impl Stats {
@@ -135,14 +143,10 @@ impl Stats {
 enum Hs {
     /// Initiator sent hello.
     Hello { nonce_i: Vec<u8> },
-    /// Initiator sent auth (key proven by the acceptor).
-    Auth { remote: RemoteInfo },
-    /// Acceptor sent hello_ack with its proof.
-    HelloAck {
-        nonce_i: Vec<u8>,
-        nonce_a: Vec<u8>,
-        remote: RemoteInfo,
-    },
+    /// Initiator sent auth (key proven by the acceptor's first proof).
+    Auth { nonce_i: Vec<u8>, nonce_a: Vec<u8> },
+    /// Acceptor sent hello_ack with its first proof.
+    HelloAck { nonce_i: Vec<u8>, nonce_a: Vec<u8> },
 }
 
 /// One peer connection as a pure state machine: no sockets, no clock.
@@ -511,7 +515,8 @@ impl Peer {
         }
     }
 
-    fn is_up(&self) -> bool {
+    /// Whether the connection is up (`Ready` or `Suspect`).
+    pub(crate) fn is_up(&self) -> bool {
         matches!(self.state, State::Ready | State::Suspect)
     }
 
@@ -527,21 +532,12 @@ impl Peer {
         self.attempts += 1;
         let nonce_i = auth::nonce();
         let keyed = self.config.psk.is_some();
-        let l = &self.local;
-        let hello = Hello {
-            version: PROTOCOL_VERSION,
-            engine_id: l.engine_id.clone(),
-            incarnation: l.incarnation,
-            dp_rank: l.ranks.dp_rank,
-            tp_rank: l.ranks.tp_rank,
-            tp_size: l.ranks.tp_size,
-            fingerprint: l.fingerprint.clone(),
-            capabilities: l.capabilities.clone(),
-            auth: keyed,
-            nonce: if keyed { nonce_i.clone() } else { Vec::new() },
-            data_plane: (!keyed).then(|| serde_bytes::ByteBuf::from(l.data_plane.clone())),
-            source: self.route.source.map(|ip| ip.to_string()),
-        };
+        let hello = Hello::new(
+            self.local.identity(),
+            keyed.then(|| nonce_i.clone()),
+            self.local.data_plane.clone(),
+            self.route.source.map(|ip| ip.to_string()),
+        );
         self.transmits.push_back(Transmit::Connect);
         self.transmits
             .push_back(Transmit::Frame(encode(&Message::Hello(hello))));
@@ -619,7 +615,9 @@ impl Peer {
         if !was_dead || !self.dead_reported {
             self.dead_reported = true;
             let last_error = self.last_error.clone().unwrap_or(PeerError::RemoteClosed);
-            if last_error == PeerError::RemoteClosed {
+            if self.unproven_inbound() {
+                debug!(peer = %self.addr, error = %last_error, "inbound handshake ended");
+            } else if last_error == PeerError::RemoteClosed {
                 // A `bye`: the remote shut down on purpose.
                 info!(peer = %self.addr, "peer closed the connection");
             } else {
@@ -638,8 +636,19 @@ impl Peer {
         }
     }
 
+    /// An inbound peer that never finished a handshake: anybody can make
+    /// one, so its refusal and death are debug lines (the registry counts
+    /// them and writes a rate-limited summary).
+    fn unproven_inbound(&self) -> bool {
+        self.role == Role::Acceptor && self.remote.is_none()
+    }
+
     fn refuse(&mut self, now: Instant, refusal: Refusal, tell_peer: bool) {
-        warn!(peer = %self.addr, %refusal, "handshake refused");
+        if self.unproven_inbound() {
+            debug!(peer = %self.addr, %refusal, "handshake refused");
+        } else {
+            warn!(peer = %self.addr, %refusal, "handshake refused");
+        }
         if tell_peer {
             self.transmits
                 .push_back(Transmit::Frame(error_frame(&refusal)));

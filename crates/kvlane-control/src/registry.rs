@@ -1,12 +1,18 @@
 //! The sans-IO node: owns every peer machine, routes frames, enforces the
 //! peer cap and the one-live-connection-per-peer rule.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tracing::{debug, info_span, warn};
+
+/// At most one summary line of refused inbound peers per this interval.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Incarnations remembered per peer slot (engines that left and may return).
+const INCARNATIONS_PER_SLOT: usize = 4;
 
 use crate::config::{Config, LocalInfo, Ranks, Route};
 use crate::error::{Refusal, WireError};
@@ -88,6 +94,12 @@ pub struct Registry {
     events: VecDeque<PeerEvent>,
     stats: Stats,
     refused_at_cap: u64,
+    /// Accepted connections still handshaking (unauthenticated), oldest first.
+    pending: BTreeSet<ConnectionId>,
+    /// Refused inbound peers not yet in a summary line, and when the last
+    /// line was written.
+    unlogged_refusals: u64,
+    last_refusal_log: Option<Instant>,
     closed: bool,
     /// Accepted connections that died; released before the next routing.
     dead_accepted: Vec<ConnectionId>,
@@ -109,6 +121,9 @@ impl Registry {
             events: VecDeque::new(),
             stats: Stats::default(),
             refused_at_cap: 0,
+            pending: BTreeSet::new(),
+            unlogged_refusals: 0,
+            last_refusal_log: None,
             closed: false,
             dead_accepted: Vec::new(),
         }
@@ -128,6 +143,7 @@ impl Registry {
     pub fn stats(&self) -> Stats {
         let mut s = self.stats;
         for e in self.peers.values() {
+            // Node-level counters are not kept per peer.
             let p = e.peer.stats();
             s.oversized += p.oversized;
             s.malformed += p.malformed;
@@ -150,6 +166,11 @@ impl Registry {
     /// Ids of all tracked connections.
     pub fn ids(&self) -> Vec<ConnectionId> {
         self.peers.keys().copied().collect()
+    }
+
+    /// How connection `id` is reached on the channel.
+    pub fn link(&self, id: ConnectionId) -> Option<&Link> {
+        self.peers.get(&id).map(|e| &e.link)
     }
 
     /// The connection currently registered for `addr`, if any.
@@ -242,14 +263,20 @@ impl Registry {
         let decoded = Message::decode(bytes, self.config.frame_cap);
         let known = self.by_link.get(&rid).copied();
         match (decoded, known) {
-            // A hello always starts a new connection, even on a routing id we
-            // know (a restarted peer reusing its identity): the old entry is
-            // retired first, the hello is never dropped.
+            // A hello on a routing id we know starts a new connection (a
+            // restarted peer reusing its identity; its frames go to the new
+            // one). A connection still handshaking is dropped for it, but a
+            // hello, which anybody can send, never retires a live one: that
+            // happens only once the new connection is ready (authenticated,
+            // with a key) as the same engine rank, or by keep-alive.
             (Ok(Message::Hello(hello)), known) => {
                 if let Some(old) = known {
-                    self.release(old);
+                    if !self.peers.get(&old).is_some_and(|e| e.peer.is_up()) {
+                        self.release(old);
+                    }
                 }
                 self.accept(now, rid, hello);
+                self.log_refusals(now);
             }
             (msg, Some(id)) => {
                 if let Some(e) = self.peers.get_mut(&id) {
@@ -281,29 +308,21 @@ impl Registry {
         }
     }
 
+    /// Takes an inbound `hello`. Nothing it claims is trusted yet: it gets a
+    /// handshake slot (the oldest handshake is dropped when they are all
+    /// taken), never a peer slot, and it replaces no connection; the
+    /// one-live-connection-per-peer rule is applied when it becomes ready
+    /// (after the key is proven).
     fn accept(&mut self, now: Instant, rid: Bytes, hello: crate::wire::Hello) {
         if self.closed {
             return;
         }
-        let key = (
-            hello.engine_id.clone(),
-            Ranks {
-                dp_rank: hello.dp_rank,
-                tp_rank: hello.tp_rank,
-                tp_size: hello.tp_size,
-            },
-        );
-        // At most one live connection per peer: a newer connection from the
-        // same engine rank replaces the older one.
-        if let Some(&old) = self.by_engine.get(&key) {
-            if let Some(e) = self.peers.get_mut(&old) {
-                e.peer.retire();
-            }
-            self.collect(old);
-        }
-        if self.peers.len() >= self.config.peer_cap {
+        let authenticated = self.peers.len() - self.pending.len();
+        if authenticated >= self.config.peer_cap {
             self.refused_at_cap += 1;
-            warn!(
+            self.stats.refused_inbound += 1;
+            self.unlogged_refusals += 1;
+            debug!(
                 cap = self.config.peer_cap,
                 "peer cap reached; refusing inbound peer"
             );
@@ -317,10 +336,19 @@ impl Registry {
             ));
             return;
         }
+        while self.pending.len() >= self.config.handshake_cap {
+            let Some(oldest) = self.pending.pop_first() else {
+                break;
+            };
+            self.stats.handshakes_evicted += 1;
+            self.unlogged_refusals += 1;
+            self.release(oldest);
+        }
         let id = self.alloc();
         let addr = format!("inbound:{}", hex(&rid));
         let span = info_span!("peer", %id, %addr);
-        let known = self.incarnations.get(&key).copied();
+        // The incarnation is looked up when the peer is ready (`collect`),
+        // from the identity it proved, not from what the hello claims.
         let peer = span.in_scope(|| {
             Peer::acceptor(
                 now,
@@ -328,11 +356,11 @@ impl Registry {
                 Arc::clone(&self.config),
                 Arc::clone(&self.local),
                 hello,
-                known,
+                None,
             )
         });
         self.by_link.insert(rid.clone(), id);
-        self.by_engine.insert(key, id);
+        self.pending.insert(id);
         self.peers.insert(
             id,
             Entry {
@@ -354,6 +382,27 @@ impl Registry {
         }
     }
 
+    /// Writes the summary line of refused inbound peers, at most once per
+    /// [`REFUSAL_LOG_INTERVAL`] (a flood of refused peers logs one line, not
+    /// one per peer).
+    fn log_refusals(&mut self, now: Instant) {
+        if self.unlogged_refusals == 0
+            || self
+                .last_refusal_log
+                .is_some_and(|t| now.saturating_duration_since(t) < REFUSAL_LOG_INTERVAL)
+        {
+            return;
+        }
+        warn!(
+            refused = self.unlogged_refusals,
+            refused_total = self.stats.refused_inbound,
+            handshakes_evicted_total = self.stats.handshakes_evicted,
+            "refused inbound peers (peer cap, handshake slots, failed or incompatible handshakes)"
+        );
+        self.unlogged_refusals = 0;
+        self.last_refusal_log = Some(now);
+    }
+
     /// Fires expired timers of every peer.
     pub fn handle_timeout(&mut self, now: Instant) {
         let due: Vec<_> = self
@@ -370,6 +419,7 @@ impl Registry {
                 self.collect(id);
             }
         }
+        self.log_refusals(now);
     }
 
     /// Sends a notification; the payload is handed back if the peer is unknown or not up.
@@ -450,27 +500,94 @@ impl Registry {
         while let Some(t) = e.peer.poll_transmit() {
             self.transmits.push_back((id, e.link.clone(), t));
         }
+        let acceptor = e.peer.role() == Role::Acceptor;
+        let addr = e.peer.addr().to_owned();
+        let mut ready = None;
+        let mut events = Vec::new();
         while let Some(ev) = e.peer.poll_event() {
-            if matches!(ev, Event::Dead { .. }) && e.peer.role() == Role::Acceptor {
-                self.dead_accepted.push(id);
-            }
-            if let Event::Ready(info) = &ev {
-                self.incarnations
-                    .insert((info.engine_id.clone(), info.ranks), info.incarnation);
-                if e.peer.role() == Role::Acceptor {
-                    self.by_engine
-                        .insert((info.engine_id.clone(), info.ranks), id);
+            match &ev {
+                Event::Dead { .. } if acceptor => self.dead_accepted.push(id),
+                Event::Refused { .. } if acceptor && self.pending.contains(&id) => {
+                    self.stats.refused_inbound += 1;
+                    self.unlogged_refusals += 1;
                 }
+                Event::Ready(info) => {
+                    ready = Some((info.engine_id.clone(), info.ranks, info.incarnation))
+                }
+                _ => {}
             }
-            self.events.push_back(PeerEvent {
-                id,
-                addr: e.peer.addr().to_owned(),
-                role: e.peer.role(),
-                event: ev,
-            });
+            events.push(ev);
         }
-        if e.peer.is_closed() {
+        let closed = e.peer.is_closed();
+        if let Some((engine, ranks, incarnation)) = ready {
+            self.on_ready(id, acceptor, &addr, (engine, ranks), incarnation);
+        }
+        let role = if acceptor {
+            Role::Acceptor
+        } else {
+            Role::Initiator
+        };
+        self.events
+            .extend(events.into_iter().map(|event| PeerEvent {
+                id,
+                addr: addr.clone(),
+                role,
+                event,
+            }));
+        if closed {
             self.forget(id);
+        }
+    }
+
+    /// A connection finished its handshake (authenticated, with a key): it
+    /// leaves the handshake slots; an accepted one becomes *the* connection
+    /// of its engine rank, retiring an older one (at most one live
+    /// connection per peer), and reports a restart of the peer.
+    fn on_ready(
+        &mut self,
+        id: ConnectionId,
+        acceptor: bool,
+        addr: &str,
+        key: (String, Ranks),
+        incarnation: u64,
+    ) {
+        self.pending.remove(&id);
+        let old_incarnation = self.incarnations.get(&key).copied();
+        if acceptor {
+            if let Some(old) = self.by_engine.get(&key).copied().filter(|&o| o != id) {
+                if let Some(e) = self.peers.get_mut(&old) {
+                    e.peer.retire();
+                }
+                self.collect(old);
+            }
+            self.by_engine.insert(key.clone(), id);
+            if let Some(old) = old_incarnation.filter(|&o| o != incarnation) {
+                self.events.push_back(PeerEvent {
+                    id,
+                    addr: addr.to_owned(),
+                    role: Role::Acceptor,
+                    event: Event::Restarted {
+                        old,
+                        new: incarnation,
+                    },
+                });
+            }
+        }
+        let cap = self.config.peer_cap.saturating_mul(INCARNATIONS_PER_SLOT);
+        if old_incarnation.is_none() && self.incarnations.len() >= cap {
+            // Forget an engine rank that has no connection now.
+            let gone = self
+                .incarnations
+                .keys()
+                .find(|k| !self.by_engine.contains_key(*k))
+                .cloned();
+            if let Some(gone) = gone {
+                self.incarnations.remove(&gone);
+                self.stats.incarnations_evicted += 1;
+            }
+        }
+        if old_incarnation.is_some() || self.incarnations.len() < cap {
+            self.incarnations.insert(key, incarnation);
         }
     }
 
@@ -500,6 +617,7 @@ impl Registry {
             }
         }
         self.by_engine.retain(|_, v| *v != id);
+        self.pending.remove(&id);
     }
 
     /// Releases accepted connections that are dead (they never reconnect by

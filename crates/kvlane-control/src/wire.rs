@@ -5,18 +5,27 @@
 //! caller can drop and count them. The handshake is:
 //!
 //! ```text
-//! no key:   hello(blob)            -> hello_ack(blob)
-//! with key: hello(nonce_c, no blob) -> hello_ack(nonce_s, mac_s, no blob)
-//!           auth(mac_c, blob)       -> auth_ack(blob)
+//! no key:   hello(identity, blob)  -> hello_ack(identity, blob)
+//! with key: hello(nonce_c)         -> hello_ack(nonce_s, mac_s)
+//!           auth(mac_c, identity_c, blob_c) -> auth_ack(mac_a, identity_s, blob_s)
 //! ```
 //!
-//! With a key, the acceptor proves the key first (`mac_s`) but withholds its
-//! blob; the initiator sends its blob only after checking `mac_s`, and the
-//! acceptor sends its blob only after checking `mac_c`.
+//! With a key, nothing but what the proof needs crosses before the key is
+//! proven: a keyed `hello` and `hello_ack` carry the protocol version and a
+//! nonce (their identity fields are empty). The acceptor proves the key
+//! first (`mac_s`); the initiator sends its identity and blob only after
+//! checking `mac_s`, and the acceptor sends its own only after checking
+//! `mac_c`. `mac_c` and `mac_a` cover the handshake transcript: both nonces,
+//! both identities and both blobs, so neither side can be fed a spliced
+//! identity or blob.
 //!
-//! `mac_s = HMAC-SHA256(key, "kvlane-control/acceptor!" || nonce_c || nonce_s)`,
-//! `mac_c = HMAC-SHA256(key, "kvlane-control/initiator" || nonce_c || nonce_s)`,
-//! nonces are 32 random bytes.
+//! With `H(label, fields…) = HMAC-SHA256(key, label || (len_u64_be || field)…)`:
+//! `mac_s = H("kvlane-control/acceptor!", nonce_c, nonce_s)`,
+//! `mac_c = H("kvlane-control/initiator", nonce_c, nonce_s, identity_c, blob_c)`,
+//! `mac_a = H("kvlane-control/acceptor2", nonce_c, nonce_s, identity_c, blob_c, identity_s, blob_s)`,
+//! where an identity is its msgpack encoding (an array, see [`Identity`]);
+//! nonces are exactly 32 random bytes (any other length is refused); an
+//! empty key is refused by [`Config::validate`](crate::Config::validate).
 //!
 //! Fields per `type` (every message also has `type: str` and `version: int`;
 //! `bin` is msgpack bin, Python `bytes`):
@@ -24,9 +33,9 @@
 //! | type | fields |
 //! |---|---|
 //! | `hello` | `engine_id: str, incarnation: u64, dp_rank, tp_rank, tp_size: u32, fingerprint: str, capabilities: [str], auth: bool, nonce: bin, data_plane: bin \| nil` |
-//! | `hello_ack` | same identity fields, `nonce: bin, mac: bin, data_plane: bin \| nil` |
-//! | `auth` | `mac: bin, data_plane: bin` |
-//! | `auth_ack` | `data_plane: bin` |
+//! | `hello_ack` | the same identity fields, `nonce: bin, mac: bin, data_plane: bin \| nil` |
+//! | `auth` | `mac: bin, data_plane: bin, identity: map, source: str \| absent` |
+//! | `auth_ack` | `mac: bin, data_plane: bin, identity: map` |
 //! | `ping`, `pong` | `seq: u64, incarnation: u64` (a pong echoes the ping's `seq`) |
 //! | `notify` | `transfer_id: u64, payload: bin` |
 //! | `bye` | (none; answered by a `bye`) |
@@ -46,21 +55,10 @@ pub const PROTOCOL_VERSION: u16 = 1;
 pub struct Hello {
     /// Protocol version.
     pub version: u16,
-    /// Engine id.
-    pub engine_id: String,
-    /// Random per process start.
-    pub incarnation: u64,
-    /// Data-parallel rank.
-    pub dp_rank: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u32,
-    /// Tensor-parallel size.
-    pub tp_size: u32,
-    /// Config fingerprint.
-    pub fingerprint: String,
-    /// Capability names.
-    #[serde(default)]
-    pub capabilities: Vec<String>,
+    /// Who the sender is, in flat fields (empty when keyed: then it is
+    /// sent in `auth` / `auth_ack`).
+    #[serde(flatten)]
+    pub identity: Identity,
     /// Whether the sender authenticates with a pre-shared key.
     #[serde(default)]
     pub auth: bool,
@@ -81,6 +79,25 @@ pub struct Hello {
 pub struct HelloAck {
     /// Protocol version.
     pub version: u16,
+    /// Who the sender is, in flat fields (empty when keyed: then it is
+    /// sent in `auth` / `auth_ack`).
+    #[serde(flatten)]
+    pub identity: Identity,
+    /// Acceptor nonce (with a key).
+    #[serde(default, with = "serde_bytes")]
+    pub nonce: Vec<u8>,
+    /// Acceptor proof of the key (with a key).
+    #[serde(default, with = "serde_bytes")]
+    pub mac: Vec<u8>,
+    /// Data-plane blob; absent when a key is used.
+    #[serde(default)]
+    pub data_plane: Option<serde_bytes::ByteBuf>,
+}
+
+/// Who a side is: what a keyed handshake sends only after the key is proven
+/// (and an unkeyed one sends in the flat fields of `hello` / `hello_ack`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
     /// Engine id.
     pub engine_id: String,
     /// Random per process start.
@@ -96,38 +113,100 @@ pub struct HelloAck {
     /// Capability names.
     #[serde(default)]
     pub capabilities: Vec<String>,
-    /// Acceptor nonce (with a key).
-    #[serde(default, with = "serde_bytes")]
-    pub nonce: Vec<u8>,
-    /// Acceptor proof of the key (with a key).
-    #[serde(default, with = "serde_bytes")]
-    pub mac: Vec<u8>,
-    /// Data-plane blob; absent when a key is used.
-    #[serde(default)]
-    pub data_plane: Option<serde_bytes::ByteBuf>,
 }
 
-/// `auth`: initiator proof of the key, then its blob.
+impl Identity {
+    /// The bytes the handshake MAC covers: a msgpack array (field order, no
+    /// names), so both sides compute it the same way.
+    pub fn transcript_bytes(&self) -> Vec<u8> {
+        rmp_serde::to_vec(self).unwrap_or_default()
+    }
+}
+
+impl HelloAck {
+    /// A `hello_ack` carrying `identity` in its flat fields.
+    fn with_identity(identity: Identity) -> Self {
+        Self {
+            version: PROTOCOL_VERSION,
+            identity,
+            nonce: Vec::new(),
+            mac: Vec::new(),
+            data_plane: None,
+        }
+    }
+
+    /// An unkeyed `hello_ack`: identity and blob.
+    pub fn plain(identity: Identity, data_plane: Vec<u8>) -> Self {
+        Self {
+            data_plane: Some(serde_bytes::ByteBuf::from(data_plane)),
+            ..Self::with_identity(identity)
+        }
+    }
+
+    /// A keyed `hello_ack`: the nonce and the proof, nothing else.
+    pub fn keyed(nonce: Vec<u8>, mac: Vec<u8>) -> Self {
+        Self {
+            nonce,
+            mac,
+            ..Self::with_identity(Identity::default())
+        }
+    }
+}
+
+impl Hello {
+    /// A `hello` carrying `identity` in its flat fields; keyed (`nonce` set)
+    /// it carries neither identity nor blob nor source.
+    pub fn new(
+        identity: Identity,
+        nonce: Option<Vec<u8>>,
+        data_plane: Vec<u8>,
+        source: Option<String>,
+    ) -> Self {
+        let keyed = nonce.is_some();
+        Self {
+            version: PROTOCOL_VERSION,
+            identity: if keyed { Identity::default() } else { identity },
+            auth: keyed,
+            nonce: nonce.unwrap_or_default(),
+            data_plane: (!keyed).then(|| serde_bytes::ByteBuf::from(data_plane)),
+            source: if keyed { None } else { source },
+        }
+    }
+}
+
+/// `auth`: initiator proof of the key, then its identity and blob.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Auth {
     /// Protocol version.
     pub version: u16,
-    /// Initiator proof of the key.
+    /// Initiator proof of the key over the transcript so far.
     #[serde(with = "serde_bytes")]
     pub mac: Vec<u8>,
     /// Initiator data-plane blob.
     #[serde(with = "serde_bytes")]
     pub data_plane: Vec<u8>,
+    /// Initiator identity.
+    #[serde(default)]
+    pub identity: Identity,
+    /// The initiator's IP address towards the acceptor (see [`Hello::source`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
-/// `auth_ack`: acceptor blob after it checked the initiator proof.
+/// `auth_ack`: acceptor identity and blob after it checked the initiator proof.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AuthAck {
     /// Protocol version.
     pub version: u16,
+    /// Acceptor proof of the key over the whole transcript.
+    #[serde(default, with = "serde_bytes")]
+    pub mac: Vec<u8>,
     /// Acceptor data-plane blob.
     #[serde(with = "serde_bytes")]
     pub data_plane: Vec<u8>,
+    /// Acceptor identity.
+    #[serde(default)]
+    pub identity: Identity,
 }
 
 /// `ping` / `pong`.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use harness::{config, local, Cluster};
-use kvlane_control::wire::{Hello, Message, PROTOCOL_VERSION};
+use kvlane_control::wire::{Hello, Identity, Message, PROTOCOL_VERSION};
 use kvlane_control::{ConnectRefused, Event, Link, PeerError, Refusal, Registry, State};
 
 fn is_ready(e: &kvlane_control::PeerEvent) -> bool {
@@ -267,8 +267,7 @@ fn invariant_6_dead_reaped_before_inbound_routing() {
     let now = Instant::now();
     let rid = Link::Accepted(Bytes::from_static(b"same-routing-id"));
     let hello = |inc: u64| {
-        Message::Hello(Hello {
-            version: PROTOCOL_VERSION,
+        let identity = Identity {
             engine_id: "a".into(),
             incarnation: inc,
             dp_rank: 0,
@@ -276,13 +275,10 @@ fn invariant_6_dead_reaped_before_inbound_routing() {
             tp_size: 1,
             fingerprint: "fp".into(),
             capabilities: vec![],
-            auth: false,
-            nonce: vec![],
-            data_plane: Some(serde_bytes::ByteBuf::from(b"blob".to_vec())),
-            source: None,
-        })
-        .encode()
-        .expect("encode")
+        };
+        Message::Hello(Hello::new(identity, None, b"blob".to_vec(), None))
+            .encode()
+            .expect("encode")
     };
     reg.handle_frame(now, rid.clone(), &hello(1));
     let first = drain_ready(&mut reg).expect("first ready");

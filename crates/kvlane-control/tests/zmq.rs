@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::{fast_config, local, wait_for};
-use kvlane_control::{ControlNode, Event};
+use kvlane_control::{Config, ControlNode, Event};
 
 #[tokio::test]
 async fn zmq_connect_notify_close() {
@@ -54,10 +54,10 @@ async fn zmq_connect_notify_close() {
 #[tokio::test]
 async fn invariant_5_per_connection_resources_are_unique() {
     use kvlane_control::{Channel, ConnectionId, ZmqChannel};
-    let mut a = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
+    let mut a = ZmqChannel::bind("127.0.0.1:0", &Config::default())
         .await
         .expect("bind");
-    let mut b = ZmqChannel::bind("127.0.0.1:0", Duration::from_secs(1))
+    let mut b = ZmqChannel::bind("127.0.0.1:0", &Config::default())
         .await
         .expect("bind");
     let target = b.local_addr();
@@ -114,7 +114,7 @@ async fn connect_to_closed_port_fails_with_address_and_attempts() {
 
 #[tokio::test]
 async fn psk_over_zmq_right_key_connects_wrong_key_refused_on_both_sides() {
-    let keyed = |k: &[u8]| kvlane_control::Config {
+    let keyed = |k: &[u8]| Config {
         psk: Some(kvlane_control::Psk::new(k)),
         ..fast_config()
     };

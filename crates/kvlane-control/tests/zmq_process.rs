@@ -200,11 +200,12 @@ async fn invariant_9_malformed_frames_from_pyzmq_do_not_end_listener() {
         .expect("join");
     assert!(out.starts_with("OK b"), "{out}");
     let stats = b.stats().await.expect("stats");
-    assert!(stats.total() >= 5, "dropped frames are counted: {stats:?}");
-    assert!(
-        stats.oversized >= 1 && stats.unknown_type >= 1 && stats.malformed >= 3,
-        "{stats:?}"
-    );
+    assert!(stats.total() >= 4, "dropped frames are counted: {stats:?}");
+    // The 17 MiB frame is past the transport's message cap (`frame_cap` +
+    // envelope): the codec ends that ZMTP connection when its header
+    // arrives, before reserving anything (libzmq's ZMQ_MAXMSGSIZE); pyzmq
+    // reconnects and its hello still gets through (the `OK` above).
+    assert!(stats.unknown_type >= 1 && stats.malformed >= 3, "{stats:?}");
     // And a Rust peer still gets in.
     let a = ControlNode::bind(fast_config(), local("a"), "127.0.0.1:0")
         .await

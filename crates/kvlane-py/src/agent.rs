@@ -58,7 +58,7 @@ fn agent_of(shared: &Shared) -> PyResult<kvlane::Agent> {
 #[pyclass(module = "kvlane", name = "Agent")]
 pub(crate) struct Agent {
     inner: Shared,
-    notifications: Arc<AsyncMutex<tokio::sync::mpsc::UnboundedReceiver<kvlane::Notification>>>,
+    notifications: Arc<AsyncMutex<tokio::sync::mpsc::Receiver<kvlane::Notification>>>,
     engine_id: String,
     addr: String,
 }

@@ -61,7 +61,7 @@ where
 /// `Agent.notifications()` returns a view of it).
 #[pyclass(module = "kvlane", name = "Notifications")]
 pub(crate) struct Notifications {
-    rx: Arc<Mutex<mpsc::UnboundedReceiver<kvlane::Notification>>>,
+    rx: Arc<Mutex<mpsc::Receiver<kvlane::Notification>>>,
     agent: Shared,
 }
 
@@ -91,10 +91,7 @@ fn anext<'py>(slf: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
 }
 
 impl Notifications {
-    pub(crate) fn new(
-        rx: Arc<Mutex<mpsc::UnboundedReceiver<kvlane::Notification>>>,
-        agent: Shared,
-    ) -> Self {
+    pub(crate) fn new(rx: Arc<Mutex<mpsc::Receiver<kvlane::Notification>>>, agent: Shared) -> Self {
         Self { rx, agent }
     }
 

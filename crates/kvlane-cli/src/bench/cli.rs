@@ -86,6 +86,11 @@ pub(crate) struct BenchArgs {
     /// address each peer's control connection reached.
     #[arg(long)]
     advertise: Option<String>,
+    /// Dial a peer's data endpoint on any host it advertises; default: only
+    /// on the host of the control connection to it (a target that
+    /// advertises another host on purpose needs this).
+    #[arg(long)]
+    dial_any_data_host: bool,
 }
 
 /// The agent backend of `--role target|initiator`: the one entry of
@@ -194,6 +199,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         psk: args.psk.clone(),
         advertise: args.advertise.clone(),
+        dial_any_data_host: args.dial_any_data_host,
     };
     match args.role {
         Role::Target => Ok(crate::runtime().block_on(remote::target(

@@ -53,10 +53,14 @@ pub(crate) struct RemoteOpts {
     pub(crate) psk: Option<String>,
     /// Host the target tells peers to reach its data plane at.
     pub(crate) advertise: Option<String>,
+    /// Dial data endpoints on any host (not only the control host).
+    pub(crate) dial_any_data_host: bool,
 }
 
 fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
-    let mut b = Agent::builder().backend(opts.backend);
+    let mut b = Agent::builder()
+        .backend(opts.backend)
+        .dial_any_data_host(opts.dial_any_data_host);
     if let Some(k) = &opts.psk {
         b = b.psk(k.as_bytes().to_vec());
     }

@@ -48,6 +48,14 @@ pub trait Channel: Send + 'static {
     fn send(&mut self, link: &Link, frame: Bytes);
     /// Flushes queued frames of `id`, then closes and releases it.
     fn disconnect(&mut self, id: ConnectionId);
+    /// The IP address an accepted connection (`Link::Accepted`) comes from,
+    /// as the transport saw it; `None` when unknown. The driver reports it
+    /// as [`RemoteInfo::peer_host`](crate::RemoteInfo::peer_host) of the
+    /// peers that dialed us, instead of what their `hello` claims.
+    fn peer_ip(&mut self, link: &Link) -> Option<std::net::IpAddr> {
+        let _ = link;
+        None
+    }
     /// Next event; cancel-safe. `None` once the channel is closed.
     fn recv(&mut self) -> impl Future<Output = Option<ChannelEvent>> + Send;
     /// Releases every socket and task (bounded wait).

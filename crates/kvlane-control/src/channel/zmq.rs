@@ -24,19 +24,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::channel::mpsc as fmpsc;
 use futures::stream::{self, BoxStream, StreamExt};
+use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 use zeromq::util::PeerIdentity;
 use zeromq::{
     DealerRecvHalf, DealerSocket, Endpoint, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket,
-    SocketOptions, SocketRecv, ZmqMessage, ZmqResult,
+    SocketEvent, SocketOptions, SocketRecv, ZmqMessage, ZmqResult, MESSAGE_PART_OVERHEAD,
 };
 
 use super::inbound::Inbound;
 use super::lane::{DealerTx, Lane, Report, QUEUE};
 use super::{Channel, ChannelEvent};
+use crate::config::Config;
 use crate::error::ControlError;
 use crate::registry::Link;
 use crate::ConnectionId;
@@ -83,6 +86,30 @@ struct Router {
     /// Holds the listener's accept task (moved here before the split, which
     /// has no `close`), so `close().await` still waits until the port is free.
     binds: RouterSocket,
+    /// Accepted / disconnected connections, for [`Channel::peer_ip`].
+    monitor: fmpsc::Receiver<SocketEvent>,
+    /// Where each accepted connection (by routing id) comes from; at most
+    /// one entry per open connection (the accept cap bounds it).
+    peer_ips: HashMap<Bytes, std::net::IpAddr>,
+}
+
+impl Router {
+    fn on_monitor(&mut self, ev: SocketEvent) {
+        match ev {
+            SocketEvent::Accepted(Endpoint::Tcp(host, _), rid) => {
+                let ip = match host {
+                    zeromq::Host::Ipv4(ip) => std::net::IpAddr::V4(ip),
+                    zeromq::Host::Ipv6(ip) => std::net::IpAddr::V6(ip),
+                    zeromq::Host::Domain(_) => return,
+                };
+                self.peer_ips.insert(Bytes::from(rid), ip);
+            }
+            SocketEvent::Disconnected(rid) => {
+                self.peer_ips.remove(&Bytes::from(rid));
+            }
+            _ => {}
+        }
+    }
 }
 
 /// ZeroMQ ROUTER/DEALER channel.
@@ -90,6 +117,7 @@ pub struct ZmqChannel {
     local_addr: String,
     nonce: u64,
     connect_timeout: Duration,
+    max_message: usize,
     side_tx: mpsc::UnboundedSender<Side>,
     side_rx: mpsc::UnboundedReceiver<Side>,
     /// `None` once closed.
@@ -117,10 +145,20 @@ impl fmt::Debug for ZmqChannel {
 }
 
 impl ZmqChannel {
-    /// Binds a ROUTER on `addr` (`host:port`, port 0 = any). Dials time out
-    /// after `connect_timeout`.
-    pub async fn bind(addr: &str, connect_timeout: Duration) -> Result<Self, ControlError> {
-        let mut router = RouterSocket::new();
+    /// Binds a ROUTER on `addr` (`host:port`, port 0 = any) with the limits
+    /// of `config`: dials and the ZMTP handshake of accepted connections time
+    /// out after [`Config::handshake_timeout`]; a ZeroMQ message (every
+    /// frame, a multipart message summed) announcing more than
+    /// [`Config::frame_cap`] ends its connection before anything is reserved
+    /// for it; at most [`Config::peer_cap`] + [`Config::handshake_cap`]
+    /// accepted connections are open at once, later ones are closed on accept.
+    pub async fn bind(addr: &str, config: &Config) -> Result<Self, ControlError> {
+        let max_message = zmq_message_cap(config.frame_cap);
+        let mut opts = SocketOptions::default();
+        opts.max_message_size(max_message)
+            .handshake_timeout(config.handshake_timeout)
+            .max_connections(config.peer_cap.saturating_add(config.handshake_cap));
+        let mut router = RouterSocket::with_options(opts);
         let endpoint =
             router
                 .bind(&format!("tcp://{addr}"))
@@ -135,6 +173,7 @@ impl ZmqChannel {
             Endpoint::Tcp(host, port) => format!("{host}:{port}"),
             other => other.to_string(),
         };
+        let monitor = router.monitor();
         let mut binds = RouterSocket::new();
         binds.binds().extend(router.binds().drain());
         let (tx, rx) = router.split();
@@ -144,13 +183,16 @@ impl ZmqChannel {
         Ok(Self {
             local_addr,
             nonce: rand::random(),
-            connect_timeout,
+            connect_timeout: config.handshake_timeout,
+            max_message,
             side_tx,
             side_rx,
             router: Some(Router {
                 rx: listen(rx),
                 tx: Lane::new(tx, report),
                 binds,
+                monitor,
+                peer_ips: HashMap::new(),
             }),
             dials: HashMap::new(),
             inbound: Inbound::new(),
@@ -231,6 +273,7 @@ impl Channel for ZmqChannel {
             addr.to_owned(),
             rid.clone(),
             self.connect_timeout,
+            self.max_message,
             self.side_tx.clone(),
         ));
         self.dials.insert(
@@ -245,6 +288,20 @@ impl Channel for ZmqChannel {
                 },
             },
         );
+    }
+
+    fn peer_ip(&mut self, link: &Link) -> Option<std::net::IpAddr> {
+        let Link::Accepted(rid) = link else {
+            return None;
+        };
+        let router = self.router.as_mut()?;
+        // The accept task reports a connection right after registering it,
+        // so its first frames can be read before the report: take what is
+        // queued now.
+        while let Some(Some(ev)) = router.monitor.next().now_or_never() {
+            router.on_monitor(ev);
+        }
+        router.peer_ips.get(rid).copied()
     }
 
     fn send(&mut self, link: &Link, frame: Bytes) {
@@ -309,6 +366,7 @@ impl Channel for ZmqChannel {
                     // The channel holds a sender itself.
                     None => return None,
                 },
+                Some(ev) = router.monitor.next() => router.on_monitor(ev),
                 Some(msg) = router.rx.next() => match msg {
                     Ok(msg) => {
                         let mut frames = msg.into_vec();
@@ -344,7 +402,7 @@ impl Channel for ZmqChannel {
         self.inbound.clear();
         // Spilled frames (of dials and of the router) are sent before the
         // listener and the accepted connections are released.
-        let router = self.router.take().map(|Router { rx, tx, binds }| {
+        let router = self.router.take().map(|Router { rx, tx, binds, .. }| {
             tx.retire(&mut self.retired);
             (rx, binds)
         });
@@ -364,6 +422,12 @@ impl Channel for ZmqChannel {
             drop(rx);
         }
     }
+}
+
+/// The ZeroMQ message size limit for a frame cap: one control frame plus
+/// room for the per-part accounting of a few (empty) envelope parts.
+fn zmq_message_cap(frame_cap: usize) -> usize {
+    frame_cap.saturating_add(4 * MESSAGE_PART_OVERHEAD)
 }
 
 /// What the ROUTER receives. A receive error is not expected (the ROUTER
@@ -386,10 +450,12 @@ async fn dial(
     addr: String,
     rid: Bytes,
     connect_timeout: Duration,
+    max_message: usize,
     side: mpsc::UnboundedSender<Side>,
 ) {
     let mut opts = SocketOptions::default();
-    opts.connect_timeout(connect_timeout);
+    opts.connect_timeout(connect_timeout)
+        .max_message_size(max_message);
     if let Ok(pid) = PeerIdentity::try_from(rid) {
         opts.peer_identity(pid);
     }

@@ -1,13 +1,12 @@
 //! The handshake half of the peer machine: `hello` / `hello_ack` and, with
-//! a pre-shared key, `auth` / `auth_ack` (no data-plane blob leaves before
-//! the other side proved the key).
+//! a pre-shared key, `auth` / `auth_ack`: no identity and no data-plane blob
+//! leaves before the other side proved the key, and the proofs cover the
+//! transcript (see the `wire` module docs).
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use super::{encode, Hs, Peer, Transmit};
-use crate::auth::{self, Side};
-use crate::config::{Ranks, RemoteInfo};
+use crate::auth::{self, Proof};
 use crate::error::Refusal;
 use crate::timer::Timer;
 use crate::wire::{Auth, AuthAck, Hello, HelloAck, Message, PROTOCOL_VERSION};
@@ -32,57 +31,49 @@ impl Peer {
     pub(super) fn on_hello(&mut self, now: Instant, h: Hello) {
         self.timers
             .set(Timer::Handshake, now + self.config.handshake_timeout);
-        if let Some(r) = self.check_compat(h.version, &h.fingerprint) {
-            return self.refuse(now, r, true);
-        }
-        let mut remote = RemoteInfo {
-            engine_id: h.engine_id,
-            incarnation: h.incarnation,
-            ranks: Ranks {
-                dp_rank: h.dp_rank,
-                tp_rank: h.tp_rank,
-                tp_size: h.tp_size,
-            },
-            fingerprint: h.fingerprint,
-            data_plane: Vec::new(),
-            capabilities: h.capabilities,
-            peer_host: h.source.as_deref().and_then(|s| s.parse().ok()),
-        };
-        let l = Arc::clone(&self.local);
-        let mut ack = HelloAck {
-            version: PROTOCOL_VERSION,
-            engine_id: l.engine_id.clone(),
-            incarnation: l.incarnation,
-            dp_rank: l.ranks.dp_rank,
-            tp_rank: l.ranks.tp_rank,
-            tp_size: l.ranks.tp_size,
-            fingerprint: l.fingerprint.clone(),
-            capabilities: l.capabilities.clone(),
-            nonce: Vec::new(),
-            mac: Vec::new(),
-            data_plane: None,
-        };
-        match (
-            self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()),
-            h.auth,
-        ) {
+        match (self.key(), h.auth) {
             (None, false) => {
-                remote.data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
-                ack.data_plane = Some(serde_bytes::ByteBuf::from(l.data_plane.clone()));
+                if let Some(r) = self.check_compat(h.version, &h.identity.fingerprint) {
+                    return self.refuse(now, r, true);
+                }
+                let peer_host = h.source.as_deref().and_then(|s| s.parse().ok());
+                let identity = h.identity;
+                let data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
+                let ack = HelloAck::plain(self.local.identity(), self.local.data_plane.clone());
                 self.transmits
                     .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
-                self.become_ready(now, remote);
+                self.become_ready(now, identity.into_remote(data_plane, peer_host));
             }
             (Some(key), true) => {
+                // Before the key is proven the peer learns our version and a
+                // nonce, nothing else: compatibility is checked after `auth`.
+                if h.version != PROTOCOL_VERSION {
+                    return self.refuse(
+                        now,
+                        Refusal::Version {
+                            local: PROTOCOL_VERSION,
+                            remote: h.version,
+                        },
+                        true,
+                    );
+                }
+                if h.nonce.len() != auth::NONCE_LEN {
+                    let reason = format!(
+                        "{} sent a {}-byte nonce, not {}",
+                        self.addr,
+                        h.nonce.len(),
+                        auth::NONCE_LEN
+                    );
+                    return self.refuse(now, Refusal::Auth { reason }, true);
+                }
                 let nonce_a = auth::nonce();
-                ack.mac = auth::mac(&key, Side::Acceptor, &h.nonce, &nonce_a);
-                ack.nonce = nonce_a.clone();
+                let mac = auth::mac(&key, Proof::AcceptorHello, &[&h.nonce, &nonce_a]);
+                let ack = HelloAck::keyed(nonce_a.clone(), mac);
                 self.transmits
                     .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
                 self.hs = Some(Hs::HelloAck {
                     nonce_i: h.nonce,
                     nonce_a,
-                    remote,
                 });
             }
             (Some(_), false) => self.refuse(
@@ -107,82 +98,146 @@ impl Peer {
             self.stats.unexpected += 1;
             return;
         };
-        if let Some(r) = self.check_compat(ack.version, &ack.fingerprint) {
-            return self.refuse(now, r, true);
-        }
-        let mut remote = RemoteInfo {
-            engine_id: ack.engine_id,
-            incarnation: ack.incarnation,
-            ranks: Ranks {
-                dp_rank: ack.dp_rank,
-                tp_rank: ack.tp_rank,
-                tp_size: ack.tp_size,
-            },
-            fingerprint: ack.fingerprint,
-            data_plane: Vec::new(),
-            capabilities: ack.capabilities,
-            peer_host: self.route.peer,
-        };
-        match self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()) {
+        match self.key() {
             None => {
+                if let Some(r) = self.check_compat(ack.version, &ack.identity.fingerprint) {
+                    return self.refuse(now, r, true);
+                }
+                let identity = ack.identity;
                 let Some(blob) = ack.data_plane else {
                     let reason =
                         format!("{} requires a key but none is configured here", self.addr);
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 };
-                remote.data_plane = blob.into_vec();
-                self.become_ready(now, remote);
+                self.become_ready(now, identity.into_remote(blob.into_vec(), self.route.peer));
             }
             Some(key) => {
-                if !auth::verify(&key, Side::Acceptor, &nonce_i, &ack.nonce, &ack.mac) {
+                if ack.version != PROTOCOL_VERSION {
+                    let r = Refusal::Version {
+                        local: PROTOCOL_VERSION,
+                        remote: ack.version,
+                    };
+                    return self.refuse(now, r, true);
+                }
+                if ack.nonce.len() != auth::NONCE_LEN
+                    || !auth::verify(
+                        &key,
+                        Proof::AcceptorHello,
+                        &[&nonce_i, &ack.nonce],
+                        &ack.mac,
+                    )
+                {
                     let reason = format!("{} failed to prove the pre-shared key", self.addr);
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 }
+                let identity = self.local.identity().transcript_bytes();
+                let blob = &self.local.data_plane;
+                let mac = auth::mac(
+                    &key,
+                    Proof::Initiator,
+                    &[&nonce_i, &ack.nonce, &identity, blob],
+                );
                 let msg = Message::Auth(Auth {
                     version: PROTOCOL_VERSION,
-                    mac: auth::mac(&key, Side::Initiator, &nonce_i, &ack.nonce),
-                    data_plane: self.local.data_plane.clone(),
+                    mac,
+                    data_plane: blob.clone(),
+                    identity: self.local.identity(),
+                    source: self.route.source.map(|ip| ip.to_string()),
                 });
                 self.transmits.push_back(Transmit::Frame(encode(&msg)));
-                self.hs = Some(Hs::Auth { remote });
+                self.hs = Some(Hs::Auth {
+                    nonce_i,
+                    nonce_a: ack.nonce,
+                });
             }
         }
     }
 
     pub(super) fn on_auth(&mut self, now: Instant, a: Auth) {
-        let Some(Hs::HelloAck {
-            nonce_i,
-            nonce_a,
-            mut remote,
-        }) = self.hs.take()
-        else {
+        let Some(Hs::HelloAck { nonce_i, nonce_a }) = self.hs.take() else {
             self.stats.unexpected += 1;
             return;
         };
-        let Some(key) = self.config.psk.as_ref().map(|k| k.as_bytes().to_vec()) else {
+        let Some(key) = self.key() else {
             self.stats.unexpected += 1;
             return;
         };
-        if !auth::verify(&key, Side::Initiator, &nonce_i, &nonce_a, &a.mac) {
+        let ident_i = a.identity.transcript_bytes();
+        if !auth::verify(
+            &key,
+            Proof::Initiator,
+            &[&nonce_i, &nonce_a, &ident_i, &a.data_plane],
+            &a.mac,
+        ) {
             let reason = format!("{} failed to prove the pre-shared key", self.addr);
             return self.refuse(now, Refusal::Auth { reason }, true);
         }
-        remote.data_plane = a.data_plane;
+        // The peer is authenticated: from here on a refusal may name values.
+        if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
+            return self.refuse(now, r, true);
+        }
+        let local = self.local.identity();
+        let ident_a = local.transcript_bytes();
+        let blob_a = &self.local.data_plane;
+        let mac = auth::mac(
+            &key,
+            Proof::AcceptorFinal,
+            &[
+                &nonce_i,
+                &nonce_a,
+                &ident_i,
+                &a.data_plane,
+                &ident_a,
+                blob_a,
+            ],
+        );
         let ack = AuthAck {
             version: PROTOCOL_VERSION,
-            data_plane: self.local.data_plane.clone(),
+            mac,
+            data_plane: blob_a.clone(),
+            identity: local,
         };
         self.transmits
             .push_back(Transmit::Frame(encode(&Message::AuthAck(ack))));
-        self.become_ready(now, remote);
+        let peer_host = a.source.as_deref().and_then(|s| s.parse().ok());
+        self.become_ready(now, a.identity.into_remote(a.data_plane, peer_host));
     }
 
     pub(super) fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
-        let Some(Hs::Auth { mut remote }) = self.hs.take() else {
+        let Some(Hs::Auth { nonce_i, nonce_a }) = self.hs.take() else {
             self.stats.unexpected += 1;
             return;
         };
-        remote.data_plane = a.data_plane;
-        self.become_ready(now, remote);
+        let Some(key) = self.key() else {
+            self.stats.unexpected += 1;
+            return;
+        };
+        let ident_i = self.local.identity().transcript_bytes();
+        let ident_a = a.identity.transcript_bytes();
+        if !auth::verify(
+            &key,
+            Proof::AcceptorFinal,
+            &[
+                &nonce_i,
+                &nonce_a,
+                &ident_i,
+                &self.local.data_plane,
+                &ident_a,
+                &a.data_plane,
+            ],
+            &a.mac,
+        ) {
+            let reason = format!("{} sent an auth_ack that does not prove the key", self.addr);
+            return self.refuse(now, Refusal::Auth { reason }, true);
+        }
+        if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
+            return self.refuse(now, r, true);
+        }
+        self.become_ready(now, a.identity.into_remote(a.data_plane, self.route.peer));
+    }
+
+    /// The pre-shared key, if one is configured.
+    fn key(&self) -> Option<Vec<u8>> {
+        self.config.psk.as_ref().map(|k| k.as_bytes().to_vec())
     }
 }
