@@ -460,6 +460,7 @@ impl Agent {
         let mut snap = crate::metrics::Snapshot {
             in_flight: i64::try_from(self.inner.transport.in_flight()).unwrap_or(i64::MAX),
             rails: self.inner.transport.with_backend(|b| b.rail_stats()),
+            notifications_dropped: self.notifications_dropped(),
             ..Default::default()
         };
         for e in lock(&self.inner.peers).values() {

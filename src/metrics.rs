@@ -13,6 +13,7 @@
 //! | `kvlane_transfer_errors_total` | counter | `kind` |
 //! | `kvlane_peers` | gauge | `state` (`up`, `attaching`, `down`) |
 //! | `kvlane_transfers_in_flight` | gauge | |
+//! | `kvlane_notifications_dropped_total` | counter | (unread queue full) |
 //!
 //! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
@@ -32,6 +33,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -90,6 +92,7 @@ pub(crate) struct Snapshot {
     pub(crate) down: i64,
     pub(crate) in_flight: i64,
     pub(crate) rails: Vec<kvlane_data::RailStats>,
+    pub(crate) notifications_dropped: u64,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -97,9 +100,10 @@ struct RailLabels {
     rail: String,
 }
 
-/// The multi-rail backend's counters, as they were at the last scrape.
+/// Counters kept elsewhere (the multi-rail backend, the notification
+/// queue), as they were at the last scrape.
 #[derive(Debug, Default)]
-struct RailsCollector(Mutex<Vec<kvlane_data::RailStats>>);
+struct RailsCollector(Mutex<Vec<kvlane_data::RailStats>>, AtomicU64);
 
 impl prometheus_client::collector::Collector for RailsCollector {
     fn encode(
@@ -109,6 +113,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::counter::ConstCounter;
         use prometheus_client::metrics::gauge::ConstGauge;
+        let dropped = encoder.encode_descriptor(
+            "notifications_dropped",
+            "Notifications dropped because the unread queue was full",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        ConstCounter::new(self.1.load(Ordering::Relaxed)).encode(dropped)?;
         let rails = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if rails.is_empty() {
             return Ok(());
@@ -306,6 +317,9 @@ impl Metrics {
         }
         m.in_flight.set(snap.in_flight);
         *m.rails.0.lock().unwrap_or_else(|e| e.into_inner()) = snap.rails;
+        m.rails
+            .1
+            .store(snap.notifications_dropped, Ordering::Relaxed);
         let mut out = String::new();
         let registry = m.registry.lock().unwrap_or_else(|e| e.into_inner());
         // Writing into a String cannot fail.
@@ -454,6 +468,7 @@ mod tests {
         );
         assert!(has(r#"kvlane_peers{state="up"} 3"#), "{text}");
         assert!(has("kvlane_transfers_in_flight 2"), "{text}");
+        assert!(has("kvlane_notifications_dropped_total 0"), "{text}");
         assert!(text.contains("# TYPE kvlane_transfer_duration_seconds histogram"));
     }
 
