@@ -531,3 +531,52 @@ async fn one_peer_dying_leaves_transfers_to_another_untouched() {
     }
     agent.close().await;
 }
+
+/// `kvlane bench --peers 1,3 --peer-procs 2`: one JSON row per count, the
+/// agents spread over two worker processes, every row with transfers,
+/// latency and the resources of both sides (threads and fds from /proc),
+/// and more initiator threads and fds at 3 peers than at 1.
+#[test]
+fn bench_peers_reports_aggregate_rows_per_peer_count() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args([
+            "bench",
+            "--peers",
+            "1,3",
+            "--peer-procs",
+            "2",
+            "--backend",
+            "tcp",
+        ])
+        .args(["--op", "write", "--block-sizes", "64K", "--batch", "2"])
+        .args(["--duration", "300ms", "--json"])
+        .output()
+        .expect("run kvlane bench --peers");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (r, (peers, procs)) in rows.iter().zip([(1, 1), (3, 2)]) {
+        assert_eq!(r["peers"], peers, "{r}");
+        assert_eq!(r["procs"], procs, "{r}");
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["transfers"].as_u64().unwrap() >= 2 * peers, "{r}");
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["lat_p99_us"].as_f64().unwrap() > 0.0, "{r}");
+        if cfg!(target_os = "linux") {
+            for side in ["target", "initiators"] {
+                assert!(r[side]["threads"].as_u64().unwrap() > 0, "{r}");
+                assert!(r[side]["fds"].as_u64().unwrap() > 0, "{r}");
+                assert!(r[side]["rss_mib"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+    }
+    let fds = |i: usize| rows[i]["initiators"]["fds"].as_u64().unwrap();
+    let threads = |i: usize| rows[i]["initiators"]["threads"].as_u64().unwrap();
+    if cfg!(target_os = "linux") {
+        assert!(fds(1) > fds(0) && threads(1) > threads(0), "{rows:?}");
+    }
+}

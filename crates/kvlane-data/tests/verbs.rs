@@ -250,6 +250,71 @@ fn drain(
     done
 }
 
+/// A verbs endpoint as it travels (msgpack, named fields), for forging
+/// hostile ones.
+#[derive(serde::Serialize, serde::Deserialize, Clone)]
+struct WireEndpoint {
+    v: u8,
+    qps: Vec<kvlane_data::verbs::QpEndpoint>,
+    mailbox_addr: u64,
+    mailbox_rkey: u32,
+    mailbox_slots: u32,
+    slot_size: u32,
+}
+
+/// Every length and address of a peer's endpoint is checked before it
+/// reaches slot arithmetic: a mailbox of 0 or 2^20 slots, of 0-byte slots or
+/// ending past the address space, and a region ending past the address
+/// space are refused with BadEndpoint naming the field; the peer stays
+/// prepared, and the genuine endpoint then connects.
+#[test]
+#[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
+fn hostile_endpoint_lengths_and_addresses_are_refused() {
+    let (mut init, mut target) = (backend(config(2)), backend(config(2)));
+    let (peer, _) = init.prepare_peer().expect("prepare");
+    let (_, ep) = target.prepare_peer().expect("prepare target");
+    let wire: WireEndpoint = rmp_serde::from_slice(&ep.data).expect("decode endpoint");
+    let forged = |f: &dyn Fn(&mut WireEndpoint)| {
+        let mut w = wire.clone();
+        f(&mut w);
+        kvlane_data::Endpoint {
+            backend: ep.backend,
+            data: rmp_serde::to_vec_named(&w).unwrap(),
+        }
+    };
+    let cases: [(&str, kvlane_data::Endpoint); 4] = [
+        ("0 slots", forged(&|w| w.mailbox_slots = 0)),
+        ("1048576 slots", forged(&|w| w.mailbox_slots = 1 << 20)),
+        ("of 0 bytes", forged(&|w| w.slot_size = 0)),
+        (
+            "past the end",
+            forged(&|w| w.mailbox_addr = u64::MAX - 4096),
+        ),
+    ];
+    for (what, bad) in &cases {
+        match init.connect_peer(peer, bad, &[]) {
+            Err(DataError::BadEndpoint { reason, .. }) => {
+                assert!(reason.contains(what), "{what}: {reason}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let region = RemoteRegion {
+        key: kvlane_data::RemoteKey(1),
+        addr: u64::MAX - 10,
+        len: 4096,
+        access: Access::ALL,
+    };
+    match init.connect_peer(peer, &ep, &[region]) {
+        Err(DataError::BadEndpoint { reason, .. }) => {
+            assert!(reason.contains("past the end"), "{reason}")
+        }
+        other => panic!("region past the address space: {other:?}"),
+    }
+    init.connect_peer(peer, &ep, &[])
+        .expect("the genuine endpoint connects");
+}
+
 /// Peers of the scale test: `KVLANE_TEST_VERBS_PEERS`, default 1,000.
 fn scale_peers() -> usize {
     std::env::var("KVLANE_TEST_VERBS_PEERS")

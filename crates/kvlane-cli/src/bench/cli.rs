@@ -91,6 +91,23 @@ pub(crate) struct BenchArgs {
     /// advertises another host on purpose needs this).
     #[arg(long)]
     dial_any_data_host: bool,
+    /// Peer counts (comma list): for each, that many initiator agents, in
+    /// `--peer-procs` processes, against one target agent in this process
+    /// (127.0.0.1); one row per count with aggregate GB/s, p99 latency and
+    /// the threads, RSS and fds of the target and of the initiators. Uses
+    /// the first `--batch` (per agent) and the network backend of
+    /// `--backend`.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<usize>,
+    /// Initiator processes the `--peers` agents are spread over.
+    #[arg(long, default_value_t = 2)]
+    peer_procs: usize,
+    /// Internal: run as one `--peers` initiator process.
+    #[arg(long, hide = true)]
+    peers_worker: bool,
+    /// Internal: agents of one `--peers-worker` process.
+    #[arg(long, hide = true, default_value_t = 1)]
+    agents: usize,
 }
 
 /// The agent backend of `--role target|initiator`: the one entry of
@@ -201,6 +218,32 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         advertise: args.advertise.clone(),
         dial_any_data_host: args.dial_any_data_host,
     };
+    if args.peers_worker {
+        let addr = args
+            .connect
+            .as_deref()
+            .ok_or("--peers-worker needs --connect")?;
+        let opts = remote::RemoteOpts {
+            backend: role_backend(&args.backend)?,
+            ..opts
+        };
+        return super::peers::worker(addr, args.agents, &plan, &opts);
+    }
+    if !args.peers.is_empty() {
+        if args.role != Role::Local {
+            return Err("--peers runs its own target and initiators: leave out --role".into());
+        }
+        let opts = remote::RemoteOpts {
+            backend: role_backend(&args.backend)?,
+            ..opts
+        };
+        let peers = super::peers::PeersOpts {
+            counts: args.peers.clone(),
+            procs: args.peer_procs,
+            json: args.json,
+        };
+        return super::peers::run(&plan, &opts, &peers);
+    }
     match args.role {
         Role::Target => Ok(crate::runtime().block_on(remote::target(
             &args.listen,

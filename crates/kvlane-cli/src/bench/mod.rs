@@ -22,6 +22,7 @@ mod local;
 mod memcpy;
 mod output;
 mod pair;
+mod peers;
 mod raw;
 mod remote;
 mod schedule;

@@ -32,7 +32,7 @@ type BoxError = Box<dyn std::error::Error>;
 /// Planning granularity of the two-process benchmark.
 pub(crate) const PAGE: u64 = 4096;
 
-fn flat_layout(bytes: u64) -> Result<KvLayout, BoxError> {
+pub(crate) fn flat_layout(bytes: u64) -> Result<KvLayout, BoxError> {
     let pages =
         u32::try_from(bytes / PAGE).map_err(|_| format!("{bytes} bytes is too large a pool"))?;
     Ok(KvLayout::new(
@@ -57,7 +57,7 @@ pub(crate) struct RemoteOpts {
     pub(crate) dial_any_data_host: bool,
 }
 
-fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
+pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
     let mut b = Agent::builder()
         .backend(opts.backend)
         .dial_any_data_host(opts.dial_any_data_host);
