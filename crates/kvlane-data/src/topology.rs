@@ -4,7 +4,7 @@
 //! memory goes out through the NIC nearest to it; the next nearest crosses
 //! a host bridge or the socket interconnect. [`Topology::scan`] reads the
 //! PCIe hierarchy from `/sys` (no driver, no GPU runtime needed) and
-//! [`Topology::link`] classifies a GPU-NIC pair the way `nvidia-smi topo -m`
+//! [`link`] classifies a GPU-NIC pair the way `nvidia-smi topo -m`
 //! does, so the two tools' matrices can be compared line by line.
 //!
 //! GPUs are numbered in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`);
