@@ -11,12 +11,13 @@ use tokio::task::JoinHandle;
 use tracing::{error, info_span, Instrument};
 
 use crate::channel::{Channel, ChannelEvent, ZmqChannel};
-use crate::config::{Config, LocalInfo, PortPlan, Ranks, RemoteInfo, Route};
+use crate::config::{Config, LocalInfo, PortPlan, RemoteInfo, Route};
 use crate::error::{ControlError, GroupError, PeerError};
 use crate::group::{GroupHandshake, GroupMember};
+use crate::ids::ConnectionId;
+use crate::ids::Ranks;
 use crate::peer::{Event, Role, State, Stats, Transmit};
 use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
-use crate::ConnectionId;
 
 /// Extra time granted on top of the handshake deadline before a caller gives
 /// up on the driver itself (the machine already bounds the handshake).

@@ -15,11 +15,12 @@ const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// Incarnations remembered per peer slot (engines that left and may return).
 const INCARNATIONS_PER_SLOT: usize = 4;
 
-use crate::config::{Config, LocalInfo, Ranks, Route};
+use crate::config::{Config, LocalInfo, Route};
 use crate::error::{Refusal, WireError};
+use crate::ids::ConnectionId;
+use crate::ids::Ranks;
 use crate::peer::{Event, Peer, Role, State, Stats, Transmit};
 use crate::wire::Message;
-use crate::ConnectionId;
 
 /// How a frame reaches a connection on the channel.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
