@@ -19,7 +19,7 @@ use crate::liveness::LivenessArgs;
 use crate::serve::ServeBackend;
 use crate::units;
 use clap::Args;
-use kvlane::control::keepalive::Backoff;
+use kvlane::control::Backoff;
 use kvlane::control::ConnectionId;
 use kvlane::data::tcp::{TcpBackend, TcpConfig};
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};

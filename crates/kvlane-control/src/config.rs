@@ -3,9 +3,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::PlanError;
+use crate::ids::Ranks;
 use crate::wire::Identity;
 
 /// Tunables of the control plane. Every field has a documented default.
@@ -176,17 +175,6 @@ impl std::fmt::Debug for Psk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Psk(<redacted>)")
     }
-}
-
-/// Ranks of one engine worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-pub struct Ranks {
-    /// Data-parallel rank.
-    pub dp_rank: u32,
-    /// Tensor-parallel rank.
-    pub tp_rank: u32,
-    /// Tensor-parallel group size.
-    pub tp_size: u32,
 }
 
 /// What this process tells its peers in the handshake.

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::config::Ranks;
+use crate::ids::{ConnectionId, Ranks};
 
 /// Errors produced while encoding or decoding a control-plane frame.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -257,12 +257,12 @@ pub enum ControlError {
     },
     /// No such peer.
     #[error("unknown peer {0}")]
-    UnknownPeer(crate::ConnectionId),
+    UnknownPeer(ConnectionId),
     /// The peer is not ready to carry messages.
     #[error("peer {peer} ({addr}) is not ready: {state:?}")]
     NotReady {
         /// Peer id.
-        peer: crate::ConnectionId,
+        peer: ConnectionId,
         /// Peer address.
         addr: String,
         /// Its state.
@@ -276,7 +276,7 @@ pub enum ControlError {
     )]
     StaleIncarnation {
         /// Peer id.
-        peer: crate::ConnectionId,
+        peer: ConnectionId,
         /// Peer address.
         addr: String,
         /// Incarnation the caller prepared against.

@@ -4,10 +4,11 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use crate::config::{Ranks, RemoteInfo};
+use crate::config::RemoteInfo;
 use crate::error::{GroupError, RankFailure};
+use crate::ids::ConnectionId;
+use crate::ids::Ranks;
 use crate::peer::Event;
-use crate::ConnectionId;
 
 #[derive(Debug, Clone)]
 enum Slot {

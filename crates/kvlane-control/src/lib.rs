@@ -99,34 +99,27 @@
 #![deny(missing_docs)]
 
 mod auth;
-pub mod channel;
-pub mod config;
-pub mod driver;
-pub mod error;
-pub mod group;
-pub mod keepalive;
-pub mod peer;
-pub mod probe;
-pub mod registry;
-pub mod timer;
+mod channel;
+mod config;
+mod driver;
+mod error;
+mod group;
+mod ids;
+mod keepalive;
+mod peer;
+mod probe;
+mod registry;
+mod timer;
 pub mod wire;
 
-pub use config::{Config, ConfigError, LocalInfo, PortPlan, Psk, Ranks, RemoteInfo, Route};
+pub use config::{Config, ConfigError, LocalInfo, PortPlan, Psk, RemoteInfo, Route};
 pub use error::{
     ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError,
 };
+pub use ids::{ConnectionId, Ranks};
+pub use keepalive::Backoff;
 pub use peer::{Event, Peer, Role, State, Stats, Transmit};
 pub use registry::{ConnectRefused, Link, PeerEvent, Registry};
-
-/// Identifies one connection (never reused within a node).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ConnectionId(pub u64);
-
-impl std::fmt::Display for ConnectionId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "conn#{}", self.0)
-    }
-}
 
 pub use channel::{Channel, ChannelEvent, MemChannel, MemNetwork, ZmqChannel};
 pub use driver::{ControlNode, PeerSnapshot};

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 /// Every timer a peer machine can arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Timer {
+pub(crate) enum Timer {
     /// End of the current handshake round.
     Handshake,
     /// Next keep-alive ping.
@@ -19,7 +19,7 @@ pub enum Timer {
 
 impl Timer {
     /// All timers, in table order.
-    pub const ALL: [Self; 5] = [
+    pub(crate) const ALL: [Self; 5] = [
         Self::Handshake,
         Self::KeepAlive,
         Self::Liveness,
@@ -34,38 +34,38 @@ impl Timer {
 
 /// One optional deadline per [`Timer`].
 #[derive(Debug, Clone, Copy, Default)]
-pub struct TimerTable {
+pub(crate) struct TimerTable {
     data: [Option<Instant>; 5],
 }
 
 impl TimerTable {
     /// Arms `timer` at `at`.
-    pub fn set(&mut self, timer: Timer, at: Instant) {
+    pub(crate) fn set(&mut self, timer: Timer, at: Instant) {
         self.data[timer.index()] = Some(at);
     }
 
     /// Disarms `timer`.
-    pub fn stop(&mut self, timer: Timer) {
+    pub(crate) fn stop(&mut self, timer: Timer) {
         self.data[timer.index()] = None;
     }
 
     /// Deadline of `timer`.
-    pub fn get(&self, timer: Timer) -> Option<Instant> {
+    pub(crate) fn get(&self, timer: Timer) -> Option<Instant> {
         self.data[timer.index()]
     }
 
     /// Disarms all timers.
-    pub fn stop_all(&mut self) {
+    pub(crate) fn stop_all(&mut self) {
         self.data = [None; 5];
     }
 
     /// Earliest deadline.
-    pub fn next_timeout(&self) -> Option<Instant> {
+    pub(crate) fn next_timeout(&self) -> Option<Instant> {
         self.data.iter().flatten().min().copied()
     }
 
     /// Disarms and returns a timer that expired at `now`, earliest first.
-    pub fn expire(&mut self, now: Instant) -> Option<Timer> {
+    pub(crate) fn expire(&mut self, now: Instant) -> Option<Timer> {
         let (timer, _) = Timer::ALL
             .iter()
             .filter_map(|&t| self.get(t).filter(|&at| at <= now).map(|at| (t, at)))

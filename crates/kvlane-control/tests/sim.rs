@@ -572,3 +572,44 @@ fn notification_over_cap_is_dropped_and_counted_by_the_receiver() {
     let big = vec![0; 65 << 10];
     assert_eq!(c.nodes[0].reg.notify(id, 3, big.clone()), Err(big));
 }
+
+fn pings_from(c: &Cluster, node: usize) -> usize {
+    c.sent
+        .iter()
+        .filter(|s| s.from == node)
+        .filter(|s| matches!(Message::decode(&s.bytes, 1 << 20), Ok(Message::Ping(_))))
+        .count()
+}
+
+/// Keep-alive costs one ping and one pong per interval per connection: the
+/// dialer pings, the acceptor answers and sends no ping of its own while
+/// it hears the dialer; once the dialer is gone the acceptor pings and
+/// declares it dead within the usual bound.
+#[test]
+fn only_the_dialer_pings_while_both_are_up_and_the_acceptor_still_detects_death() {
+    let (mut c, _) = connected_pair();
+    let interval = c.nodes[0].config.keepalive_interval;
+    let start_sent = c.sent.len();
+    c.drive_for(interval * 20);
+    let window: Vec<_> = c.sent.drain(start_sent..).collect();
+    c.sent.extend(window);
+    assert!(pings_from(&c, 0) >= 19, "the dialer pings every interval");
+    assert_eq!(
+        pings_from(&c, 1),
+        0,
+        "the acceptor sent pings while hearing the dialer"
+    );
+    c.clear_events();
+    c.kill(0);
+    let start = c.now;
+    let (t, _) = c.drive_until_event(1, interval * 20, is_dead);
+    assert!(
+        t - start <= c.nodes[1].config.death_bound() + interval,
+        "acceptor saw the death after {:?}",
+        t - start
+    );
+    assert!(
+        pings_from(&c, 1) > 0,
+        "the acceptor pinged once the dialer went quiet"
+    );
+}

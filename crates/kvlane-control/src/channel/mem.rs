@@ -7,8 +7,8 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::{Channel, ChannelEvent};
+use crate::ids::ConnectionId;
 use crate::registry::Link;
-use crate::ConnectionId;
 
 type Inbox = mpsc::UnboundedSender<ChannelEvent>;
 

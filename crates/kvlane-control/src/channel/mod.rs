@@ -8,13 +8,13 @@ use std::future::Future;
 
 use bytes::Bytes;
 
+use crate::ids::ConnectionId;
 use crate::registry::Link;
-use crate::ConnectionId;
 
 mod inbound;
 mod lane;
-pub mod mem;
-pub mod zmq;
+mod mem;
+mod zmq;
 
 pub use mem::{MemChannel, MemNetwork};
 pub use zmq::ZmqChannel;

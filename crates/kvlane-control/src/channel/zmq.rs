@@ -41,8 +41,8 @@ use super::lane::{DealerTx, Lane, Report, QUEUE};
 use super::{Channel, ChannelEvent};
 use crate::config::Config;
 use crate::error::ControlError;
+use crate::ids::ConnectionId;
 use crate::registry::Link;
-use crate::ConnectionId;
 
 /// Bound on releasing one socket or task.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);

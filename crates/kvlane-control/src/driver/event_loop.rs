@@ -1,0 +1,308 @@
+//! The driver loop: owns the [`Registry`] and the channel, and is the only
+//! task that touches either; [`ControlNode`](super::ControlNode) (the handle,
+//! `mod.rs`) talks to it through [`Command`]s.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tracing::error;
+
+use crate::channel::{Channel, ChannelEvent};
+use crate::error::{ControlError, PeerError};
+use crate::ids::ConnectionId;
+use crate::peer::{Event, Role, State, Transmit};
+use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
+
+use super::{now, Command, ConnectReply, PeerSnapshot};
+
+struct Waiter {
+    addr: String,
+    reply: ConnectReply,
+}
+
+struct Driver<C> {
+    reg: Registry,
+    chan: C,
+    events: broadcast::Sender<PeerEvent>,
+    waiters: HashMap<ConnectionId, Vec<Waiter>>,
+    pings: HashMap<(ConnectionId, u64), oneshot::Sender<Result<Duration, ControlError>>>,
+}
+
+pub(super) async fn run<C: Channel>(
+    reg: Registry,
+    chan: C,
+    mut cmds: mpsc::Receiver<Command>,
+    events: broadcast::Sender<PeerEvent>,
+) {
+    let mut d = Driver {
+        reg,
+        chan,
+        events,
+        waiters: HashMap::new(),
+        pings: HashMap::new(),
+    };
+    let mut closing: Option<Vec<oneshot::Sender<()>>> = None;
+    // One timer for the whole loop, re-armed only when the earliest deadline
+    // changes (re-creating it per event costs a timer-wheel insert and
+    // removal on every frame).
+    let far = || tokio::time::Instant::now() + Duration::from_secs(86_400);
+    let sleep = tokio::time::sleep_until(far());
+    tokio::pin!(sleep);
+    let mut armed: Option<Instant> = None;
+    loop {
+        let deadline = d.reg.poll_timeout();
+        if deadline != armed {
+            sleep.as_mut().reset(deadline.map_or_else(far, Into::into));
+            armed = deadline;
+        }
+        tokio::select! {
+            ev = d.chan.recv() => match ev {
+                Some(ChannelEvent::Frame { link, bytes }) => d.reg.handle_frame(now(), link, &bytes),
+                Some(ChannelEvent::Failed { id, reason }) => d.reg.handle_channel_error(now(), id, reason),
+                None => {
+                    error!("channel ended; closing the node");
+                    d.reg.close(now());
+                    closing.get_or_insert_with(Vec::new);
+                }
+            },
+            cmd = cmds.recv(), if closing.is_none() => match cmd {
+                Some(Command::Close { reply }) => {
+                    d.reg.close(now());
+                    closing = Some(vec![reply]);
+                }
+                Some(cmd) => d.command(cmd),
+                None => {
+                    d.reg.close(now());
+                    closing = Some(Vec::new());
+                }
+            },
+            () = &mut sleep, if armed.is_some() => {
+                armed = None;
+                d.reg.handle_timeout(now());
+            }
+        }
+        d.flush();
+        if closing.is_some() && d.reg.is_empty() {
+            break;
+        }
+    }
+    d.chan.close().await;
+    for (_, ws) in d.waiters.drain() {
+        for w in ws {
+            let _ = w.reply.send(Err(ControlError::Closed));
+        }
+    }
+    // Commands that raced with close get a `Closed` answer by dropping them.
+    cmds.close();
+    while let Ok(cmd) = cmds.try_recv() {
+        if let Command::Close { reply } = cmd {
+            let _ = reply.send(());
+        }
+    }
+    for r in closing.unwrap_or_default() {
+        let _ = r.send(());
+    }
+}
+
+impl<C: Channel> Driver<C> {
+    fn command(&mut self, cmd: Command) {
+        let t = now();
+        match cmd {
+            Command::Connect { addr, route, reply } => {
+                match self.reg.connect_via(t, &addr, route) {
+                    Ok(id) => self
+                        .waiters
+                        .entry(id)
+                        .or_default()
+                        .push(Waiter { addr, reply }),
+                    Err(ConnectRefused::Duplicate { existing, .. }) => {
+                        let ready = self
+                            .reg
+                            .peer(existing)
+                            .filter(|p| matches!(p.state(), State::Ready | State::Suspect))
+                            .and_then(|p| p.remote().cloned());
+                        match ready {
+                            Some(info) => {
+                                let _ = reply.send(Ok((existing, info)));
+                            }
+                            None => self
+                                .waiters
+                                .entry(existing)
+                                .or_default()
+                                .push(Waiter { addr, reply }),
+                        }
+                    }
+                    Err(ConnectRefused::PeerCap { cap, addr }) => {
+                        let _ = reply.send(Err(ControlError::PeerCap { addr, cap }));
+                    }
+                    Err(ConnectRefused::Closed { .. }) => {
+                        let _ = reply.send(Err(ControlError::Closed));
+                    }
+                }
+            }
+            Command::Notify {
+                id,
+                transfer_id,
+                payload,
+                reply,
+            } => {
+                let r = match self.reg.notify(id, transfer_id, payload) {
+                    Ok(()) => Ok(()),
+                    Err(_) => Err(match self.reg.peer(id) {
+                        None => ControlError::UnknownPeer(id),
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
+                    }),
+                };
+                let _ = reply.send(r);
+            }
+            Command::Ping { id, reply } => match self.reg.ping(t, id) {
+                Some(seq) => {
+                    self.pings.insert((id, seq), reply);
+                }
+                None => {
+                    let err = match self.reg.peer(id) {
+                        None => ControlError::UnknownPeer(id),
+                        Some(p) => ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                        },
+                    };
+                    let _ = reply.send(Err(err));
+                }
+            },
+            Command::Check {
+                id,
+                incarnation,
+                reply,
+            } => {
+                let r = match self.reg.peer(id) {
+                    None => Err(ControlError::UnknownPeer(id)),
+                    Some(p) => match (p.state(), p.remote()) {
+                        (State::Ready | State::Suspect, Some(info))
+                            if info.incarnation == incarnation =>
+                        {
+                            Ok(())
+                        }
+                        (State::Ready | State::Suspect, Some(info)) => {
+                            Err(ControlError::StaleIncarnation {
+                                peer: id,
+                                addr: p.addr().to_owned(),
+                                expected: incarnation,
+                                current: info.incarnation,
+                            })
+                        }
+                        (state, _) => Err(ControlError::NotReady {
+                            peer: id,
+                            addr: p.addr().to_owned(),
+                            state,
+                        }),
+                    },
+                };
+                let _ = reply.send(r);
+            }
+            Command::Disconnect { id, reply } => {
+                self.reg.disconnect(t, id);
+                let _ = reply.send(());
+            }
+            Command::Snapshot { reply } => {
+                let mut peers: Vec<_> = self
+                    .reg
+                    .ids()
+                    .into_iter()
+                    .filter_map(|id| {
+                        self.reg.peer(id).map(|p| PeerSnapshot {
+                            id,
+                            addr: p.addr().to_owned(),
+                            state: p.state(),
+                            remote: p.remote().cloned(),
+                        })
+                    })
+                    .collect();
+                peers.sort_by_key(|p| p.id);
+                let _ = reply.send((peers, self.reg.stats()));
+            }
+            Command::Close { reply } => {
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        while let Some((id, link, t)) = self.reg.poll_transmit() {
+            match t {
+                Transmit::Connect => {
+                    if let Some(addr) = self.reg.peer(id).map(|p| p.addr().to_owned()) {
+                        self.chan.open(id, &addr);
+                    }
+                }
+                Transmit::Frame(f) => self.chan.send(&link, Bytes::from(f)),
+                Transmit::Disconnect => {
+                    if let Link::Dial(id) = link {
+                        self.chan.disconnect(id);
+                    }
+                }
+            }
+        }
+        while let Some(mut ev) = self.reg.poll_event() {
+            // A peer that dialed us is where its connection comes from, as
+            // the transport saw it, not where its hello says.
+            if let (Event::Ready(info), Role::Acceptor) = (&mut ev.event, ev.role) {
+                if let Some(link) = self.reg.link(ev.id).cloned() {
+                    if let Some(ip) = self.chan.peer_ip(&link) {
+                        info.peer_host = Some(ip);
+                    }
+                }
+            }
+            self.resolve(&ev);
+            let _ = self.events.send(ev);
+        }
+    }
+
+    fn resolve(&mut self, ev: &PeerEvent) {
+        let failure = match &ev.event {
+            Event::Ready(info) => {
+                for w in self.waiters.remove(&ev.id).unwrap_or_default() {
+                    let _ = w.reply.send(Ok((ev.id, info.clone())));
+                }
+                return;
+            }
+            Event::Pong { seq, rtt } => {
+                if let Some(reply) = self.pings.remove(&(ev.id, *seq)) {
+                    let _ = reply.send(Ok(*rtt));
+                }
+                return;
+            }
+            Event::Refused { refusal, .. } => (1, PeerError::Refused(refusal.clone())),
+            Event::Dead {
+                attempts,
+                last_error,
+                ..
+            } => (*attempts, last_error.clone()),
+            Event::Closed => (
+                0,
+                PeerError::Channel("closed before the handshake finished".into()),
+            ),
+            _ => return,
+        };
+        self.pings.retain(|(id, _), _| *id != ev.id);
+        let Some(ws) = self.waiters.remove(&ev.id) else {
+            return;
+        };
+        for w in ws {
+            let _ = w.reply.send(Err(ControlError::Connect {
+                addr: w.addr,
+                attempts: failure.0,
+                last_error: failure.1.clone(),
+            }));
+        }
+        // A connect that failed does not keep dialing in the background.
+        self.reg.disconnect(now(), ev.id);
+    }
+}
