@@ -373,11 +373,16 @@ impl Inner {
                 ),
             ));
         };
-        let old = entry.data_peer.replace(data_peer);
-        drop(peers);
-        if let Some(old) = old {
-            self.transport.with_backend(|b| b.remove_peer(old));
+        if entry.data_peer.is_some() {
+            // A second attach in the same generation (a repeated Ready):
+            // the data peer in use stays, with the transfers in flight on
+            // it; replacing it would fail them with "peer removed".
+            drop(peers);
+            debug!(peer = %t.id, "second attach in one generation: the first data peer stays");
+            self.transport.with_backend(|b| b.remove_peer(data_peer));
+            return Ok(());
         }
+        entry.data_peer = Some(data_peer);
         Ok(())
     }
 
