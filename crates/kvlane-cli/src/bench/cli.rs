@@ -86,6 +86,23 @@ pub(crate) struct BenchArgs {
     /// address each peer's control connection reached.
     #[arg(long)]
     advertise: Option<String>,
+    /// Memory the backends move from and to: `host`, or a GPU (`cuda:0`,
+    /// `rocm:0`). The memcpy and raw-tcp baselines stay in host memory.
+    #[arg(long, default_value = "host", value_parser = parse_memory)]
+    memory: Memory,
+}
+
+/// `--memory`: host or a GPU.
+#[derive(Clone, Copy, Debug)]
+struct Memory(Option<kvlane_data::GpuDevice>);
+
+fn parse_memory(s: &str) -> Result<Memory, String> {
+    if s == "host" {
+        return Ok(Memory(None));
+    }
+    s.parse()
+        .map(|d| Memory(Some(d)))
+        .map_err(|e| format!("{e}, or host"))
 }
 
 /// The agent backend of `--role target|initiator`: the one entry of
@@ -185,6 +202,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         duration: args.duration,
         baselines: !args.no_baseline,
         threads: args.threads,
+        memory: args.memory.0,
     };
     let opts = remote::RemoteOpts {
         backend: if args.role == Role::Local {
@@ -194,6 +212,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         },
         psk: args.psk.clone(),
         advertise: args.advertise.clone(),
+        memory: args.memory.0,
     };
     match args.role {
         Role::Target => Ok(crate::runtime().block_on(remote::target(

@@ -544,8 +544,9 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
             let Some(region) = &job.local else {
                 return conn.lost(i, protocol("READ without local memory"));
             };
+            // GPU memory: staged; returns once the bytes are on the device.
             let r = region
-                .with_slice_mut(job.local_offset, job.len, |s| rd.payload(s))
+                .write_chunks(job.local_offset, job.len, |s| rd.payload(s))
                 .map_err(|e| io::Error::other(e.to_string()))
                 .and_then(|r| r);
             if let Err(e) = r {

@@ -99,6 +99,8 @@ enum Seg {
     Buf(usize, usize),
     /// A span of region memory, sent without a copy.
     Mem(Region, u64, u64),
+    /// A span of GPU memory, staged through pinned buffers when written.
+    Staged(Region, u64, u64),
 }
 
 /// Gathers frames and writes them with vectored writes: headers and tiny
@@ -155,6 +157,16 @@ impl<'a> FrameWriter<'a> {
     /// Appends `len` bytes of `region` from `offset` (checked again when
     /// written).
     pub fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        if region.device().is_some() {
+            region
+                .check_range(offset, len)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            self.segs.push(Seg::Staged(region.clone(), offset, len));
+            self.bytes = self
+                .bytes
+                .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+            return Ok(());
+        }
         if len < COPY_MAX {
             return region
                 .with_slice(offset, len, |s| self.put(s))
@@ -173,15 +185,37 @@ impl<'a> FrameWriter<'a> {
             return Ok(());
         }
         let stream = self.stream;
-        let slices = Vec::with_capacity(self.segs.len());
-        let r = gather(&self.segs, &self.buf, slices, &mut |s| {
-            write_all_slices(stream, s)
-        });
+        let r = write_segs(stream, &self.segs, &self.buf);
         self.segs.clear();
         self.buf.clear();
         self.bytes = 0;
         r
     }
+}
+
+/// Writes the segments in order: runs of host segments with one vectored
+/// write, GPU spans chunk by chunk as they are staged (the copy of the next
+/// chunk overlaps the socket write of this one).
+fn write_segs(stream: &TcpStream, segs: &[Seg], buf: &[u8]) -> io::Result<()> {
+    let mut start = 0;
+    for (i, seg) in segs.iter().enumerate() {
+        if let Seg::Staged(region, off, len) = seg {
+            let host = &segs[start..i];
+            gather(host, buf, Vec::with_capacity(host.len()), &mut |s| {
+                write_all_slices(stream, s)
+            })?;
+            region
+                .read_chunks(*off, *len, |c| {
+                    write_all_slices(stream, &mut [IoSlice::new(c)])
+                })
+                .map_err(|e| io::Error::other(e.to_string()))??;
+            start = i + 1;
+        }
+    }
+    let host = &segs[start..];
+    gather(host, buf, Vec::with_capacity(host.len()), &mut |s| {
+        write_all_slices(stream, s)
+    })
 }
 
 /// Borrows every segment's bytes (region memory through nested
@@ -206,6 +240,8 @@ fn gather<'s>(
                     })
                     .map_err(|e| io::Error::other(e.to_string()))?;
             }
+            // `write_segs` splits runs at staged segments.
+            Seg::Staged(..) => return Err(io::Error::other("staged GPU span in a gathered run")),
         }
     }
     f(&mut acc)

@@ -67,7 +67,8 @@
 //! socket and stops the listener; the I/O threads exit as their sockets
 //! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
 
-// Region memory is reached only through `Region::with_slice{,_mut}`.
+// Region memory is reached only through `Region::with_slice` and
+// `Region::{read,write}_chunks` (which stage GPU memory).
 #![forbid(unsafe_code)]
 
 mod initiator;

@@ -405,8 +405,9 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         };
         let status = match checked {
             Ok(Some(region)) if req.kind == RequestKind::Write => {
+                // GPU memory: staged; returns once the bytes are on the device.
                 region
-                    .with_slice_mut(req.offset, req.len, |s| rd.payload(s))
+                    .write_chunks(req.offset, req.len, |s| rd.payload(s))
                     .map_err(|e| io::Error::other(e.to_string()))??;
                 bump(&c.writes_served, 1);
                 bump(&c.bytes_written, req.len);
