@@ -135,6 +135,7 @@ fn data_kind(e: &DataError) -> ErrorKind {
         e if e.is_refused() => ErrorKind::Refused,
         DataError::Unsupported { .. } => ErrorKind::Unsupported,
         DataError::Gpu(g) if g.is_unsupported() => ErrorKind::Unsupported,
+        DataError::Gpu(kvlane_data::GpuError::NotDeviceMemory { .. }) => ErrorKind::InvalidInput,
         DataError::Gpu(_) => ErrorKind::Io,
         DataError::Shutdown(_) => ErrorKind::Closed,
         DataError::UnknownPeer(_) => ErrorKind::PeerLost,

@@ -88,7 +88,7 @@ pub mod verbs;
 pub use backend::{connect_pair, Backend, Connected, Connecting};
 pub use error::{DataError, SubmitError};
 pub use gpu::{
-    gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,
+    gpu_device_of, gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,
     ParseGpuDeviceError,
 };
 pub use handle::{TransferHandle, Transport};

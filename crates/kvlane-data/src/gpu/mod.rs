@@ -170,6 +170,22 @@ pub fn gpu_devices(runtime: GpuRuntime) -> Result<Vec<GpuInfo>, GpuError> {
         .collect()
 }
 
+/// The GPU of `runtime` whose memory `addr` is, per the driver's pointer
+/// attributes; `None` for host or unknown memory. Used where only an
+/// address is known (`__cuda_array_interface__` names no device).
+pub fn gpu_device_of(runtime: GpuRuntime, addr: u64) -> Result<Option<GpuDevice>, GpuError> {
+    let first = GpuDevice {
+        runtime,
+        ordinal: 0,
+    };
+    let ctx = device::DeviceContext::get(first)?;
+    ctx.bind()?;
+    match ctx.driver().pointer_kind(addr).map_err(|e| e.on(first))? {
+        PointerKind::Device(ordinal) => Ok(Some(GpuDevice { runtime, ordinal })),
+        PointerKind::Host | PointerKind::Unknown => Ok(None),
+    }
+}
+
 /// Where a pointer lives, per the driver's pointer attributes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum PointerKind {
