@@ -179,7 +179,10 @@ fn copies_span_many_staging_chunks() {
         })
         .unwrap();
     assert_eq!(r2, Err("stop"));
-    assert_eq!(seen, 2 << 20, "stopped after the first chunk");
+    assert!(
+        (128 << 10..=2 << 20).contains(&seen),
+        "stopped after the first chunk, not after {seen} bytes"
+    );
 }
 
 #[test]

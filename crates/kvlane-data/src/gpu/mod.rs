@@ -304,3 +304,39 @@ pub(crate) trait Driver: Send + Sync {
     /// kernel that cannot fails with [`CallError::is_unsupported`].
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd, CallError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_display_and_parse() {
+        for (s, d) in [
+            ("cuda:0", GpuDevice::cuda(0)),
+            ("rocm:3", GpuDevice::rocm(3)),
+        ] {
+            assert_eq!(s.parse::<GpuDevice>(), Ok(d));
+            assert_eq!(d.to_string(), s);
+        }
+        assert_eq!("hip:1".parse::<GpuDevice>(), Ok(GpuDevice::rocm(1)));
+        for bad in ["cuda", "cuda:", "cuda:-1", "gpu:0", "cuda:0x1", ""] {
+            let e = bad.parse::<GpuDevice>().unwrap_err();
+            assert!(e.to_string().contains("cuda:N or rocm:N"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn unsupported_errors_name_device_and_cause() {
+        let e = GpuError::Unsupported {
+            device: GpuDevice::cuda(2),
+            why: GpuUnavailable::NoDevice { count: 1 },
+        };
+        assert!(e.is_unsupported());
+        assert_eq!(e.device(), GpuDevice::cuda(2));
+        assert_eq!(
+            e.to_string(),
+            "cuda:2: unsupported: the driver reports 1 device(s)"
+        );
+        assert!(CallError::missing("cuMemGetHandleForAddressRange").is_unsupported());
+    }
+}
