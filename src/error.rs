@@ -134,6 +134,9 @@ pub(crate) fn data_kind(e: &DataError) -> ErrorKind {
         e if e.is_peer_lost() => ErrorKind::PeerLost,
         e if e.is_refused() => ErrorKind::Refused,
         DataError::Unsupported { .. } => ErrorKind::Unsupported,
+        DataError::Gpu(g) if g.is_unsupported() => ErrorKind::Unsupported,
+        DataError::Gpu(kvlane_data::GpuError::NotDeviceMemory { .. }) => ErrorKind::InvalidInput,
+        DataError::Gpu(_) => ErrorKind::Io,
         DataError::Shutdown(_) => ErrorKind::Closed,
         DataError::UnknownPeer(_) => ErrorKind::PeerLost,
         DataError::Io { .. } | DataError::Rdma { .. } | DataError::Unreachable { .. } => {

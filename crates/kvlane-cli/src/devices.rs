@@ -1,9 +1,27 @@
-//! `kvlane devices`: RDMA devices, or the plain reason there are none.
+//! `kvlane devices`: GPUs and RDMA devices, or the plain reason there are
+//! none.
 
+use kvlane_data::{gpu_devices, GpuRuntime};
 use std::path::Path;
 
 /// Prints what this machine offers; returns false when there is no RDMA.
 pub(crate) fn run() -> bool {
+    gpus();
+    rdma()
+}
+
+/// One line per GPU (`cuda:0 NVIDIA H200 pci 0000:1b:00.0 ...`), or one
+/// line per runtime saying why it has none.
+fn gpus() {
+    for rt in [GpuRuntime::Cuda, GpuRuntime::Rocm] {
+        match gpu_devices(rt) {
+            Ok(devs) => devs.iter().for_each(|d| println!("gpu {d}")),
+            Err(e) => println!("no {rt} GPU: {e}"),
+        }
+    }
+}
+
+fn rdma() -> bool {
     let sysfs = Path::new("/sys/class/infiniband");
     let names: Vec<String> = std::fs::read_dir(sysfs)
         .map(|d| {

@@ -51,7 +51,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Preflight, handshake and round-trip samples against an agent.
     Ping(ping::PingArgs),
-    /// List RDMA devices, or say why there are none.
+    /// List GPUs (CUDA, ROCm) with their PCI addresses and RDMA devices,
+    /// or say why there are none; exits 2 when there is no RDMA device.
     Devices,
     /// Keep verified transfers running against agents and report every
     /// failure, peer event, restart check and latency.

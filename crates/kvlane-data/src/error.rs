@@ -165,6 +165,10 @@ pub enum DataError {
         /// Vendor-specific error code from the completion.
         vendor_err: u32,
     },
+    /// GPU memory cannot be used here (no runtime, no device) or a driver
+    /// call failed; the error names the device.
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
     /// Setting up or using the verbs backend failed (device, registration,
     /// queue pair); the error names the device.
     #[cfg(feature = "verbs")]

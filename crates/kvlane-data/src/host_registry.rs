@@ -24,18 +24,24 @@ impl Default for HostRegistry {
 }
 
 impl HostRegistry {
-    /// Registers host memory for `backend`; returns the key to serve it
-    /// under. Device memory is refused: only verbs registers dma-bufs.
+    /// Registers host memory, or GPU memory registered through its runtime
+    /// (staged through pinned host buffers), for `backend`; returns the key
+    /// to serve it under. A bare dma-buf is refused: only verbs registers
+    /// those.
     pub(crate) fn register(
         &mut self,
         backend: &'static str,
         region: &Region,
     ) -> Result<RemoteKey, DataError> {
-        if region.kind() != MemoryKind::Host {
-            return Err(DataError::Unsupported {
-                backend,
-                what: "device (dma-buf) memory; use the verbs backend",
-            });
+        match region.kind() {
+            MemoryKind::Host => {}
+            MemoryKind::Gpu { .. } if region.gpu().is_some() => {}
+            MemoryKind::Gpu { .. } | MemoryKind::Device { .. } => {
+                return Err(DataError::Unsupported {
+                    backend,
+                    what: "dma-buf memory without its GPU runtime; use the verbs backend, or register it with Region::from_device_ptr to stage it",
+                })
+            }
         }
         let key = match self.keys.get(&region.id()) {
             Some(key) => *key,

@@ -39,6 +39,21 @@
 //! - `verbs`: the libibverbs backend (crate `sideway`). Building it needs
 //!   cmake and libclang; running it needs libibverbs and an RDMA device.
 //!
+//! # GPU memory
+//!
+//! CUDA (`libcuda.so.1`) and ROCm HIP (`libamdhip64.so`) are loaded at run
+//! time; building needs neither toolkit. [`Region::alloc_device`] and the
+//! `unsafe` [`Region::from_device_ptr`] register GPU memory (checked
+//! against the driver's pointer attributes); [`gpu_devices`] lists GPUs
+//! with their PCI addresses. verbs registers GPU memory by dma-buf, then
+//! by device address, else fails naming both; tcp and loopback stage it
+//! through pinned host buffers with asynchronous copies, pipelined with
+//! their I/O ([`Region::read_chunks`], [`Region::write_chunks`]). Without a
+//! driver or device every entry point returns [`GpuError::Unsupported`]
+//! naming the device and why. `KVLANE_CUDA_LIBRARY` / `KVLANE_HIP_LIBRARY`
+//! override the library paths (the tests use a mock CUDA driver, see
+//! [`conformance::use_mock_cuda`]).
+//!
 //! # Thread safety
 //!
 //! [`Region`] is `Send + Sync` and cheap to clone. Backends are `Send` and
@@ -62,6 +77,8 @@
 mod backend;
 pub mod conformance;
 mod error;
+#[allow(unsafe_code)] // CUDA and HIP driver FFI, device memory and pinned staging
+mod gpu;
 mod handle;
 mod host_registry;
 mod ids;
@@ -79,6 +96,10 @@ pub mod verbs;
 
 pub use backend::{connect_pair, Backend, Connected, Connecting};
 pub use error::{DataError, SubmitError};
+pub use gpu::{
+    gpu_device_of, gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,
+    ParseGpuDeviceError,
+};
 pub use handle::{OnDone, TransferHandle, Transport};
 pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};

@@ -1,5 +1,6 @@
 //! The loopback backend: one-sided transfers between backends of the same
-//! process, executed as `memcpy` with the checks a NIC makes.
+//! process, executed as `memcpy` with the checks a NIC makes. GPU memory
+//! on either side moves through pinned staging buffers (`gpu/staging.rs`).
 //!
 //! Every loopback backend is a node of a process-wide fabric. A peer is
 //! another node; its regions are looked up by key at execution time, and
@@ -8,6 +9,7 @@
 
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
+use crate::gpu::staging::copy_between;
 use crate::host_registry::HostRegistry;
 use crate::ids::FastMap;
 use crate::ids::{PeerId, RegionId, RemoteKey};
@@ -172,8 +174,9 @@ fn execute(
     for seg in plan.iter() {
         let (local, remote) = regions.of(t.peer, seg)?;
         match t.op {
-            Op::Write => local.copy_to(seg.local_offset, remote, seg.remote_offset, seg.len)?,
-            Op::Read => remote.copy_to(seg.remote_offset, local, seg.local_offset, seg.len)?,
+            // GPU memory on either side is staged through pinned buffers.
+            Op::Write => copy_between(local, seg.local_offset, remote, seg.remote_offset, seg.len)?,
+            Op::Read => copy_between(remote, seg.remote_offset, local, seg.local_offset, seg.len)?,
         }
     }
     Ok(())

@@ -6,6 +6,9 @@
 //! buffer alive. Foreign memory (an engine's KV tensors, GPU memory exported
 //! as dma-buf) is registered with the `unsafe` [`Region::from_raw`], whose
 //! contract is that the memory outlives every clone of the region.
+//! GPU memory is registered with [`Region::alloc_device`] or the `unsafe`
+//! [`Region::from_device_ptr`] (in `gpu/region.rs`); the region then holds
+//! the device's runtime handle, through which backends stage its bytes.
 //!
 //! Like memory registered with an RDMA NIC, the contents of bytes targeted
 //! by an in-flight transfer are unspecified until that transfer completes.
@@ -150,6 +153,14 @@ pub enum MemoryKind {
         /// Accelerator ordinal.
         device: u32,
     },
+    /// GPU memory registered through its runtime ([`Region::alloc_device`],
+    /// [`Region::from_device_ptr`]): verbs registers it by dma-buf or by
+    /// address, tcp and loopback stage it through pinned host buffers.
+    /// The address is a device address; the CPU never dereferences it.
+    Gpu {
+        /// The device.
+        device: crate::gpu::GpuDevice,
+    },
 }
 
 /// What a target advertises for one of its regions: enough for a peer to
@@ -221,6 +232,8 @@ struct Inner {
     kind: MemoryKind,
     access: Access,
     owner: Owner,
+    /// The runtime handle of GPU memory (set once, by `gpu/region.rs`).
+    gpu: std::sync::OnceLock<Arc<crate::gpu::DeviceMemory>>,
 }
 
 // SAFETY: `ptr` is only dereferenced through bounds-checked raw copies in
@@ -422,8 +435,20 @@ impl Region {
                 kind,
                 access,
                 owner,
+                gpu: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// The runtime handle of a GPU region.
+    pub(crate) fn gpu(&self) -> Option<&Arc<crate::gpu::DeviceMemory>> {
+        self.inner.gpu.get()
+    }
+
+    /// Attaches the runtime handle to a region just made for it.
+    pub(crate) fn set_gpu(&self, mem: Arc<crate::gpu::DeviceMemory>) {
+        // A fresh region has none; `set` only fails if one is present.
+        let _ = self.inner.gpu.set(mem);
     }
 
     /// The region's process-unique id.

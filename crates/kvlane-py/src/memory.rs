@@ -1,11 +1,15 @@
-//! Registrations: [`Memory`] (a buffer-protocol object, zero-copy, or
-//! foreign memory by pointer), [`KvLayout`], and descriptor lists.
+//! Registrations: [`Memory`] (a buffer-protocol object, zero-copy, a GPU
+//! array through `__cuda_array_interface__`, or foreign memory by
+//! pointer), [`KvLayout`], and descriptor lists.
 
 use crate::buffer::BufferView;
-use crate::errors::{invalid, to_py, UnsupportedError};
-use kvlane::data::{Access, KvParts, LayoutOrder, MemoryKind, Region};
+use crate::errors::{invalid, to_py};
+use kvlane::data::{
+    gpu_device_of, Access, GpuDevice, GpuRuntime, KvParts, LayoutOrder, MemoryKind, Region,
+};
 use kvlane::MemSpan;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use pyo3::types::{PyList, PyTuple};
 
 /// Memory registered for transfers. Build it from any buffer-protocol
@@ -13,6 +17,10 @@ use pyo3::types::{PyList, PyTuple};
 /// zero-copy, the object's buffer is held (it cannot resize or close) as
 /// long as the registration lives. A read-only buffer (or `readonly=True`)
 /// registers without write rights: peers may READ it, nobody may write it.
+/// A GPU array (a torch CUDA tensor, a CuPy array: any object with a
+/// C-contiguous `__cuda_array_interface__`) registers as GPU memory of the
+/// device the driver says it is on; the object is kept alive as long as
+/// the registration.
 #[pyclass(module = "kvlane", frozen, name = "Memory")]
 pub(crate) struct Memory {
     pub(crate) region: Region,
@@ -33,6 +41,9 @@ impl Memory {
     }
 
     fn from_buffer(obj: &Bound<'_, PyAny>, readonly: Option<bool>) -> PyResult<Self> {
+        if obj.hasattr("__cuda_array_interface__")? {
+            return Self::from_cuda_array(obj, readonly);
+        }
         let view = match readonly {
             Some(true) => BufferView::acquire(obj, false, false)?,
             Some(false) => BufferView::acquire(obj, true, false)?,
@@ -55,6 +66,116 @@ impl Memory {
     }
 }
 
+/// `(data pointer, bytes, read-only)` of a `__cuda_array_interface__`
+/// (version 2 or 3): C-contiguous only.
+fn cuda_array(obj: &Bound<'_, PyAny>) -> PyResult<(u64, usize, bool)> {
+    let cai = obj.getattr("__cuda_array_interface__")?;
+    let cai = cai
+        .cast::<PyDict>()
+        .map_err(|_| invalid("__cuda_array_interface__ is not a dict"))?;
+    let field = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        cai.get_item(k)?
+            .ok_or_else(|| invalid(format!("__cuda_array_interface__ has no {k:?}")))
+    };
+    let (ptr, ro): (u64, bool) = field("data")?.extract()?;
+    let shape: Vec<usize> = field("shape")?.extract()?;
+    let typestr: String = field("typestr")?.extract()?;
+    let itemsize: usize = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| invalid(format!("__cuda_array_interface__ typestr {typestr:?}")))?;
+    let count = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| invalid("__cuda_array_interface__ shape overflows"))?;
+    if let Some(strides) = cai.get_item("strides")?.filter(|s| !s.is_none()) {
+        let strides: Vec<isize> = strides.extract()?;
+        let mut want = itemsize as isize;
+        for (&dim, &stride) in shape.iter().zip(&strides).rev() {
+            if dim > 1 && stride != want {
+                return Err(invalid(format!(
+                    "only C-contiguous GPU arrays can be registered (strides {strides:?} for shape {shape:?})"
+                )));
+            }
+            want *= dim as isize;
+        }
+    }
+    let nbytes = count
+        .checked_mul(itemsize)
+        .ok_or_else(|| invalid("__cuda_array_interface__ size overflows"))?;
+    Ok((ptr, nbytes, ro))
+}
+
+/// `"cuda:N"` / `"rocm:N"` (`"cuda"` / `"rocm"` mean device 0); `None` for
+/// host memory names.
+fn parse_device(device: &str) -> PyResult<Option<GpuDevice>> {
+    Ok(match device {
+        "cpu" | "DRAM" | "host" => None,
+        "cuda" | "VRAM" => Some(GpuDevice::cuda(0)),
+        "rocm" | "hip" => Some(GpuDevice::rocm(0)),
+        d => Some(d.parse().map_err(|e| invalid(format!("{e}, or \"cpu\"")))?),
+    })
+}
+
+impl Memory {
+    fn from_cuda_array(obj: &Bound<'_, PyAny>, readonly: Option<bool>) -> PyResult<Self> {
+        let (ptr, nbytes, ro) = cuda_array(obj)?;
+        if nbytes == 0 || ptr == 0 {
+            return Err(invalid("cannot register an empty GPU array"));
+        }
+        // ROCm builds of torch and CuPy speak the same interface.
+        let runtimes = [GpuRuntime::Cuda, GpuRuntime::Rocm];
+        let mut first_err = None;
+        let mut device = None;
+        for rt in runtimes {
+            match gpu_device_of(rt, ptr) {
+                Ok(Some(d)) => {
+                    device = Some(d);
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let Some(device) = device else {
+            return Err(match first_err {
+                Some(e) => to_py(kvlane::data::DataError::from(e).into()),
+                None => invalid(format!(
+                    "__cuda_array_interface__ pointer {ptr:#x} is not GPU memory of any device"
+                )),
+            });
+        };
+        let ro = readonly.unwrap_or(false) || ro;
+        let owner: Py<PyAny> = obj.clone().unbind();
+        Self::gpu(device, ptr, nbytes, ro, Some(owner))
+    }
+
+    fn gpu(
+        device: GpuDevice,
+        ptr: u64,
+        nbytes: usize,
+        readonly: bool,
+        owner: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let access = if readonly {
+            Access::REMOTE_READ
+        } else {
+            Access::ALL
+        };
+        let keep = owner.map(|o| Box::new(o) as Box<dyn std::any::Any + Send + Sync>);
+        // SAFETY: the caller's contract (`unsafe_from_ptr`) or the array
+        // interface's (the pointer is the array's memory while the array
+        // lives; `owner` keeps it alive as long as the region): the device
+        // range outlives every clone of the region. The driver checks that
+        // it is memory of `device`.
+        let region = unsafe { Region::from_device_ptr(device, ptr, nbytes, access, keep) }
+            .map_err(|e| to_py(e.into()))?;
+        Ok(Self::new(region, readonly))
+    }
+}
+
 #[pymethods]
 impl Memory {
     #[new]
@@ -72,8 +193,9 @@ impl Memory {
     /// every agent it was registered with, and every transfer using it are
     /// gone; `owner` (for instance the tensor) is kept alive that long.
     /// Bytes targeted by an in-flight transfer must not be touched by other
-    /// code. `device` other than `"cpu"` is refused until GPU memory
-    /// support lands.
+    /// code. `device` is `"cpu"` or a GPU (`"cuda:0"`, `"rocm:1"`), where
+    /// the same holds for device memory and the driver must confirm that
+    /// `ptr` is memory of that device.
     #[staticmethod]
     #[pyo3(signature = (ptr, nbytes, device = "cpu", *, readonly = false, owner = None))]
     fn unsafe_from_ptr(
@@ -83,10 +205,8 @@ impl Memory {
         readonly: bool,
         owner: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        if !matches!(device, "cpu" | "DRAM" | "host") {
-            return Err(UnsupportedError::new_err(format!(
-                "memory on device {device:?}: only host memory (\"cpu\") is supported by this build"
-            )));
+        if let Some(gpu) = parse_device(device)? {
+            return Self::gpu(gpu, ptr as u64, nbytes, readonly, owner);
         }
         let access = if readonly {
             Access::REMOTE_READ
@@ -121,16 +241,25 @@ impl Memory {
         self.readonly
     }
 
+    /// `"cpu"`, or the GPU (`"cuda:0"`).
+    #[getter]
+    fn device(&self) -> String {
+        self.region
+            .device()
+            .map_or_else(|| "cpu".to_owned(), |d| d.to_string())
+    }
+
     fn __len__(&self) -> usize {
         self.region.len() as usize
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "Memory(addr={:#x}, nbytes={}, readonly={})",
+            "Memory(addr={:#x}, nbytes={}, readonly={}, device={:?})",
             self.region.addr(),
             self.region.len(),
-            self.readonly
+            self.readonly,
+            self.device()
         )
     }
 }

@@ -108,6 +108,23 @@ pub(crate) struct BenchArgs {
     /// Internal: agents of one `--peers-worker` process.
     #[arg(long, hide = true, default_value_t = 1)]
     agents: usize,
+    /// Memory the backends move from and to: `host`, or a GPU (`cuda:0`,
+    /// `rocm:0`). The memcpy and raw-tcp baselines stay in host memory.
+    #[arg(long, default_value = "host", value_parser = parse_memory)]
+    memory: Memory,
+}
+
+/// `--memory`: host or a GPU.
+#[derive(Clone, Copy, Debug)]
+struct Memory(Option<kvlane_data::GpuDevice>);
+
+fn parse_memory(s: &str) -> Result<Memory, String> {
+    if s == "host" {
+        return Ok(Memory(None));
+    }
+    s.parse()
+        .map(|d| Memory(Some(d)))
+        .map_err(|e| format!("{e}, or host"))
 }
 
 /// The agent backend of `--role target|initiator`: the one entry of
@@ -207,6 +224,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         duration: args.duration,
         baselines: !args.no_baseline,
         threads: args.threads,
+        memory: args.memory.0,
     };
     let opts = remote::RemoteOpts {
         backend: if args.role == Role::Local {
@@ -217,6 +235,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         psk: args.psk.clone(),
         advertise: args.advertise.clone(),
         dial_any_data_host: args.dial_any_data_host,
+        memory: args.memory.0,
     };
     if args.peers_worker {
         let addr = args

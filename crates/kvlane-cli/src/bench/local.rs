@@ -52,11 +52,12 @@ pub(crate) fn run(
         for &kind in &plan.backends {
             pairs.push(
                 (0..threads)
-                    .map(|_| Pair::new(factory, kind, block, pool))
+                    .map(|_| Pair::new(factory, kind, block, pool, plan.memory))
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
         let mut contenders = Vec::new();
+        // memcpy copies host memory: with GPU pairs it gets its own buffers.
         if plan.baselines {
             // Thread `i` copies between the very buffers the first
             // backend's pair `i` moves (its remote into its local region,
@@ -67,6 +68,7 @@ pub(crate) fn run(
                 .first()
                 .map(|ps| ps.iter().map(|p| (p.remote.clone(), p.local.clone())))
                 .into_iter()
+                .filter(|_| plan.memory.is_none())
                 .flatten()
                 .collect();
             for &batch in &plan.batches {
@@ -136,7 +138,10 @@ pub(crate) fn run(
                 Contender::RawTcp(p) => p.sample.row("raw-tcp", op_name(p.op), block, p.batch),
                 Contender::Backend(index, p) => {
                     let kind = plan.backends[index];
-                    p.sample.row(kind.as_str(), op_name(p.op), block, p.batch)
+                    Row {
+                        memory: plan.memory_name(),
+                        ..p.sample.row(kind.as_str(), op_name(p.op), block, p.batch)
+                    }
                 }
             };
             emit(&row).map_err(BenchError::Output)?;
@@ -185,6 +190,7 @@ mod tests {
             duration: Duration::from_millis(5),
             baselines: true,
             threads: 2,
+            memory: None,
         };
         let rows = rows_of(&plan, &loopback);
         assert_eq!(
@@ -219,6 +225,7 @@ mod tests {
             duration: Duration::from_millis(5),
             baselines: true,
             threads: 1,
+            memory: None,
         };
         let tcp = |_| -> Result<Box<dyn Backend>, BenchError> {
             Ok(Box::new(
@@ -253,6 +260,7 @@ mod tests {
             duration: Duration::from_millis(1),
             baselines: false,
             threads: 1,
+            memory: None,
         };
         let mut printed = 0;
         let e = run(

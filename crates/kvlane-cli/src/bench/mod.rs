@@ -30,7 +30,7 @@ mod stats;
 
 pub(crate) use cli::{run, BenchArgs};
 
-use kvlane_data::{Backend, BackendKind, Op};
+use kvlane_data::{Backend, BackendKind, GpuDevice, Op};
 use serde::Serialize;
 use std::io;
 use std::net::SocketAddr;
@@ -47,12 +47,25 @@ pub(crate) struct BenchPlan {
     pub(crate) baselines: bool,
     /// Initiator threads, each with its own backend pair (in-process runs).
     pub(crate) threads: usize,
+    /// Where the backends' memory lives: host (`None`) or this GPU.
+    pub(crate) memory: Option<GpuDevice>,
+}
+
+impl BenchPlan {
+    /// `host` or the GPU, as rows print it.
+    pub(crate) fn memory_name(&self) -> String {
+        self.memory
+            .map_or_else(|| "host".to_owned(), |d| d.to_string())
+    }
 }
 
 /// One measured point; also the JSON schema of `--json` (one per line).
 #[derive(Clone, Debug, Serialize)]
 pub(crate) struct Row {
     pub(crate) backend: String,
+    /// `host`, or the GPU the backend's memory is on (`cuda:0`); baselines
+    /// (memcpy, raw-tcp) always run on host memory.
+    pub(crate) memory: String,
     pub(crate) op: String,
     pub(crate) block_size: u64,
     pub(crate) batch: usize,

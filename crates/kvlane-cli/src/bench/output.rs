@@ -9,16 +9,26 @@ use std::io::{self, IsTerminal, Write};
 /// The table's header line.
 pub(crate) fn table_header() -> String {
     format!(
-        "{:<9} {:<5} {:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10}",
-        "backend", "op", "block", "batch", "GB/s", "lat avg us", "lat p99 us", "prep us", "post us"
+        "{:<9} {:<7} {:<5} {:>6} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "backend",
+        "memory",
+        "op",
+        "block",
+        "batch",
+        "GB/s",
+        "lat avg us",
+        "lat p99 us",
+        "prep us",
+        "post us"
     )
 }
 
 /// One table line.
 pub(crate) fn table_line(r: &Row) -> String {
     format!(
-        "{:<9} {:<5} {:>6} {:>5} {:>8.2} {:>10.1} {:>10.1} {:>10.3} {:>10.3}",
+        "{:<9} {:<7} {:<5} {:>6} {:>5} {:>8.2} {:>10.1} {:>10.1} {:>10.3} {:>10.3}",
         r.backend,
+        r.memory,
         r.op,
         fmt_size(r.block_size),
         r.batch,

@@ -5,8 +5,8 @@ use super::schedule::{on_lanes, run_for, Slice};
 use super::stats::Sample;
 use super::{BenchError, Factory};
 use kvlane_data::{
-    connect_pair, smallvec, Access, Backend, BackendKind, Completion, Descriptor, Op, PeerId,
-    Region, RemoteDescriptor, RemoteKey, SubmitError, Transfer, TransferId,
+    connect_pair, smallvec, Access, Backend, BackendKind, Completion, Descriptor, GpuDevice, Op,
+    PeerId, Region, RemoteDescriptor, RemoteKey, SubmitError, Transfer, TransferId,
 };
 use std::sync::Arc;
 use std::task::{Wake, Waker};
@@ -25,11 +25,32 @@ pub(crate) fn pool_blocks(block: u64, batch: usize) -> u64 {
 /// Two regions of `len` bytes, every page touched (so first-use faults stay
 /// out of the timings) with different contents.
 pub(crate) fn buffers(len: u64) -> Result<(Region, Region), kvlane_data::DataError> {
-    let a = Region::alloc(len as usize, Access::ALL)?;
-    let b = Region::alloc(len as usize, Access::ALL)?;
-    a.fill(0, len, 0xa5)?;
-    b.fill(0, len, 0x5a)?;
-    Ok((a, b))
+    buffers_in(len, None)
+}
+
+/// [`buffers`] in host memory (`None`) or on a GPU.
+pub(crate) fn buffers_in(
+    len: u64,
+    memory: Option<GpuDevice>,
+) -> Result<(Region, Region), kvlane_data::DataError> {
+    Ok((filled(len, memory, 0xa5)?, filled(len, memory, 0x5a)?))
+}
+
+/// A region of `len` bytes of host or GPU memory, every byte set to `byte`.
+pub(crate) fn filled(
+    len: u64,
+    memory: Option<GpuDevice>,
+    byte: u8,
+) -> Result<Region, kvlane_data::DataError> {
+    let r = match memory {
+        None => Region::alloc(len as usize, Access::ALL)?,
+        Some(d) => Region::alloc_device(d, len as usize, Access::ALL)?,
+    };
+    let Ok(()) = r.write_chunks(0, len, |c| {
+        c.fill(byte);
+        Ok::<_, std::convert::Infallible>(())
+    })?;
+    Ok(r)
 }
 
 pub(crate) struct Pair {
@@ -87,6 +108,7 @@ impl Pair {
         kind: BackendKind,
         block: u64,
         pool: u64,
+        memory: Option<GpuDevice>,
     ) -> Result<Self, BenchError> {
         let data = |source| BenchError::Data {
             backend: kind.to_string(),
@@ -94,7 +116,7 @@ impl Pair {
         };
         let mut init = factory(kind)?;
         let mut target = factory(kind)?;
-        let (local, remote) = buffers(block * pool).map_err(data)?;
+        let (local, remote) = buffers_in(block * pool, memory).map_err(data)?;
         let l = init.register(&local).map_err(data)?;
         let r = target.register(&remote).map_err(data)?;
         let (peer, target_peer) =

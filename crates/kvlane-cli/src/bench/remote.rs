@@ -23,7 +23,7 @@ use super::schedule::{rounds, run_for, Point, Slice};
 use super::stats::Sample;
 use super::{op_name, BenchError, BenchPlan, Row};
 use crate::units::fmt_size;
-use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Op, Region};
+use kvlane::data::{KvLayout, KvParts, LayoutOrder, Op};
 use kvlane::{Agent, BackendChoice, BlockingAgent, Error, Peer, TransferHandle};
 use std::time::Instant;
 
@@ -55,6 +55,8 @@ pub(crate) struct RemoteOpts {
     pub(crate) advertise: Option<String>,
     /// Dial data endpoints on any host (not only the control host).
     pub(crate) dial_any_data_host: bool,
+    /// Where the served (target) or moved (initiator) memory lives.
+    pub(crate) memory: Option<kvlane_data::GpuDevice>,
 }
 
 pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
@@ -90,7 +92,7 @@ pub(crate) async fn target(
     };
     let raw_port = raw.as_ref().map(|r| r.local_addr().port());
     let layout = flat_layout(pool)?;
-    let region = Region::alloc(layout.required_len().unwrap_or(pool) as usize, Access::ALL)?;
+    let region = super::pair::filled(layout.required_len().unwrap_or(pool), opts.memory, 0)?;
     let agent = builder(opts)
         .engine_id(target_engine_id(raw_port))
         .listen(listen)
@@ -146,11 +148,11 @@ pub(crate) fn initiator(
         .max()
         .unwrap_or(PAGE);
     let layout = flat_layout(pool_bytes)?;
-    let region = Region::alloc(
-        layout.required_len().unwrap_or(pool_bytes) as usize,
-        Access::ALL,
+    let region = super::pair::filled(
+        layout.required_len().unwrap_or(pool_bytes),
+        opts.memory,
+        0xa5,
     )?;
-    region.fill(0, region.len(), 0xa5)?;
     let agent = BlockingAgent::build(
         builder(opts)
             .engine_id("kvlane-bench-initiator")
@@ -259,7 +261,10 @@ fn against(
             } else {
                 &backend
             };
-            let row = p.sample.row(name, op_name(p.op), block, p.batch);
+            let mut row = p.sample.row(name, op_name(p.op), block, p.batch);
+            if side != Side::RawTcp {
+                row.memory = plan.memory_name();
+            }
             emit(&row).map_err(BenchError::Output)?;
         }
     }

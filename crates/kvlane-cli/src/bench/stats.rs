@@ -75,6 +75,7 @@ pub(crate) fn latency(lat: &mut [Duration]) -> Row {
         .map_or(0.0, |&d| us(d));
     Row {
         backend: String::new(),
+        memory: "host".into(),
         op: String::new(),
         block_size: 0,
         batch: 0,

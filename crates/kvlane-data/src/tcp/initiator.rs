@@ -544,7 +544,16 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
             let Some(region) = &job.local else {
                 return conn.lost(i, protocol("READ without local memory"));
             };
-            if let Err(e) = rd.payload_into(region, job.local_offset, job.len) {
+            // GPU memory: staged; returns once the bytes are on the device.
+            let r = if region.device().is_some() {
+                region
+                    .write_chunks(job.local_offset, job.len, |s| rd.payload(s))
+                    .map_err(|e| io::Error::other(e.to_string()))
+                    .and_then(|r| r)
+            } else {
+                rd.payload_into(region, job.local_offset, job.len)
+            };
+            if let Err(e) = r {
                 return conn.lost(i, e);
             }
         }

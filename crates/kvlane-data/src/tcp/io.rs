@@ -135,6 +135,8 @@ enum Seg {
     Buf(usize, usize),
     /// A span of region memory, sent without a copy.
     Mem(Region, u64, u64),
+    /// A span of GPU memory, staged through pinned buffers when written.
+    Staged(Region, u64, u64),
 }
 
 /// Gathers frames and writes them with vectored writes: headers and tiny
@@ -191,6 +193,16 @@ impl<'a> FrameWriter<'a> {
     /// Appends `len` bytes of `region` from `offset` (checked again when
     /// written).
     pub fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        if region.device().is_some() {
+            region
+                .check_range(offset, len)
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            self.segs.push(Seg::Staged(region.clone(), offset, len));
+            self.bytes = self
+                .bytes
+                .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+            return Ok(());
+        }
         if len < COPY_MAX {
             let start = self.buf.len();
             self.buf.resize(start + len as usize, 0);
@@ -218,20 +230,35 @@ impl<'a> FrameWriter<'a> {
         if self.segs.is_empty() {
             return Ok(());
         }
-        let mut parts: Vec<IoPart<'_>> = self
-            .segs
-            .iter()
-            .map(|seg| match seg {
-                Seg::Buf(a, b) => IoPart::Bytes(&self.buf[*a..*b]),
-                Seg::Mem(region, off, len) => IoPart::Region(region, *off, *len),
-            })
-            .collect();
-        let r = write_all_parts(self.stream, &mut parts);
+        let r = write_segs(self.stream, &self.segs, &self.buf);
         self.segs.clear();
         self.buf.clear();
         self.bytes = 0;
         r
     }
+}
+
+/// Writes the segments in order: runs of host segments with vectored
+/// writes, GPU spans chunk by chunk as they are staged (the copy of the
+/// next chunk overlaps the socket write of this one).
+fn write_segs(stream: &TcpStream, segs: &[Seg], buf: &[u8]) -> io::Result<()> {
+    let mut run: Vec<IoPart<'_>> = Vec::with_capacity(segs.len());
+    for seg in segs {
+        match seg {
+            Seg::Buf(a, b) => run.push(IoPart::Bytes(&buf[*a..*b])),
+            Seg::Mem(region, off, len) => run.push(IoPart::Region(region, *off, *len)),
+            Seg::Staged(region, off, len) => {
+                write_all_parts(stream, &mut run)?;
+                run.clear();
+                region
+                    .read_chunks(*off, *len, |c| {
+                        write_all_parts(stream, &mut [IoPart::Bytes(c)])
+                    })
+                    .map_err(|e| io::Error::other(e.to_string()))??;
+            }
+        }
+    }
+    write_all_parts(stream, &mut run)
 }
 
 /// Writes every part, retrying partial writes; region memory goes to the

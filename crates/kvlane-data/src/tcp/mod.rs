@@ -68,7 +68,8 @@
 //! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
 
 // Region memory is reached only through `Region`'s copies and socket I/O
-// (`read`/`write`, `recv_from`, `send_vectored`), never as a slice.
+// (`read`/`write`, `recv_from`, `send_vectored`), never as a slice; GPU
+// regions through `Region::{read,write}_chunks` (pinned staging).
 #![forbid(unsafe_code)]
 
 mod initiator;

@@ -404,7 +404,14 @@ fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
         };
         let status = match checked {
             Ok(Some(region)) if req.kind == RequestKind::Write => {
-                rd.payload_into(&region, req.offset, req.len)?;
+                if region.device().is_some() {
+                    // GPU memory: staged; returns once the bytes are on the device.
+                    region
+                        .write_chunks(req.offset, req.len, |s| rd.payload(s))
+                        .map_err(|e| io::Error::other(e.to_string()))??;
+                } else {
+                    rd.payload_into(&region, req.offset, req.len)?;
+                }
                 bump(&c.writes_served, 1);
                 bump(&c.bytes_written, req.len);
                 Status::Ok

@@ -155,6 +155,7 @@ impl VerbsBackend {
                 self.pd
                     .register_dmabuf(dmabuf_fd, offset, len, region.addr(), access)
             },
+            MemoryKind::Gpu { device } => return self.register_gpu(region, device, len, access),
         }?;
         Ok(mr)
     }
@@ -188,6 +189,49 @@ impl VerbsBackend {
             peers: 0,
         });
         Ok(self.cqs.len() - 1)
+    }
+
+    /// GPU memory: dma-buf first, then the device address (peer memory),
+    /// else one error naming both failures. Never as host memory.
+    fn register_gpu(
+        &self,
+        region: &Region,
+        gpu: crate::gpu::GpuDevice,
+        len: usize,
+        access: MrAccess,
+    ) -> Result<Arc<MemoryRegistration>, DataError> {
+        use std::os::fd::AsRawFd;
+        let by_dmabuf = region.export_dmabuf().and_then(|buf| {
+            // SAFETY: the dma-buf covers the region's device memory, which
+            // (by `Region::from_device_ptr`'s contract, or owned by the
+            // region) outlives the region; clones are kept as for host
+            // memory. The registration holds its own dma-buf reference, so
+            // `buf.fd` may close after this call.
+            unsafe {
+                self.pd
+                    .register_dmabuf(buf.fd.as_raw_fd(), buf.offset, len, region.addr(), access)
+            }
+            .map_err(DataError::from)
+        });
+        let dmabuf = match by_dmabuf {
+            Ok(mr) => return Ok(mr),
+            Err(e) => e,
+        };
+        // SAFETY: as above, the device range outlives the registration.
+        match unsafe { self.pd.register_device_address(region.addr(), len, access) } {
+            Ok(mr) => {
+                tracing::info!(%gpu, "registered by device address (dma-buf failed: {dmabuf})");
+                Ok(mr)
+            }
+            Err(address) => Err(VerbsError::RegisterGpu {
+                device: self.pd.device_name().to_owned(),
+                gpu,
+                len,
+                dmabuf: Box::new(dmabuf),
+                address: Box::new(address),
+            }
+            .into()),
+        }
     }
 
     fn peer_mut(&mut self, peer: PeerId) -> Result<&mut Peer, DataError> {

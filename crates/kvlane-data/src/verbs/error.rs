@@ -123,6 +123,22 @@ pub enum VerbsError {
         #[source]
         source: io::Error,
     },
+    /// GPU memory could be registered neither by dma-buf nor by address;
+    /// both failures are named. It is never registered as host memory.
+    #[error("cannot register {len} bytes of {gpu} memory on rdma device {device}: by dma-buf: {dmabuf}; by address (needs a peer-memory module such as nvidia-peermem): {address}")]
+    RegisterGpu {
+        /// RDMA device name.
+        device: String,
+        /// The GPU.
+        gpu: crate::gpu::GpuDevice,
+        /// Length in bytes.
+        len: usize,
+        /// Why dma-buf export or `ibv_reg_dmabuf_mr` failed.
+        dmabuf: Box<crate::DataError>,
+        /// Why `ibv_reg_mr` on the device address failed.
+        #[source]
+        address: Box<Self>,
+    },
     /// A queue pair state transition failed.
     #[error("failed to move queue pair {qpn} on rdma device {device} to {state}")]
     ModifyQp {

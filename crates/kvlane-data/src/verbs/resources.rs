@@ -211,6 +211,42 @@ impl ProtectionDomain {
         }))
     }
 
+    /// Registers GPU memory by its device virtual address (`ibv_reg_mr`),
+    /// which works only where a peer-memory module (nvidia-peermem,
+    /// amdgpu's) lets the NIC pin device pages.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr + len` must be device memory that stays allocated until
+    /// the returned registration and every work request using it are gone.
+    pub unsafe fn register_device_address(
+        self: &Arc<Self>,
+        addr: u64,
+        len: usize,
+        access: MrAccess,
+    ) -> Result<Arc<MemoryRegistration>, VerbsError> {
+        // SAFETY: forwarded from this function's contract.
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len, access.flags()) }.map_err(|e| {
+            VerbsError::RegisterMemory {
+                device: self.ctx.name().to_owned(),
+                kind: "GPU (by address)",
+                len,
+                source: io_cause(&e),
+            }
+        })?;
+        Ok(Arc::new(MemoryRegistration {
+            mr,
+            addr,
+            len,
+            pd: Arc::clone(self),
+        }))
+    }
+
+    /// The RDMA device's name.
+    pub fn device_name(&self) -> &str {
+        self.ctx.name()
+    }
+
     /// Registers device memory exported as a dma-buf (`ibv_reg_dmabuf_mr`).
     /// `iova` is the address work requests will use for it (normally the GPU
     /// virtual address). A device or kernel that cannot register dma-bufs

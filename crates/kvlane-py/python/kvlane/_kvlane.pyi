@@ -39,21 +39,26 @@ class IoError(Error):
     """Network or OS failure."""
 
 class Memory:
-    """Registered memory: a buffer-protocol object, held zero-copy."""
+    """Registered memory: a buffer-protocol object, held zero-copy, or a GPU
+    array (torch CUDA tensor, CuPy array: ``__cuda_array_interface__``)."""
 
     def __init__(self, obj: Any, *, readonly: Optional[bool] = None) -> None: ...
     @staticmethod
     def unsafe_from_ptr(
         ptr: int, nbytes: int, device: str = "cpu", *, readonly: bool = False, owner: Any = None
     ) -> "Memory":
-        """Foreign host memory by address; the caller guarantees it outlives
-        the registration, every agent using it and every transfer."""
+        """Foreign memory by address, on ``device`` ``"cpu"`` or a GPU
+        (``"cuda:0"``, ``"rocm:0"``); the caller guarantees it outlives the
+        registration, every agent using it and every transfer."""
     @property
     def addr(self) -> int: ...
     @property
     def nbytes(self) -> int: ...
     @property
     def readonly(self) -> bool: ...
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or the GPU, e.g. ``"cuda:0"``."""
     def __len__(self) -> int: ...
 
 class KvLayout:

@@ -52,13 +52,19 @@ Mapping onto kvlane
   with ``release()``; releasing twice is a no-op, using a released handle
   raises ``kvlane.InvalidInputError``. Releasing a running transfer lets it
   run to its end (kvlane cannot abort a posted transfer).
-* Host memory only (``"DRAM"``/``"cpu"``); ``"VRAM"`` raises
-  ``kvlane.UnsupportedError`` until kvlane's GPU-memory support lands.
+* Host memory (``"DRAM"``/``"cpu"``) and GPU memory (``"VRAM"``/``"cuda"``):
+  torch CUDA tensors, CuPy arrays (``__cuda_array_interface__``) and
+  ``(addr, len, gpu_id)`` rows. GPU memory is registered as GPU memory of
+  the device the driver names (checked), never as host memory; tcp and
+  loopback stage it through pinned host buffers. Without a GPU driver or
+  device, registering VRAM raises ``kvlane.UnsupportedError`` naming the
+  device and why. ROCm builds of torch register as ``rocm:N``.
 """
 
 import itertools
 import json
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -105,6 +111,7 @@ class nixl_prepped_dlist_handle(_Handle):
 
 _LOCAL = "NIXL_INIT_AGENT"
 _HOST_MEM = ("DRAM", "cpu", None)
+_GPU_MEM = ("VRAM", "cuda")
 _SUBSET = (
     "get_reg_descs register_memory deregister_memory get_agent_metadata add_remote_agent "
     "remove_remote_agent get_xfer_descs prep_xfer_dlist release_dlist_handle make_prepped_xfer "
@@ -146,9 +153,11 @@ class _RegDList:
     """Registration descriptors: ``(addr, len, dev, meta)`` rows and the
     ``kvlane.Memory`` of each (made at registration for raw addresses)."""
 
-    def __init__(self, rows: List[tuple], mems: List[Optional[kvlane.Memory]]) -> None:
+    def __init__(self, rows: List[tuple], mems: List[Optional[kvlane.Memory]],
+                 mem_type: Optional[str] = None) -> None:
         self.rows = rows
         self.mems = mems
+        self.mem_type = mem_type
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -215,33 +224,52 @@ def _name(name: Any) -> str:
     return name.decode() if isinstance(name, (bytes, bytearray)) else name
 
 
-def _host_only(mem_type: Optional[str]) -> None:
-    if mem_type not in _HOST_MEM:
+def _check_mem_type(mem_type: Optional[str]) -> None:
+    """Raises for memory types kvlane.nixl does not serve."""
+    if mem_type not in _HOST_MEM and mem_type not in _GPU_MEM:
         raise kvlane.UnsupportedError(
-            f"kvlane.nixl: memory type {mem_type!r} is not supported; host memory (\"DRAM\") only"
+            f"kvlane.nixl: memory type {mem_type!r} is not supported; host (\"DRAM\") and "
+            "GPU (\"VRAM\") memory only"
         )
+
+
+def _gpu_runtime() -> str:
+    """``"rocm"`` under a ROCm build of torch, else ``"cuda"``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "version", None), "hip", None):
+        return "rocm"
+    return "cuda"
+
+
+def _device(mem_type: Optional[str], dev: int) -> str:
+    """kvlane's device name for a row of ``mem_type`` on NIXL device ``dev``."""
+    return f"{_gpu_runtime()}:{dev}" if mem_type in _GPU_MEM else "cpu"
 
 
 def _rows_of(descs: Any, mem_type: Optional[str]) -> List[tuple]:
     """``(addr, len, dev, obj)`` rows of a descriptor argument; ``obj`` is
     the object whose buffer backs the row (registered zero-copy), or None."""
     if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] in (3, 4):
-        _host_only(mem_type)
+        _check_mem_type(mem_type)
         return [(int(r[0]), int(r[1]), int(r[2]), None) for r in descs]
     items = descs if isinstance(descs, (list, tuple)) else [descs]
     rows = []
     for d in items:
         if isinstance(d, tuple):
-            _host_only(mem_type)
+            _check_mem_type(mem_type)
             if len(d) not in (3, 4):
                 raise kvlane.InvalidInputError(
                     f"kvlane.nixl: descriptor {d!r} is not (addr, len, dev[, meta])"
                 )
             rows.append((int(d[0]), int(d[1]), int(d[2]), None))
         elif hasattr(d, "data_ptr"):  # a torch tensor
-            if getattr(d, "is_cuda", False):
-                _host_only("VRAM")
-            rows.append((int(d.data_ptr()), int(d.numel() * d.element_size()), 0, d))
+            dev = int(d.device.index or 0) if getattr(d, "is_cuda", False) else 0
+            rows.append((int(d.data_ptr()), int(d.numel() * d.element_size()), dev, d))
+        elif hasattr(d, "__cuda_array_interface__"):  # CuPy, Numba, ...
+            cai = d.__cuda_array_interface__
+            n = int(np.prod(cai["shape"], dtype=np.int64)) * int(cai["typestr"][2:])
+            dev = int(getattr(getattr(d, "device", None), "id", 0) or 0)
+            rows.append((int(cai["data"][0]), n, dev, d))
         else:  # any buffer-protocol object
             mv = memoryview(d)
             addr = np.frombuffer(mv.cast("B"), dtype=np.uint8).ctypes.data if mv.nbytes else 0
@@ -310,14 +338,16 @@ class nixl_agent:
             return descs
         rows = _rows_of(descs, mem_type)
         mems: List[Optional[kvlane.Memory]] = []
-        for addr, n, _dev, obj in rows:
+        for addr, n, dev, obj in rows:
             if obj is not None and not hasattr(obj, "data_ptr"):
+                # Buffers, and GPU arrays (the driver names their device).
                 mems.append(kvlane.Memory(obj))
             elif obj is not None:
-                mems.append(kvlane.Memory.unsafe_from_ptr(addr, n, owner=obj))
+                device = f"{_gpu_runtime()}:{dev}" if getattr(obj, "is_cuda", False) else "cpu"
+                mems.append(kvlane.Memory.unsafe_from_ptr(addr, n, device, owner=obj))
             else:
                 mems.append(None)
-        return _RegDList([r[:3] + ("",) for r in rows], mems)
+        return _RegDList([r[:3] + ("",) for r in rows], mems, mem_type)
 
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: Sequence[str] = ()) -> _RegDList:
@@ -331,7 +361,9 @@ class nixl_agent:
         for i, (addr, n, _dev, _meta) in enumerate(descs.rows):
             if descs.mems[i] is None:
                 # The NIXL contract: registered memory outlives its registration.
-                descs.mems[i] = kvlane.Memory.unsafe_from_ptr(addr, n)
+                descs.mems[i] = kvlane.Memory.unsafe_from_ptr(
+                    addr, n, _device(descs.mem_type, int(_dev))
+                )
         self._regs.extend(m for m in descs.mems if m is not None)
         return descs
 
@@ -388,7 +420,7 @@ class nixl_agent:
         if isinstance(descs, _XferDList):
             return descs
         if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3:
-            _host_only(mem_type)
+            _check_mem_type(mem_type)
             if descs.dtype in (np.uint64, np.int64) and descs.flags.c_contiguous:
                 return _XferDList(descs.view(np.uint64))  # zero-copy
             return _XferDList(np.ascontiguousarray(descs, dtype=np.uint64))

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# ci/gpu.sh -- kvlane on GPU memory, on a machine with one NVIDIA GPU (CUDA
+# driver, PyTorch, CuPy) and no RDMA NIC and no network, from release
+# binaries and a wheel built elsewhere. Two steps:
+#
+#   ci/gpu.sh build DIR   # build machine, no GPU needed: release binaries,
+#                         # the wheel and the Python flow into DIR
+#   ci/gpu.sh run DIR     # GPU machine: the checks below (a few minutes)
+#   ci/gpu.sh DIR         # both, on a GPU machine that can build
+#
+# run:
+#   1. a GPU must be there (nvidia-smi, `kvlane devices`): without one this
+#      fails at once, loudly (exit 1);
+#   2. the ignored GPU tests (crates/kvlane-data/tests/gpu.rs,
+#      KVLANE_TEST_GPU=cuda:0): the conformance suite over loopback and tcp
+#      with every region in GPU memory, byte-checked; registration by
+#      pointer; dma-buf export (supported or the typed Unsupported); what
+#      verbs registration does without a NIC;
+#   3. the Python package (crates/kvlane-py/tests/gpu_flow.py torch): torch
+#      CUDA tensors and a CuPy array registered, WRITE over tcp in one
+#      process and between two processes (sha256-checked in the target
+#      after its notification), kvlane.nixl with "VRAM";
+#   4. `kvlane bench` over tcp and loopback with --memory cuda:0 beside
+#      --memory host at 1 MiB and 16 MiB, and a two-process tcp bench from
+#      and to GPU memory; prints GPU vs host tcp GB/s and the ratio (the
+#      target is >= 0.8x; GPU_MIN_RATIO=0.8 enforces it).
+#
+# Knobs: GPU_DEVICE (cuda:0), GPU_DURATION (1s per bench point),
+#        GPU_VERBS (1: build with --features verbs; needs cmake, libclang,
+#        libibverbs-dev on the build machine), PYTHON (python3 on the GPU
+#        machine; it needs torch, numpy and, optionally, cupy).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { echo "ci/gpu.sh: $*" >&2; }
+die() { log "FAIL: $*"; exit 1; }
+cargo_exe() { grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | grep -v '^$' | tail -n1; }
+
+build() {
+  local out=$1 feat=() exe
+  mkdir -p "$out"
+  [ "${GPU_VERBS:-1}" = 1 ] && feat=(--features verbs)
+  log "building release binaries ${feat[*]}"
+  exe=$(cargo build --release -p kvlane-cli "${feat[@]}" --message-format=json-render-diagnostics | cargo_exe)
+  cp "$exe" "$out/kvlane"
+  exe=$(cargo test --release -p kvlane-data "${feat[@]}" --test gpu --no-run \
+          --message-format=json-render-diagnostics | cargo_exe)
+  cp "$exe" "$out/gpu-tests"
+  log "building the wheel (maturin, release)"
+  local venv=target/py-venv
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip -q --disable-pip-version-check install 'maturin>=1.7,<2'
+  rm -f "$out"/kvlane-*.whl
+  "$venv/bin/maturin" build --release -q -m crates/kvlane-py/Cargo.toml -o "$out"
+  cp crates/kvlane-py/tests/gpu_flow.py "$out/"
+  log "built into $out: $(cd "$out" && echo *)"
+}
+
+run() {
+  local dir dev=${GPU_DEVICE:-cuda:0} dur=${GPU_DURATION:-1s} py=${PYTHON:-python3}
+  dir=$(realpath "$1")
+  for f in kvlane gpu-tests gpu_flow.py; do [ -e "$dir/$f" ] || die "$dir/$f missing: run ci/gpu.sh build $1 first"; done
+  local t0; t0=$(date +%s)
+
+  echo "===== GPU present?"
+  command -v nvidia-smi >/dev/null || die "no nvidia-smi: this machine has no NVIDIA driver (ci/gpu.sh needs a GPU)"
+  nvidia-smi -L || die "nvidia-smi lists no GPU"
+  nvidia-smi -L | grep -q '^GPU ' || die "nvidia-smi lists no GPU"
+  # `kvlane devices` exits 2 without an RDMA device (expected here).
+  "$dir/kvlane" devices | tee "$dir/devices.txt" || true
+  grep -q "^gpu $dev " "$dir/devices.txt" || die "kvlane sees no $dev (see the lines above)"
+
+  echo "===== Rust GPU tests on $dev (loopback, tcp, by pointer, dma-buf, verbs without a NIC)"
+  KVLANE_TEST_GPU=$dev timeout 300 "$dir/gpu-tests" --ignored --test-threads=2 --nocapture \
+    || die "GPU tests failed"
+
+  echo "===== Python: torch tensors, CuPy, two processes over tcp, kvlane.nixl VRAM"
+  local venv="$dir/venv"
+  [ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -m pip -q --disable-pip-version-check install --no-deps --no-index \
+    --force-reinstall "$dir"/kvlane-*.whl || die "cannot install the wheel"
+  "$venv/bin/python" -c 'import torch, numpy' || die "$py lacks torch or numpy"
+  KVLANE_TEST_GPU=$dev timeout 300 "$venv/bin/python" "$dir/gpu_flow.py" torch \
+    || die "Python GPU flow failed"
+
+  echo "===== bench: tcp and loopback, GPU memory beside host memory"
+  local json="$dir/bench.jsonl"
+  : > "$json"
+  for mem in host "$dev"; do
+    timeout 300 "$dir/kvlane" bench --backend loopback,tcp --op write,read --block-sizes 1M,16M \
+      --batch 16 --duration "$dur" --memory "$mem" --json | tee -a "$json" \
+      || die "bench --memory $mem failed"
+  done
+  echo "===== bench: two processes over tcp, GPU memory on both sides"
+  local port=$((20000 + RANDOM % 20000))
+  "$dir/kvlane" bench --role target --backend tcp --listen "127.0.0.1:$port" --memory "$dev" \
+    --pool 256M --no-baseline > "$dir/target.log" 2>&1 &
+  local tpid=$!
+  sleep 2
+  timeout 300 "$dir/kvlane" bench --role initiator --backend tcp --connect "127.0.0.1:$port" \
+    --op write,read --block-sizes 1M,16M --batch 16 --duration "$dur" --memory "$dev" \
+    --no-baseline --json | tee "$dir/bench-2proc.jsonl" || { kill "$tpid" 2>/dev/null; cat "$dir/target.log"; die "two-process bench failed"; }
+  kill "$tpid" 2>/dev/null || true
+  wait "$tpid" 2>/dev/null || true
+
+  echo "===== GPU vs host, tcp backend (same run)"
+  "$venv/bin/python" - "$json" "${GPU_MIN_RATIO:-}" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+gb = {(r["backend"], r["memory"], r["op"], r["block_size"]): r["gbps"] for r in rows}
+mins, bad = sys.argv[2], []
+print(f"{'op':<6}{'block':>7}{'host GB/s':>11}{'GPU GB/s':>10}{'ratio':>7}")
+for op in ("write", "read"):
+    for block in (1 << 20, 16 << 20):
+        h = gb.get(("tcp", "host", op, block))
+        g = next((v for (b, m, o, s), v in gb.items() if b == "tcp" and m != "host" and o == op and s == block), None)
+        if h is None or g is None:
+            sys.exit(f"missing tcp rows for {op} {block}")
+        ratio = g / h if h else 0.0
+        print(f"{op:<6}{block >> 20:>6}M{h:>11.2f}{g:>10.2f}{ratio:>7.2f}")
+        if mins and ratio < float(mins):
+            bad.append(f"{op} {block >> 20}M: {ratio:.2f} < {mins}")
+if bad:
+    sys.exit("GPU/host ratio below GPU_MIN_RATIO: " + "; ".join(bad))
+PY
+  log "all GPU checks passed in $(( $(date +%s) - t0 ))s"
+}
+
+case "${1:-}" in
+  build) [ $# = 2 ] || die "usage: ci/gpu.sh build DIR"; build "$2" ;;
+  run) [ $# = 2 ] || die "usage: ci/gpu.sh run DIR"; run "$2" ;;
+  ""|-h|--help) sed -n '2,33p' "$0"; exit 2 ;;
+  *) build "$1"; run "$1" ;;
+esac

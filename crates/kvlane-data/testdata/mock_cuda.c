@@ -1,0 +1,295 @@
+/* A mock CUDA driver for tests on machines without a GPU.
+ *
+ * It implements, on host memory, the handful of driver API functions
+ * kvlane's loader declares (crates/kvlane-data/src/gpu/cuda.rs), so the
+ * staging path (pinned buffers, async copies on streams, pointer
+ * attributes) runs for real over loopback and tcp. It is NOT a GPU:
+ * "device" memory is malloc'ed, copies are memcpy. Tests point
+ * KVLANE_CUDA_LIBRARY at the compiled library.
+ *
+ * Checks it makes, so that tests can fail:
+ *  - every memory call needs a current context (cuCtxSetCurrent) on the
+ *    calling thread, as the real driver does (CUDA_ERROR_INVALID_CONTEXT);
+ *  - device copies must stay inside one cuMemAlloc'ed allocation, host
+ *    sides of async copies inside one cuMemHostAlloc'ed buffer
+ *    (CUDA_ERROR_INVALID_VALUE otherwise);
+ *  - streams must be live.
+ *
+ * KVLANE_MOCK_CUDA_DEVICES sets the device count (default 1).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef unsigned long long CUdeviceptr;
+
+#define OK 0
+#define INVALID_VALUE 1
+#define NOT_INITIALIZED 3
+#define INVALID_DEVICE 101
+#define INVALID_CONTEXT 201
+#define INVALID_HANDLE 400
+#define NOT_SUPPORTED 801
+
+#define MAX_ALLOCS 4096
+
+struct alloc {
+    uintptr_t base;
+    size_t len;
+    int device; /* -1: pinned host */
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc allocs[MAX_ALLOCS];
+static int initialized;
+static __thread int current = -1;
+static char contexts[16];
+static char streams[1024];
+
+static int device_count(void) {
+    const char *s = getenv("KVLANE_MOCK_CUDA_DEVICES");
+    int n = s ? atoi(s) : 1;
+    return n < 0 ? 0 : (n > 16 ? 16 : n);
+}
+
+static int track(void *p, size_t len, int device) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == 0) {
+            allocs[i] = (struct alloc){(uintptr_t)p, len, device};
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+static int untrack(uintptr_t p, int device_side) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == p && (allocs[i].device >= 0) == device_side) {
+            allocs[i].base = 0;
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* The allocation containing p..p+len, or NULL. */
+static int find(uintptr_t p, size_t len, struct alloc *out) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && p >= a.base && p - a.base <= a.len && len <= a.len - (p - a.base)) {
+            *out = a;
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+static CUresult ready(void) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (current < 0) return INVALID_CONTEXT;
+    return OK;
+}
+
+static int live_stream(CUstream s) {
+    char *c = (char *)s;
+    return c >= streams && c < streams + sizeof streams && *c;
+}
+
+CUresult cuInit(unsigned flags) {
+    (void)flags;
+    initialized = 1;
+    return OK;
+}
+
+CUresult cuGetErrorName(CUresult rc, const char **name) {
+    switch (rc) {
+    case OK: *name = "CUDA_SUCCESS"; break;
+    case INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case NOT_INITIALIZED: *name = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
+    case INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
+    case NOT_SUPPORTED: *name = "CUDA_ERROR_NOT_SUPPORTED"; break;
+    default: return INVALID_VALUE;
+    }
+    return OK;
+}
+
+CUresult cuDeviceGetCount(int *n) {
+    if (!initialized) return NOT_INITIALIZED;
+    *n = device_count();
+    return OK;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= device_count()) return INVALID_DEVICE;
+    *d = ordinal;
+    return OK;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    if (d < 0 || d >= device_count()) return INVALID_DEVICE;
+    snprintf(name, (size_t)len, "kvlane mock CUDA device %d (host memory)", d);
+    return OK;
+}
+
+CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice d) {
+    if (d < 0 || d >= device_count()) return INVALID_DEVICE;
+    snprintf(id, (size_t)len, "0000:%02X:00.0", 0xC0 + d);
+    return OK;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    if (d < 0 || d >= device_count()) return INVALID_DEVICE;
+    *bytes = (size_t)1 << 30;
+    return OK;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (d < 0 || d >= device_count()) return INVALID_DEVICE;
+    *ctx = &contexts[d];
+    return OK;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    char *c = (char *)ctx;
+    if (c == NULL) { current = -1; return OK; }
+    if (c < contexts || c >= contexts + device_count()) return INVALID_CONTEXT;
+    current = (int)(c - contexts);
+    return OK;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    struct alloc a;
+    if (!initialized) return NOT_INITIALIZED;
+    if (!find((uintptr_t)p, 1, &a)) return INVALID_VALUE;
+    switch (attr) {
+    case 2: /* MEMORY_TYPE: HOST 1, DEVICE 2 */
+        *(unsigned *)data = a.device >= 0 ? 2 : 1;
+        return OK;
+    case 9: /* DEVICE_ORDINAL */
+        *(int *)data = a.device >= 0 ? a.device : current;
+        return OK;
+    default:
+        return INVALID_VALUE;
+    }
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t len) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (len == 0) return INVALID_VALUE;
+    void *m = malloc(len);
+    if (!m) return 2; /* OUT_OF_MEMORY */
+    /* Garbage, as fresh device memory is: tests must not rely on zeros. */
+    memset(m, 0xA5, len);
+    if (!track(m, len, current)) { free(m); return 2; }
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (!untrack((uintptr_t)p, 1)) return INVALID_VALUE;
+    free((void *)(uintptr_t)p);
+    return OK;
+}
+
+CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
+    (void)flags;
+    CUresult rc = ready();
+    if (rc) return rc;
+    void *m = malloc(len);
+    if (!m) return 2;
+    if (!track(m, len, -1)) { free(m); return 2; }
+    *p = m;
+    return OK;
+}
+
+CUresult cuMemFreeHost(void *p) {
+    if (!untrack((uintptr_t)p, 0)) return INVALID_VALUE;
+    free(p);
+    return OK;
+}
+
+CUresult cuStreamCreate(CUstream *s, unsigned flags) {
+    (void)flags;
+    CUresult rc = ready();
+    if (rc) return rc;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < sizeof streams; i++) {
+        if (!streams[i]) {
+            streams[i] = 1;
+            pthread_mutex_unlock(&lock);
+            *s = &streams[i];
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 2;
+}
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+    if (!live_stream(s)) return INVALID_HANDLE;
+    *(char *)s = 0;
+    return OK;
+}
+
+CUresult cuStreamSynchronize(CUstream s) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    return live_stream(s) ? OK : INVALID_HANDLE;
+}
+
+static CUresult copy(uintptr_t dev, uintptr_t host, size_t len, CUstream s, int to_device) {
+    struct alloc a;
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (!live_stream(s)) return INVALID_HANDLE;
+    if (!find(dev, len, &a) || a.device != current) return INVALID_VALUE;
+    if (!find(host, len, &a) || a.device != -1) return INVALID_VALUE;
+    if (to_device) memcpy((void *)dev, (void *)host, len);
+    else memcpy((void *)host, (void *)dev, len);
+    return OK;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUstream s) {
+    return copy((uintptr_t)dst, (uintptr_t)src, len, s, 1);
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t len, CUstream s) {
+    return copy((uintptr_t)src, (uintptr_t)dst, len, s, 0);
+}
+
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t len, int type,
+                                       unsigned long long flags) {
+    (void)handle; (void)p; (void)len; (void)type; (void)flags;
+    return NOT_SUPPORTED;
+}
+
+/* Test helpers (not CUDA): direct access to "device" memory. */
+int kvlane_mock_cuda_allocations(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) n += allocs[i].base != 0 && allocs[i].device >= 0;
+    pthread_mutex_unlock(&lock);
+    return n;
+}

@@ -1,0 +1,245 @@
+//! GPU memory over loopback and tcp, against a MOCK CUDA driver
+//! (`testdata/mock_cuda.c`, compiled with `cc` at test time): the driver
+//! functions kvlane calls, implemented on host memory. These tests exercise
+//! the loader, pointer checks, pinned staging and the backends' staged
+//! paths on machines without a GPU; they say nothing about a real GPU
+//! (`tests/gpu.rs`, run by `ci/gpu.sh`, does).
+
+use kvlane_data::conformance::{contents, region_in, use_mock_cuda, Fixture};
+use kvlane_data::{
+    connect_pair, gpu_devices, Access, Backend, DataError, Descriptor, GpuDevice, GpuError,
+    GpuRuntime, GpuUnavailable, LoopbackBackend, Op, Region, RemoteDescriptor, TcpBackend,
+    TcpConfig, Transfer,
+};
+
+struct MockLoopback;
+
+impl Fixture for MockLoopback {
+    type Backend = LoopbackBackend;
+    fn backends(&self) -> (LoopbackBackend, LoopbackBackend) {
+        (LoopbackBackend::default(), LoopbackBackend::default())
+    }
+    fn memory(&self) -> Option<GpuDevice> {
+        Some(use_mock_cuda())
+    }
+}
+
+struct MockTcp;
+
+impl Fixture for MockTcp {
+    type Backend = TcpBackend;
+    fn backends(&self) -> (TcpBackend, TcpBackend) {
+        let config = TcpConfig {
+            queue_depth: 256,
+            chunk_bytes: 64 << 10,
+            ..TcpConfig::default()
+        };
+        (
+            TcpBackend::new(config.clone()).expect("start tcp backend"),
+            TcpBackend::new(config).expect("start tcp backend"),
+        )
+    }
+    fn memory(&self) -> Option<GpuDevice> {
+        Some(use_mock_cuda())
+    }
+}
+
+/// The whole conformance suite with every region in (mock) GPU memory.
+mod loopback_suite {
+    kvlane_data::conformance_tests!(super::MockLoopback);
+}
+
+/// The whole conformance suite with every region in (mock) GPU memory.
+mod tcp_suite {
+    kvlane_data::conformance_tests!(super::MockTcp);
+}
+
+#[test]
+fn devices_have_pci_bus_ids() {
+    use_mock_cuda();
+    let devs = gpu_devices(GpuRuntime::Cuda).unwrap();
+    assert_eq!(devs.len(), 2);
+    assert_eq!(devs[0].device, GpuDevice::cuda(0));
+    assert_eq!(devs[1].pci_bus_id, "0000:c1:00.0");
+    assert!(
+        devs[0].to_string().contains("pci 0000:c0:00.0"),
+        "{}",
+        devs[0]
+    );
+}
+
+#[test]
+fn missing_device_is_unsupported_naming_it() {
+    use_mock_cuda();
+    let err = Region::alloc_device(GpuDevice::cuda(5), 4096, Access::ALL).unwrap_err();
+    match &err {
+        DataError::Gpu(GpuError::Unsupported {
+            device,
+            why: GpuUnavailable::NoDevice { count: 2 },
+        }) => assert_eq!(*device, GpuDevice::cuda(5)),
+        e => panic!("unexpected: {e:?}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("cuda:5") && msg.contains("2 device"), "{msg}");
+}
+
+#[test]
+fn missing_runtime_is_unsupported_naming_library() {
+    use_mock_cuda();
+    // No HIP on this machine is not assumed: a path that cannot exist.
+    // HIP is loaded by no other test of this binary.
+    std::env::set_var("KVLANE_HIP_LIBRARY", "/nonexistent/libamdhip64.so");
+    let err = Region::alloc_device(GpuDevice::rocm(0), 4096, Access::ALL).unwrap_err();
+    let DataError::Gpu(g) = &err else {
+        panic!("unexpected: {err:?}")
+    };
+    assert!(g.is_unsupported(), "{g:?}");
+    assert_eq!(g.device(), GpuDevice::rocm(0));
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("rocm:0: unsupported: no rocm driver")
+            && msg.contains("/nonexistent/libamdhip64.so")
+            && msg.contains("KVLANE_HIP_LIBRARY"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn host_memory_is_not_registered_as_device_memory() {
+    let dev = use_mock_cuda();
+    let host = vec![0u8; 8192];
+    // SAFETY: refused before anything uses the pointer.
+    let err = unsafe {
+        Region::from_device_ptr(dev, host.as_ptr() as u64, host.len(), Access::ALL, None)
+    }
+    .unwrap_err();
+    assert!(
+        matches!(&err, DataError::Gpu(GpuError::NotDeviceMemory { device, .. }) if *device == dev),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("does not know"), "{err}");
+}
+
+#[test]
+fn memory_of_another_device_or_past_the_end_is_refused() {
+    let dev = use_mock_cuda();
+    let other = Region::alloc_device(GpuDevice::cuda(1), 8192, Access::ALL).unwrap();
+    // SAFETY: refused before anything uses the pointer.
+    let err =
+        unsafe { Region::from_device_ptr(dev, other.addr(), 8192, Access::ALL, None) }.unwrap_err();
+    assert!(err.to_string().contains("memory of cuda:1"), "{err}");
+    let mine = Region::alloc_device(dev, 8192, Access::ALL).unwrap();
+    // SAFETY: refused before anything uses the pointer (too long).
+    let err = unsafe { Region::from_device_ptr(dev, mine.addr(), 1 << 20, Access::ALL, None) }
+        .unwrap_err();
+    assert!(err.to_string().contains("at the last byte"), "{err}");
+    // SAFETY: `mine` (which owns the allocation) outlives `inner`.
+    let inner =
+        unsafe { Region::from_device_ptr(dev, mine.addr() + 4096, 4096, Access::ALL, None) }
+            .unwrap();
+    inner.copy_in(0, &[9; 4096]).unwrap();
+    assert_eq!(&contents(&mine)[4096..], &[9; 4096][..]);
+    assert_eq!(inner.device(), Some(dev));
+}
+
+#[test]
+fn device_regions_are_not_cpu_addressable() {
+    let dev = use_mock_cuda();
+    let r = Region::alloc_device(dev, 4096, Access::ALL).unwrap();
+    assert!(matches!(
+        r.write(0, &[1]),
+        Err(DataError::Unsupported { .. })
+    ));
+    // SAFETY: nothing else touches `r`; the call is refused before any
+    // slice exists.
+    let sliced = unsafe { r.with_slice(0, 1, |_| ()) };
+    assert!(matches!(sliced, Err(DataError::Unsupported { .. })));
+    assert!(matches!(
+        r.copy_in(4000, &[0; 100]),
+        Err(DataError::OutOfBounds { .. })
+    ));
+}
+
+#[test]
+fn copies_span_many_staging_chunks() {
+    let dev = use_mock_cuda();
+    let len = (5 << 20) + 3;
+    let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let r = region_in(Some(dev), len, Access::ALL, &data);
+    assert!(contents(&r) == data);
+    let mut mid = vec![0u8; 3 << 20];
+    r.copy_out(1 << 20, &mut mid).unwrap();
+    assert!(mid[..] == data[1 << 20..(1 << 20) + (3 << 20)]);
+    // A consumer error stops the stream and comes back as is.
+    let mut seen = 0;
+    let r2 = r
+        .read_chunks(0, len as u64, |c| {
+            seen += c.len();
+            Err::<(), _>("stop")
+        })
+        .unwrap();
+    assert_eq!(r2, Err("stop"));
+    assert!(
+        (128 << 10..=2 << 20).contains(&seen),
+        "stopped after the first chunk, not after {seen} bytes"
+    );
+}
+
+#[test]
+fn dmabuf_export_unsupported_by_driver_is_typed() {
+    let dev = use_mock_cuda();
+    let r = Region::alloc_device(dev, 4096, Access::ALL).unwrap();
+    let err = r.export_dmabuf().unwrap_err();
+    assert!(
+        matches!(&err, DataError::Gpu(GpuError::Unsupported { device, .. }) if *device == dev),
+        "{err:?}"
+    );
+    let host = Region::alloc(4096, Access::ALL).unwrap();
+    assert!(matches!(
+        host.export_dmabuf(),
+        Err(DataError::Unsupported { .. })
+    ));
+}
+
+/// Host to GPU and GPU to host over tcp, with a notification that arrives
+/// only once the bytes are in the target's (mock) device memory.
+#[test]
+fn tcp_between_host_and_device_with_notification() {
+    let dev = use_mock_cuda();
+    let len = (6 << 20) + 17;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    let host = Region::from_vec(data.clone(), Access::ALL).unwrap();
+    let gpu = region_in(Some(dev), len, Access::ALL, &[0]);
+    let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+    let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+    let host_ad = init.register(&host).unwrap();
+    let gpu_ad = target.register(&gpu).unwrap();
+    let (peer, _) = connect_pair(&mut init, &[host_ad], &mut target, &[gpu_ad]).unwrap();
+    let desc = |op| {
+        Transfer::new(
+            peer,
+            op,
+            vec![Descriptor {
+                region: host.id(),
+                offset: 0,
+                len: len as u64,
+            }],
+            vec![RemoteDescriptor {
+                key: gpu_ad.key,
+                offset: 0,
+                len: len as u64,
+            }],
+        )
+    };
+    let write = desc(Op::Write).with_notify(b"landed".to_vec());
+    init.submit(write).unwrap();
+    let mut done = Vec::new();
+    let notes = kvlane_data::conformance::wait_notifications(&mut init, &mut target, 1, &mut done);
+    assert_eq!(&notes[0].payload[..], b"landed");
+    // The notification came after every byte reached device memory.
+    assert!(contents(&gpu) == data);
+    // And back: READ from the GPU into zeroed host memory.
+    host.copy_in(0, &vec![0; len]).unwrap();
+    kvlane_data::conformance::run_one(&mut init, &mut target, desc(Op::Read)).unwrap();
+    assert!(contents(&host) == data);
+}
