@@ -75,6 +75,41 @@ impl<'a> FrameReader<'a> {
         }
     }
 
+    /// Waits until a read would not block (bytes buffered or waiting on
+    /// the socket); `UnexpectedEof` when the peer closed.
+    pub(crate) fn wait_readable(&mut self) -> io::Result<()> {
+        if !self.is_drained() {
+            return Ok(());
+        }
+        let mut probe = [0u8; 1];
+        loop {
+            match self.rd.get_ref().peek(&mut probe) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reads some payload bytes (at most `dst.len()`, at least one) with
+    /// one socket read at most, which does not block after
+    /// [`wait_readable`](Self::wait_readable). `total` is the whole
+    /// payload's length (large payloads bypass the buffer, as in
+    /// [`payload`](Self::payload)).
+    pub(crate) fn payload_part(&mut self, dst: &mut [u8], total: u64) -> io::Result<usize> {
+        self.direct = total >= DIRECT_MIN as u64;
+        let n = if self.is_drained() && self.direct {
+            self.rd.get_mut().read(dst)?
+        } else {
+            self.rd.read(dst)?
+        };
+        if n == 0 && !dst.is_empty() {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(n)
+    }
+
     /// Reads and discards `n` bytes.
     pub fn skip(&mut self, n: u64) -> io::Result<()> {
         let skipped = io::copy(&mut (&mut self.rd).take(n), &mut io::sink())?;
@@ -236,11 +271,10 @@ pub(crate) struct SocketOptions {
 
 /// `TCP_NODELAY`, buffer sizes and keep-alive. Failures only cost
 /// performance or dead-peer detection time, so they are logged.
-pub(crate) fn tune_socket(s: &TcpStream, opts: SocketOptions) {
-    if let Err(e) = s.set_nodelay(true) {
+pub(crate) fn tune_socket(sock: socket2::SockRef<'_>, opts: SocketOptions) {
+    if let Err(e) = sock.set_tcp_nodelay(true) {
         tracing::debug!(error = %e, "TCP_NODELAY");
     }
-    let sock = socket2::SockRef::from(s);
     if let Some(size) = opts.buffer {
         if let Err(e) = sock
             .set_send_buffer_size(size)

@@ -1,0 +1,480 @@
+//! One served connection as a non-blocking state machine.
+//!
+//! [`ServeConn::drive`] reads whatever the socket has, decodes and checks
+//! requests, moves WRITE payloads straight into region memory and queues
+//! answers (READ payloads by reference to region memory when large), then
+//! writes what it can. It returns when the socket would block, so one I/O
+//! thread serves many connections. The same code runs over an in-memory
+//! stream in the `tcp_serve` fuzz target ([`fuzz_serve`](super::fuzz_serve)).
+//!
+//! Every length and offset from the wire passes [`Request::decode`] (length
+//! caps) and [`check_request`](super::server::check_request) (key, rights,
+//! overflow-safe bounds) before it reaches any arithmetic or memory.
+//! Output is bounded: once [`OUT_MAX`] bytes of answers are queued the
+//! connection stops reading until the peer has taken them.
+
+use super::io::{DIRECT_MIN, IO_BUF};
+use super::server::{bump, check_request, Counters, RegionTable};
+use super::shared::Shared;
+use super::wire::{
+    FrameError, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
+};
+use crate::ids::PeerId;
+use crate::memory::Region;
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, Read, Write};
+
+/// Answers queued (headers and READ payloads) before the connection stops
+/// reading requests: bounds the memory one peer can make us hold and keeps
+/// a peer that does not read its answers from growing a queue.
+pub(crate) const OUT_MAX: usize = 4 << 20;
+
+/// Payloads below this are copied into the output buffer with their
+/// header (one `writev` slice); larger ones are sent from region memory.
+const COPY_MAX: u64 = DIRECT_MIN as u64;
+
+/// Most slices gathered into one `writev`.
+const MAX_SLICES: usize = 64;
+
+/// Why a connection ended.
+#[derive(Debug)]
+pub(crate) enum End {
+    /// The peer closed it (after its answers were sent, as far as it read them).
+    Eof,
+    /// A wrong hello or token.
+    Auth,
+    /// A header that did not decode.
+    Frame(FrameError),
+    /// Authenticated, but the connection cap was reached.
+    Refused,
+    /// A socket error.
+    Io(io::Error),
+}
+
+impl From<io::Error> for End {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+/// What serving needs from the server.
+pub(crate) struct Ctx<'a> {
+    pub(crate) regions: &'a RegionTable,
+    pub(crate) shared: &'a Shared,
+    pub(crate) counters: &'a Counters,
+    /// Maps a hello to the peer whose credential it carries and admits the
+    /// connection (counts it against the cap), or says why not.
+    pub(crate) authenticate: &'a dyn Fn(&[u8; HELLO_LEN]) -> Result<PeerId, End>,
+}
+
+/// What the next input bytes are.
+enum Incoming {
+    Hello,
+    Header,
+    Write {
+        region: Region,
+        offset: u64,
+        len: u64,
+        done: u64,
+        tag: u64,
+    },
+    Notify {
+        buf: Vec<u8>,
+        len: usize,
+        tag: u64,
+    },
+    Skip {
+        left: u64,
+        tag: u64,
+        status: Status,
+    },
+}
+
+enum Out {
+    Buf(Vec<u8>),
+    Mem(Region, u64, u64),
+}
+
+/// Answers waiting for the socket.
+#[derive(Default)]
+struct Outq {
+    segs: VecDeque<Out>,
+    /// Bytes of the front segment already written.
+    head: usize,
+    bytes: usize,
+}
+
+impl Outq {
+    fn put(&mut self, b: &[u8]) {
+        self.bytes += b.len();
+        if let Some(Out::Buf(v)) = self.segs.back_mut() {
+            if v.len() + b.len() <= IO_BUF {
+                v.extend_from_slice(b);
+                return;
+            }
+        }
+        let mut v = Vec::with_capacity(b.len().max(4096));
+        v.extend_from_slice(b);
+        self.segs.push_back(Out::Buf(v));
+    }
+
+    fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        if len < COPY_MAX {
+            let mut tmp = Vec::new();
+            region
+                .with_slice(offset, len, |s| tmp.extend_from_slice(s))
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            self.put(&tmp);
+            return Ok(());
+        }
+        self.bytes = self
+            .bytes
+            .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+        self.segs.push_back(Out::Mem(region.clone(), offset, len));
+        Ok(())
+    }
+
+    /// Writes until done or the socket would block; `Ok(true)` when empty.
+    fn flush<S: Write>(&mut self, s: &mut S) -> io::Result<bool> {
+        while !self.segs.is_empty() {
+            let n = match self.write_some(s) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            };
+            self.advance(n);
+        }
+        Ok(true)
+    }
+
+    /// One `writev` of the leading buffers and at most one region span.
+    fn write_some<S: Write>(&self, s: &mut S) -> io::Result<usize> {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_SLICES);
+        let mut skip = self.head;
+        for seg in self.segs.iter().take(MAX_SLICES) {
+            match seg {
+                Out::Buf(v) => {
+                    slices.push(IoSlice::new(&v[skip..]));
+                    skip = 0;
+                }
+                Out::Mem(region, off, len) => {
+                    let (off, len) = (off + skip as u64, len - skip as u64);
+                    return region
+                        .with_slice(off, len, move |m| {
+                            // Shortens the slices' lifetime to `m`'s.
+                            let mut all: Vec<IoSlice<'_>> = slices;
+                            all.push(IoSlice::new(m));
+                            s.write_vectored(&all)
+                        })
+                        .map_err(|e| io::Error::other(e.to_string()))?;
+                }
+            }
+        }
+        s.write_vectored(&slices)
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.bytes -= n.min(self.bytes);
+        while n > 0 {
+            let Some(front) = self.segs.front() else {
+                return;
+            };
+            let len = match front {
+                Out::Buf(v) => v.len(),
+                Out::Mem(_, _, len) => usize::try_from(*len).unwrap_or(usize::MAX),
+            } - self.head;
+            if n < len {
+                self.head += n;
+                return;
+            }
+            n -= len;
+            self.head = 0;
+            self.segs.pop_front();
+        }
+    }
+}
+
+/// The read buffer of one drive: a per-thread scratch buffer, of which
+/// `start..end` is unconsumed input.
+struct Input<'b> {
+    buf: &'b mut [u8],
+    start: usize,
+    end: usize,
+}
+
+/// One served connection (see the [module docs](self)).
+///
+/// Between drives a connection keeps less than one header of input (every
+/// state but `Header` and `Hello` consumes whatever is buffered), so the
+/// read buffer is the I/O thread's, not the connection's: an idle
+/// connection holds a few hundred bytes, not a buffer.
+pub(crate) struct ServeConn {
+    carry: [u8; REQUEST_LEN],
+    carry_len: usize,
+    incoming: Incoming,
+    out: Outq,
+    peer: Option<PeerId>,
+}
+
+impl ServeConn {
+    /// A connection that must present a hello first.
+    pub(crate) fn new() -> Self {
+        Self {
+            carry: [0; REQUEST_LEN],
+            carry_len: 0,
+            incoming: Incoming::Hello,
+            out: Outq::default(),
+            peer: None,
+        }
+    }
+
+    /// A connection past its hello (for the fuzz target).
+    pub(crate) fn authenticated(peer: PeerId) -> Self {
+        Self {
+            incoming: Incoming::Header,
+            peer: Some(peer),
+            ..Self::new()
+        }
+    }
+
+    /// The peer whose credential the connection presented, once it has.
+    pub(crate) fn peer(&self) -> Option<PeerId> {
+        self.peer
+    }
+
+    /// Serves until the socket would block; `Err` ends the connection.
+    /// `scratch` (at least [`REQUEST_LEN`] bytes; [`IO_BUF`] is good) is
+    /// the read buffer, shared by the connections of one thread.
+    pub(crate) fn drive<S: Read + Write>(
+        &mut self,
+        s: &mut S,
+        ctx: &Ctx<'_>,
+        scratch: &mut [u8],
+    ) -> Result<(), End> {
+        let carried = self.carry_len;
+        scratch[..carried].copy_from_slice(&self.carry[..carried]);
+        let mut input = Input {
+            buf: scratch,
+            start: 0,
+            end: carried,
+        };
+        let r = self.run(s, ctx, &mut input);
+        let left = input.end - input.start;
+        if r.is_ok() {
+            // Every state consumes all input but a partial header.
+            assert!(left < REQUEST_LEN, "{left} bytes of input left over");
+            self.carry[..left].copy_from_slice(&input.buf[input.start..input.end]);
+            self.carry_len = left;
+        }
+        r
+    }
+
+    fn run<S: Read + Write>(
+        &mut self,
+        s: &mut S,
+        ctx: &Ctx<'_>,
+        input: &mut Input<'_>,
+    ) -> Result<(), End> {
+        loop {
+            if self.out.bytes >= OUT_MAX {
+                self.out.flush(s)?;
+                if self.out.bytes >= OUT_MAX {
+                    // The peer is not taking its answers: read no more
+                    // requests until it does (a writable event resumes us).
+                    return Ok(());
+                }
+            }
+            self.consume(ctx, input)?;
+            if self.out.bytes >= IO_BUF {
+                self.out.flush(s)?;
+                continue;
+            }
+            match self.fill(s, input) {
+                Ok(0) => {
+                    // Half-closed: the initiator may still read its answers.
+                    let _ = self.out.flush(s);
+                    return Err(End::Eof);
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.out.flush(s)?;
+                    return Ok(());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Reads from the socket: a large WRITE payload straight into region
+    /// memory when nothing is buffered, otherwise into the buffer.
+    fn fill<S: Read>(&mut self, s: &mut S, input: &mut Input<'_>) -> io::Result<usize> {
+        if input.start == input.end {
+            input.start = 0;
+            input.end = 0;
+            if let Incoming::Write {
+                region,
+                offset,
+                len,
+                done,
+                ..
+            } = &mut self.incoming
+            {
+                let left = *len - *done;
+                if left >= DIRECT_MIN as u64 {
+                    let n = region
+                        .with_slice_mut(*offset + *done, left, |m| s.read(m))
+                        .map_err(|e| io::Error::other(e.to_string()))??;
+                    *done += n as u64;
+                    return Ok(n);
+                }
+            }
+        } else if input.start > 0 {
+            // What is left is less than one header: cheap to move.
+            input.buf.copy_within(input.start..input.end, 0);
+            input.end -= input.start;
+            input.start = 0;
+        }
+        let n = s.read(&mut input.buf[input.end..])?;
+        input.end += n;
+        Ok(n)
+    }
+
+    /// Decodes and serves what is buffered.
+    fn consume(&mut self, ctx: &Ctx<'_>, input: &mut Input<'_>) -> Result<(), End> {
+        loop {
+            let avail = input.end - input.start;
+            let rbuf = &input.buf[input.start..input.end];
+            match &mut self.incoming {
+                Incoming::Hello => {
+                    if avail < HELLO_LEN {
+                        return Ok(());
+                    }
+                    let mut h = [0u8; HELLO_LEN];
+                    h.copy_from_slice(&rbuf[..HELLO_LEN]);
+                    input.start += HELLO_LEN;
+                    self.peer = Some((ctx.authenticate)(&h)?);
+                    self.incoming = Incoming::Header;
+                    self.out.put(&HELLO_ACK);
+                }
+                Incoming::Header => {
+                    if avail < REQUEST_LEN {
+                        return Ok(());
+                    }
+                    let mut h = [0u8; REQUEST_LEN];
+                    h.copy_from_slice(&rbuf[..REQUEST_LEN]);
+                    input.start += REQUEST_LEN;
+                    let req = Request::decode(&h).map_err(End::Frame)?;
+                    self.request(&req, ctx)?;
+                }
+                Incoming::Write {
+                    region,
+                    offset,
+                    len,
+                    done,
+                    tag,
+                } => {
+                    let n = (avail as u64).min(*len - *done);
+                    if n > 0 {
+                        let src = &rbuf[..n as usize];
+                        region
+                            .with_slice_mut(*offset + *done, n, |m| m.copy_from_slice(src))
+                            .map_err(|e| End::Io(io::Error::other(e.to_string())))?;
+                        input.start += n as usize;
+                        *done += n;
+                    }
+                    if *done < *len {
+                        return Ok(());
+                    }
+                    bump(&ctx.counters.writes_served, 1);
+                    bump(&ctx.counters.bytes_written, *len);
+                    let tag = *tag;
+                    self.answer(Status::Ok, tag);
+                }
+                Incoming::Notify { buf, len, tag } => {
+                    let want = *len - buf.len();
+                    let n = avail.min(want);
+                    buf.extend_from_slice(&rbuf[..n]);
+                    input.start += n;
+                    if n < want {
+                        return Ok(());
+                    }
+                    let tag = *tag;
+                    let payload = std::mem::take(buf);
+                    ctx.shared.notify(Bytes::from(payload));
+                    bump(&ctx.counters.notifications, 1);
+                    self.answer(Status::Ok, tag);
+                }
+                Incoming::Skip { left, tag, status } => {
+                    let n = (avail as u64).min(*left);
+                    input.start += n as usize;
+                    *left -= n;
+                    if *left > 0 {
+                        return Ok(());
+                    }
+                    let (status, tag) = (*status, *tag);
+                    self.answer(status, tag);
+                }
+            }
+        }
+    }
+
+    /// Queues a status answer and expects the next header.
+    fn answer(&mut self, status: Status, tag: u64) {
+        self.incoming = Incoming::Header;
+        self.out.put(&Response { status, tag }.encode());
+    }
+
+    /// Checks one decoded request and starts serving it.
+    fn request(&mut self, req: &Request, ctx: &Ctx<'_>) -> Result<(), End> {
+        let checked = {
+            let regions = ctx.regions.read().unwrap_or_else(|e| e.into_inner());
+            check_request(&regions, req)
+        };
+        let c = ctx.counters;
+        match checked {
+            Ok(Some(region)) if req.kind == RequestKind::Write => {
+                self.incoming = Incoming::Write {
+                    region,
+                    offset: req.offset,
+                    len: req.len,
+                    done: 0,
+                    tag: req.tag,
+                };
+            }
+            Ok(Some(region)) => {
+                self.out.put(
+                    &Response {
+                        status: Status::Ok,
+                        tag: req.tag,
+                    }
+                    .encode(),
+                );
+                self.out.region(&region, req.offset, req.len)?;
+                bump(&c.reads_served, 1);
+                bump(&c.bytes_read, req.len);
+            }
+            Ok(None) => {
+                // `len <= MAX_NOTIFY` (checked by decode).
+                self.incoming = Incoming::Notify {
+                    buf: Vec::with_capacity(req.len as usize),
+                    len: req.len as usize,
+                    tag: req.tag,
+                };
+            }
+            Err(status) => {
+                c.refused(status);
+                // A refused WRITE's payload is skipped; it never reaches memory.
+                self.incoming = Incoming::Skip {
+                    left: req.payload_len(),
+                    tag: req.tag,
+                    status,
+                };
+            }
+        }
+        Ok(())
+    }
+}
