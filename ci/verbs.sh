@@ -7,10 +7,16 @@
 #   3. run the kvlane verbs bench (examples/verbs_bench.rs) with the same
 #      message size, iteration count, queue depth and QP count, and
 #      `kvlane bench --backend verbs` (the CLI: batches of 128 blocks);
-# and print the bandwidths and the ratio kvlane/perftest (target >= 0.9x).
+# and print the bandwidths and the ratio kvlane/perftest.
 #
-# Exit code: non-zero when the build or a test fails. Bandwidth is reported,
-# not asserted (TCG timing is noisy); set VERBS_MIN_RATIO=0.9 to enforce it.
+# Exit code: non-zero when the build or a test fails, or when a kvlane
+# bandwidth (verbs_bench or the CLI) is below VERBS_MIN_RATIO x perftest's
+# in the same VM (default 0.8), or perftest measured nothing to compare with.
+# 0.8: the pinned runs measured 1.05-1.09x (TCG, rxe0, 64 KiB x 1000, depth
+# 128, 1 QP, best of 5: WRITE 42.51 vs 40.38 MB/s, READ 44.49 vs 40.69;
+# the CLI bench 1.05x / 1.07x), so 0.8 leaves room for TCG noise and still
+# catches a real regression; unpinned runs swung 2x, which is why both
+# sides run pinned. VERBS_MIN_RATIO=0 reports without enforcing.
 #
 # Knobs: VERBS_SIZE (65536) VERBS_ITERS (1000) VERBS_DEPTH (128) VERBS_QPS (1),
 #        VERBS_REPS (5: interleaved runs, best of each is reported),
@@ -28,7 +34,7 @@ ITERS=${VERBS_ITERS:-1000}
 REPS=${VERBS_REPS:-5}
 DEPTH=${VERBS_DEPTH:-128}
 QPS=${VERBS_QPS:-1}
-MIN_RATIO=${VERBS_MIN_RATIO:-}
+MIN_RATIO=${VERBS_MIN_RATIO:-0.8}
 
 # ------------------------------------------------------------ build deps
 # sideway -> rdma-mummy-sys builds a C shim with cmake and runs bindgen (libclang).
@@ -122,11 +128,11 @@ awk -v pw="\${PW:-0}" -v pr="\${PR:-0}" -v kw="\${KW:-0}" -v kr="\${KR:-0}" \
     q = (p[i] > 0 && kc != "") ? c[i] / p[i] : -1
     printf "%-6s %12.2f %14.2f %8s %14s %8s\n", ops[i], p[i], k[i], (r < 0 ? "n/a" : sprintf("%.2f", r)),
            (kc == "" ? "-" : sprintf("%.2f", c[i])), (q < 0 ? "n/a" : sprintf("%.2f", q))
-    if (min != "" && r >= 0 && r < min) bad = 1
+    if (min + 0 > 0 && (r < min || (kc != "" && q < min))) bad = 1
   }
-  if (pw == 0 || pr == 0) print "NOTE: perftest reported no bandwidth (TSC calibration fails under TCG); ratio n/a"
+  if (pw == 0 || pr == 0) print "perftest reported no bandwidth (TSC calibration fails under TCG): no ratio to check"
   exit bad
-}' || { echo "kvlane is below VERBS_MIN_RATIO=$MIN_RATIO x perftest"; rc=1; }
+}' || { echo "FAIL: kvlane is below VERBS_MIN_RATIO=$MIN_RATIO x perftest, or there was no perftest figure to compare with (VERBS_MIN_RATIO=0 only reports)"; rc=1; }
 exit \$rc
 EOF
 )

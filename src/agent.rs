@@ -238,6 +238,7 @@ impl AgentBuilder {
         let (events, _) = broadcast::channel(1024);
         let (note_tx, note_rx) = mpsc::unbounded_channel();
         let data_notes = transport.take_notifications();
+        let rail = transport.with_backend(|b| b.kind()).as_str();
         let inner = Arc::new(Inner {
             engine_id: self.engine_id,
             incarnation,
@@ -255,6 +256,8 @@ impl AgentBuilder {
             offers: Mutex::new(HashMap::new()),
             exchange_timeout,
             attach_timeout: exchange_timeout + CONNECT_BOUND,
+            metrics: crate::metrics::Metrics::new(),
+            rail,
         });
         let mut control_events = inner.control.events();
         let weak = Arc::downgrade(&inner);
@@ -397,6 +400,27 @@ impl Agent {
     /// This process start's incarnation.
     pub fn incarnation(&self) -> u64 {
         self.inner.incarnation
+    }
+
+    /// The agent's metrics in the Prometheus text exposition format
+    /// (OpenMetrics 1.0); the names and labels are listed in
+    /// [`metrics`](crate::metrics). Serve them with
+    /// [`metrics::serve_http`](crate::metrics::serve_http).
+    pub fn metrics(&self) -> String {
+        let mut snap = crate::metrics::Snapshot {
+            in_flight: i64::try_from(self.inner.transport.in_flight()).unwrap_or(i64::MAX),
+            ..Default::default()
+        };
+        for e in lock(&self.inner.peers).values() {
+            if e.data_peer.is_some() {
+                snap.up += 1;
+            } else if matches!(*e.attach.borrow(), crate::state::Attach::Pending { .. }) {
+                snap.attaching += 1;
+            } else {
+                snap.down += 1;
+            }
+        }
+        self.inner.metrics.encode(snap)
     }
 
     /// The backend in use.

@@ -128,7 +128,7 @@ impl std::error::Error for Error {
     }
 }
 
-fn data_kind(e: &DataError) -> ErrorKind {
+pub(crate) fn data_kind(e: &DataError) -> ErrorKind {
     match e {
         e if e.is_timeout() => ErrorKind::Timeout,
         e if e.is_peer_lost() => ErrorKind::PeerLost,

@@ -73,6 +73,7 @@ pub mod blocking;
 mod error;
 mod events;
 mod frames;
+pub mod metrics;
 mod peer;
 mod spans;
 mod state;

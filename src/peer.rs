@@ -207,13 +207,20 @@ impl Peer {
         &self,
         peers: &'a HashMap<ConnectionId, PeerEntry>,
     ) -> Result<(&'a PeerEntry, PeerId), Error> {
-        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-        match entry.data_peer {
-            Some(data_peer) => Ok((entry, data_peer)),
-            None => Err(entry
-                .attach_error()
-                .unwrap_or_else(|| self.lost("dead or restarting"))),
+        let r = match peers.get(&self.conn) {
+            None => Err(self.lost("closed")),
+            Some(entry) => match entry.data_peer {
+                Some(data_peer) => Ok((entry, data_peer)),
+                None => Err(entry
+                    .attach_error()
+                    .unwrap_or_else(|| self.lost("dead or restarting"))),
+            },
+        };
+        if let Err(e) = &r {
+            // A transfer asked of a peer that cannot take it.
+            self.inner.metrics.refused(e.kind());
         }
+        r
     }
 
     fn advertised_of(entry: &PeerEntry) -> Vec<RemoteRegion> {
@@ -270,7 +277,15 @@ impl Peer {
     /// and with [`ErrorKind::Busy`] when the backend's queue is full (await
     /// earlier handles, then post again).
     pub fn post(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
-        {
+        let r = self.post_inner(prepared);
+        if let Err(e) = &r {
+            self.inner.metrics.refused(e.kind());
+        }
+        r
+    }
+
+    fn post_inner(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
+        let label: Arc<str> = {
             let peers = lock(&self.inner.peers);
             let entry = peers
                 .get(&prepared.conn)
@@ -295,10 +310,24 @@ impl Peer {
                     ),
                 ));
             }
-        }
+            Arc::from(entry.engine_id.as_str())
+        };
+        let (metrics, rail, op) = (
+            self.inner.metrics.clone(),
+            self.inner.rail,
+            prepared.transfer.op,
+        );
+        let (bytes, posted) = (prepared.bytes(), Instant::now());
+        let on_done: kvlane_data::OnDone = Box::new(move |r| {
+            let outcome = r.as_ref().map(|_| ()).map_err(crate::error::data_kind);
+            metrics.transfer(&label, op, rail, bytes, posted.elapsed(), outcome);
+        });
         // Never blocks: a full queue is `ErrorKind::Busy` (retry after earlier
         // transfers completed), not a stalled async task.
-        let data = self.inner.transport.submit(prepared.transfer)?;
+        let data = self
+            .inner
+            .transport
+            .submit_then(prepared.transfer, on_done)?;
         let Some(frame) = prepared.notify_after_read else {
             return Ok(TransferHandle {
                 inner: HandleInner::Data(data),

@@ -112,6 +112,11 @@ pub(crate) struct Inner {
     /// (every attach step is bounded on its own; this one is the net
     /// under them).
     pub(crate) attach_timeout: Duration,
+    /// What the agent moved and how it went (`Agent::metrics`).
+    pub(crate) metrics: crate::metrics::Metrics,
+    /// The `rail` label of this agent's transfers (its backend; one rail
+    /// per agent until multi-rail).
+    pub(crate) rail: &'static str,
 }
 
 impl Inner {

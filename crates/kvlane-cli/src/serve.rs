@@ -44,6 +44,9 @@ pub(crate) struct ServeArgs {
     /// Pre-shared key peers must prove.
     #[arg(long, env = "KVLANE_PSK", hide_env_values = true)]
     pub(crate) psk: Option<String>,
+    /// Serve Prometheus metrics at `http://ADDR/metrics` (`host:port`).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics: Option<String>,
     #[command(flatten)]
     pub(crate) liveness: LivenessArgs,
 }
@@ -130,6 +133,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Error> {
         );
         let _ = out.flush();
     }
+    let metrics = match &args.metrics {
+        Some(addr) => Some(serve_metrics(&agent, addr).await?),
+        None => None,
+    };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| {
             Error::from(kvlane::data::DataError::Io {
@@ -152,6 +159,32 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), Error> {
         }
     }
     eprintln!("kvlane serve: shutting down");
+    if let Some(task) = metrics {
+        task.abort();
+    }
     agent.close().await;
     Ok(())
+}
+
+/// Binds `addr` and answers `GET /metrics` with the agent's metrics until
+/// the returned task is aborted.
+pub(crate) async fn serve_metrics(
+    agent: &Agent,
+    addr: &str,
+) -> Result<tokio::task::JoinHandle<()>, Error> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        Error::from(kvlane::data::DataError::Io {
+            op: format!("bind the metrics listener on {addr}"),
+            source: e,
+        })
+    })?;
+    let bound = listener
+        .local_addr()
+        .map_or(addr.to_string(), |a| a.to_string());
+    println!("metrics http://{bound}/metrics");
+    let agent = agent.clone();
+    Ok(tokio::spawn(kvlane::metrics::serve_http(
+        listener,
+        move || agent.metrics(),
+    )))
 }

@@ -37,6 +37,10 @@ struct Served {
 
 impl Served {
     fn start(listen: &str, seed: u8, psk: Option<&str>) -> Self {
+        Self::start_with(listen, seed, psk, &[])
+    }
+
+    fn start_with(listen: &str, seed: u8, psk: Option<&str>, extra: &[&str]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvlane"));
         cmd.args(["serve", "--listen", listen, "--engine-id", "decode"])
             .args([
@@ -51,6 +55,7 @@ impl Served {
                 "--seed",
                 &seed.to_string(),
             ])
+            .args(extra)
             .env_remove("KVLANE_PSK")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -181,6 +186,45 @@ async fn two_processes_read_and_write_verified() {
             }
         }
     }
+    agent.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_metrics_are_scraped_over_http_while_a_peer_is_up() {
+    let served = Served::start_with("127.0.0.1:0", 5, None, &["--metrics", "127.0.0.1:0"]);
+    let line = served.wait_line("metrics http://");
+    let url = line.strip_prefix("metrics http://").unwrap();
+    let at = url.strip_suffix("/metrics").unwrap().to_string();
+    let scrape = move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&at).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let before = scrape();
+    assert!(before.starts_with("HTTP/1.1 200 OK"), "{before}");
+    assert!(before.contains("kvlane_peers{state=\"up\"} 0"), "{before}");
+    let (agent, _local) = initiator(None).await;
+    let peer = agent.connect(&served.addr).await.unwrap();
+    peer.write_blocks(0..1, &[1], &[2], Some(b"m"))
+        .unwrap()
+        .await
+        .unwrap();
+    served.wait_line("notification");
+    // serve attaches its own data plane back to us in a task of its own:
+    // the peer shows as attaching, then up.
+    let mut during = String::new();
+    for _ in 0..100 {
+        let s = scrape.clone();
+        during = tokio::task::spawn_blocking(s).await.unwrap();
+        if during.contains("kvlane_peers{state=\"up\"} 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(during.contains("kvlane_peers{state=\"up\"} 1"), "{during}");
     agent.close().await;
 }
 

@@ -28,10 +28,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Called once with a transfer's result, on the thread that resolves it,
+/// before any waiter sees the result (see [`Transport::submit_then`]).
+pub type OnDone = Box<dyn FnOnce(&Result<(), DataError>) + Send>;
+
 #[derive(Default)]
 struct SlotState {
     result: Option<Result<(), DataError>>,
     waker: Option<Waker>,
+    on_done: Option<OnDone>,
 }
 
 #[derive(Default)]
@@ -42,6 +47,10 @@ struct Slot {
 
 impl Slot {
     fn complete(&self, result: Result<(), DataError>) {
+        let on_done = lock(&self.state).on_done.take();
+        if let Some(f) = on_done {
+            f(&result);
+        }
         let waker = {
             let mut s = lock(&self.state);
             s.result = Some(result);
@@ -266,11 +275,29 @@ impl Transport {
     /// Submits a transfer. A full queue hands it back
     /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
     pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {
+        self.submit_slot(transfer, Slot::default())
+    }
+
+    /// Submits a transfer and calls `on_done` with its result when it ends
+    /// (on the progress thread, before the handle resolves; keep it short).
+    /// A transfer the backend refuses at submission returns the error and
+    /// `on_done` is not called.
+    pub fn submit_then(
+        &self,
+        transfer: Transfer,
+        on_done: OnDone,
+    ) -> Result<TransferHandle, SubmitError> {
+        let slot = Slot::default();
+        lock(&slot.state).on_done = Some(on_done);
+        self.submit_slot(transfer, slot)
+    }
+
+    fn submit_slot(&self, transfer: Transfer, slot: Slot) -> Result<TransferHandle, SubmitError> {
         let (id, peer) = (transfer.id, transfer.peer);
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(SubmitError::Rejected(DataError::Shutdown(id)));
         }
-        let slot = Arc::new(Slot::default());
+        let slot = Arc::new(slot);
         {
             let mut slots = lock(&self.shared.slots);
             if slots.contains_key(&id) {

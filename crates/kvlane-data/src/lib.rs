@@ -54,6 +54,10 @@
 //! Dropping a [`TcpBackend`] closes its listener and every connection;
 //! its I/O threads exit as their sockets close.
 #![deny(missing_docs)]
+// `unsafe` is allowed only where foreign memory is touched: `memory` (raw
+// copies and socket I/O on region memory, registration of foreign
+// pointers) and `verbs` (libibverbs FFI). Everything else is safe code.
+#![deny(unsafe_code)]
 
 mod backend;
 pub mod conformance;
@@ -63,19 +67,24 @@ mod host_registry;
 mod ids;
 pub mod layout;
 pub mod loopback;
+#[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness
 mod memory;
 pub mod tcp;
+pub mod topology;
 mod transfer;
 #[cfg(feature = "verbs")]
+#[allow(unsafe_code)] // libibverbs FFI and memory registration
 pub mod verbs;
 
 pub use backend::{connect_pair, Backend, Connected, Connecting};
 pub use error::{DataError, SubmitError};
-pub use handle::{TransferHandle, Transport};
+pub use handle::{OnDone, TransferHandle, Transport};
 pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};
-pub use memory::{Access, MemoryKind, Region, RemoteRegion, REGION_ALIGN};
+#[cfg(unix)]
+pub use memory::send_vectored;
+pub use memory::{Access, IoPart, MemoryKind, Region, RemoteRegion, IOV_MAX, REGION_ALIGN};
 pub use smallvec::{smallvec, SmallVec};
 pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};
 pub use transfer::{

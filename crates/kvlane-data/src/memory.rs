@@ -8,9 +8,62 @@
 //! contract is that the memory outlives every clone of the region.
 //!
 //! Like memory registered with an RDMA NIC, the contents of bytes targeted
-//! by an in-flight transfer are unspecified until that transfer completes;
-//! the region itself is shared (`Clone` is a reference count) and all access
-//! goes through bounds-checked copies.
+//! by an in-flight transfer are unspecified until that transfer completes.
+//!
+//! # Soundness
+//!
+//! A region is shared: `Clone` is a reference count, it is `Sync`, and NICs,
+//! the kernel and remote peers write its memory behind Rust's back. So its
+//! memory is treated like device memory: safe code reaches it only through
+//! bounds-checked copies made with raw pointers ([`Region::read`],
+//! [`Region::write`], [`Region::fill`], [`Region::copy_to`]) and through
+//! syscalls that hand a raw range to the kernel ([`Region::recv_from`],
+//! [`Region::send_to`], [`send_vectored`]). None of them creates a
+//! `&[u8]` or `&mut [u8]` to region memory, so two threads (or a thread
+//! and a NIC) touching the same bytes can leave them unspecified, as RDMA
+//! does, but can never alias a Rust reference. Slice views exist only as
+//! the `unsafe` [`Region::with_slice`] / [`Region::with_slice_mut`], whose
+//! `# Safety` sections state the exclusivity they need:
+//!
+//! ```compile_fail,E0133
+//! use kvlane_data::{Access, Region};
+//! let r = Region::alloc(16, Access::ALL).unwrap();
+//! let alias = r.clone();
+//! // Two `&mut` to the same bytes from safe code: refused (E0133, call to
+//! // an unsafe function), so this no longer compiles.
+//! r.with_slice_mut(0, 16, |a| {
+//!     alias.with_slice_mut(0, 16, |b| { a[0] = 1; b[0] = 2; })
+//! }).unwrap().unwrap();
+//! ```
+//!
+//! It is refused only for being unsafe: the same lines in an `unsafe`
+//! block compile (this one is only built, never run: running it is exactly
+//! the aliasing the `# Safety` contract forbids).
+//!
+//! ```no_run
+//! use kvlane_data::{Access, Region};
+//! let r = Region::alloc(16, Access::ALL).unwrap();
+//! let alias = r.clone();
+//! unsafe {
+//!     r.with_slice_mut(0, 16, |a| {
+//!         alias.with_slice_mut(0, 16, |b| { a[0] = 1; b[0] = 2; })
+//!     }).unwrap().unwrap();
+//! }
+//! ```
+//!
+//! The same accesses through the safe copies compile, and the last write
+//! wins:
+//!
+//! ```
+//! use kvlane_data::{Access, Region};
+//! let r = Region::alloc(16, Access::ALL).unwrap();
+//! let alias = r.clone();
+//! r.write(0, &[1]).unwrap();
+//! alias.write(0, &[2]).unwrap();
+//! let mut b = [0u8; 1];
+//! r.read(0, &mut b).unwrap();
+//! assert_eq!(b, [2]);
+//! ```
 
 use crate::error::DataError;
 use crate::ids::{RegionId, RemoteKey};
@@ -18,7 +71,10 @@ use serde::{Deserialize, Serialize};
 use std::alloc::Layout;
 use std::any::Any;
 use std::fmt;
+use std::io;
 use std::ops::BitOr;
+#[cfg(unix)]
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
 
 /// Access rights of a region. Local read is always allowed.
@@ -489,9 +545,22 @@ impl Region {
         Ok(())
     }
 
-    /// Runs `f` on the bytes `offset..offset+len` as a shared slice (for
-    /// backends that send region memory to a socket without a copy).
-    pub fn with_slice<R>(
+    /// Runs `f` on the bytes `offset..offset+len` as a shared slice.
+    ///
+    /// Safe code never sees region memory as a Rust slice: a region is
+    /// `Clone + Sync`, and other clones, backends and peers may write the
+    /// same bytes at any time. Use [`read`](Self::read),
+    /// [`write`](Self::write), [`copy_to`](Self::copy_to) or the socket I/O
+    /// of [`recv_from`](Self::recv_from) / [`send_to`](Self::send_to) /
+    /// [`send_vectored`] instead; they copy through raw pointers and never
+    /// create a reference to region memory.
+    ///
+    /// # Safety
+    ///
+    /// While `f` runs, no one may write `offset..offset+len`: no other
+    /// thread through any clone of this region, no transfer a backend runs
+    /// on it (local or remote), and no foreign owner of the memory.
+    pub unsafe fn with_slice<R>(
         &self,
         offset: u64,
         len: u64,
@@ -499,16 +568,22 @@ impl Region {
     ) -> Result<R, DataError> {
         let ptr = self.host_ptr(offset, len)?;
         // SAFETY: the range is inside the region and valid for reads per the
-        // registration contract; the slice does not outlive `f`.
+        // registration contract; the caller promised that nothing writes it
+        // while `f` runs, and the slice does not outlive `f`.
         let slice = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
         Ok(f(slice))
     }
 
-    /// Runs `f` on the bytes `offset..offset+len` as a mutable slice (for
-    /// backends that receive from a socket straight into region memory).
-    /// Concurrent transfers that target the same bytes leave them
-    /// unspecified, as with a NIC; they never reach outside the range.
-    pub fn with_slice_mut<R>(
+    /// Runs `f` on the bytes `offset..offset+len` as a mutable slice.
+    ///
+    /// # Safety
+    ///
+    /// While `f` runs, no one else may read or write `offset..offset+len`:
+    /// no other thread through any clone of this region (this includes a
+    /// nested `with_slice`/`with_slice_mut` call on an overlapping range),
+    /// no transfer a backend runs on it (local or remote), and no foreign
+    /// owner of the memory.
+    pub unsafe fn with_slice_mut<R>(
         &self,
         offset: u64,
         len: u64,
@@ -516,9 +591,122 @@ impl Region {
     ) -> Result<R, DataError> {
         let ptr = self.host_ptr(offset, len)?;
         // SAFETY: the range is inside the region and valid for writes per
-        // the registration contract; the slice does not outlive `f`.
+        // the registration contract; the caller promised exclusive access
+        // while `f` runs, and the slice does not outlive `f`.
         let slice = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
         Ok(f(slice))
+    }
+
+    /// One `read(2)` from `src` (a socket, pipe or file) straight into
+    /// `offset..offset+len` of the region, with no intermediate copy and no
+    /// Rust reference to region memory. Returns the bytes read: fewer than
+    /// `len` is a short read, 0 the end of the stream (or `len == 0`).
+    /// A bad range or device memory is refused before the syscall.
+    /// `EINTR` is retried; `WouldBlock` is returned as is.
+    #[cfg(unix)]
+    pub fn recv_from(&self, offset: u64, len: u64, src: BorrowedFd<'_>) -> io::Result<usize> {
+        let ptr = self.host_ptr(offset, len).map_err(io::Error::other)?;
+        retry_eintr(|| {
+            // SAFETY: `ptr..ptr+len` lies inside the region (host_ptr) and
+            // is valid for writes per the registration contract. The kernel
+            // writes it like a NIC would; no Rust reference to it exists.
+            unsafe { libc::read(src.as_raw_fd(), ptr.cast(), len as usize) }
+        })
+    }
+
+    /// One `write(2)` of `offset..offset+len` of the region to `dst`,
+    /// straight from region memory. Returns the bytes written (a short
+    /// write is possible). For several pieces in one syscall use
+    /// [`send_vectored`].
+    #[cfg(unix)]
+    pub fn send_to(&self, offset: u64, len: u64, dst: BorrowedFd<'_>) -> io::Result<usize> {
+        send_vectored(dst, &[IoPart::Region(self, offset, len)])
+    }
+}
+
+/// One piece of a vectored write: plain bytes or a span of region memory.
+#[derive(Clone, Copy, Debug)]
+pub enum IoPart<'a> {
+    /// Bytes owned by the caller.
+    Bytes(&'a [u8]),
+    /// `len` bytes of the region from `offset` (checked when written).
+    Region(&'a Region, u64, u64),
+}
+
+impl IoPart<'_> {
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(b) => b.len() as u64,
+            Self::Region(_, _, len) => *len,
+        }
+    }
+
+    /// Whether the piece is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The piece without its first `n` bytes (`n` at most its length).
+    pub fn advance(self, n: u64) -> Self {
+        match self {
+            Self::Bytes(b) => Self::Bytes(&b[(n as usize).min(b.len())..]),
+            Self::Region(r, off, len) => {
+                let n = n.min(len);
+                Self::Region(r, off + n, len - n)
+            }
+        }
+    }
+}
+
+/// Most pieces one [`send_vectored`] call hands the kernel (Linux's
+/// `IOV_MAX`); later pieces wait for the next call.
+pub const IOV_MAX: usize = 1024;
+
+/// One `writev(2)` of `parts` (at most [`IOV_MAX`] of them) to `dst`:
+/// region spans go from region memory to the kernel with no copy and no
+/// Rust reference to region memory. Every region span is checked (bounds,
+/// host memory) before anything is written. Returns the bytes written; a
+/// short write is possible. `EINTR` is retried.
+#[cfg(unix)]
+pub fn send_vectored(dst: BorrowedFd<'_>, parts: &[IoPart<'_>]) -> io::Result<usize> {
+    let parts = &parts[..parts.len().min(IOV_MAX)];
+    let mut iov = Vec::with_capacity(parts.len());
+    for part in parts {
+        let (base, len) = match *part {
+            IoPart::Bytes(b) => (b.as_ptr().cast_mut(), b.len()),
+            IoPart::Region(r, off, len) => (
+                r.host_ptr(off, len).map_err(io::Error::other)?,
+                len as usize,
+            ),
+        };
+        iov.push(libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        });
+    }
+    retry_eintr(|| {
+        // SAFETY: every iovec points at `len` readable bytes: a live Rust
+        // slice borrowed for this call, or a range inside a region (checked
+        // by host_ptr) that is valid per the registration contract and that
+        // the kernel only reads. `iov.len() <= IOV_MAX` fits a c_int.
+        unsafe { libc::writev(dst.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) }
+    })
+}
+
+/// Runs a `read`/`write`-style syscall until it is not interrupted.
+#[cfg(unix)]
+fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        match usize::try_from(call()) {
+            Ok(n) => return Ok(n),
+            Err(_) => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
     }
 }
 
@@ -601,6 +789,47 @@ mod tests {
         assert_eq!(&v[20..25], &[10, 11, 12, 13, 14]);
         assert!(a.copy_to(250, &b, 0, 10).is_err());
         assert_eq!(b.to_vec().unwrap(), v, "a refused copy moves nothing");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn socket_io_moves_region_bytes_and_refuses_bad_ranges() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsFd;
+        use std::os::unix::net::UnixStream;
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let src = Region::from_vec((0..=255u8).collect(), Access::ALL).unwrap();
+        // Gathered: plain bytes, then two region spans, one emptied.
+        let parts = [
+            IoPart::Bytes(b"hd"),
+            IoPart::Region(&src, 10, 3),
+            IoPart::Region(&src, 0, 5).advance(5),
+            IoPart::Region(&src, 250, 6),
+        ];
+        assert_eq!(send_vectored(a.as_fd(), &parts).unwrap(), 11);
+        let dst = Region::alloc(64, Access::ALL).unwrap();
+        let mut got = 0;
+        while got < 11 {
+            got += dst
+                .recv_from(got as u64, 11 - got as u64, b.as_fd())
+                .unwrap();
+        }
+        let mut out = [0u8; 11];
+        dst.read(0, &mut out).unwrap();
+        assert_eq!(out, [b'h', b'd', 10, 11, 12, 250, 251, 252, 253, 254, 255]);
+        // A span past the end refuses the whole write before any byte moves.
+        let bad = [IoPart::Bytes(b"x"), IoPart::Region(&src, 250, 7)];
+        assert!(send_vectored(a.as_fd(), &bad).is_err());
+        assert!(src.send_to(u64::MAX, 2, a.as_fd()).is_err());
+        // A receive past the end is refused before reading: the byte stays.
+        a.write_all(b"z").unwrap();
+        assert!(dst.recv_from(60, 5, b.as_fd()).is_err());
+        let mut z = [0u8; 1];
+        (&b).read_exact(&mut z).unwrap();
+        assert_eq!(&z, b"z");
+        // End of stream is a zero-length read.
+        drop(a);
+        assert_eq!(dst.recv_from(0, 4, b.as_fd()).unwrap(), 0);
     }
 
     #[test]

@@ -250,6 +250,98 @@ fn drain(
     done
 }
 
+/// Peers of the scale test: `KVLANE_TEST_VERBS_PEERS`, default 1,000.
+fn scale_peers() -> usize {
+    std::env::var("KVLANE_TEST_VERBS_PEERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+/// 1,000 peers between two backends (one CQ held about 56 at the default
+/// depths, 28 on rxe): every peer WRITEs its own 4 KiB slice and the target
+/// sees each slice; the backends opened several shared CQs; one peer past
+/// `max_peers` is refused with a clear error. Queues are kept short so the
+/// 4,000 QPs fit a small VM.
+#[test]
+#[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
+fn a_thousand_peers_share_sized_completion_queues() {
+    let n = scale_peers();
+    let mut cfg = config(2);
+    cfg.notify_slots = 2;
+    cfg.qp.max_send_wr = 64;
+    cfg.max_peers = n;
+    let (mut init, mut target) = (backend(cfg.clone()), backend(cfg));
+    let block = 4096usize;
+    let mut data = vec![0u8; n * block];
+    conformance::Rng::new(7).fill(&mut data);
+    let src = Region::from_vec(data.clone(), Access::ALL).expect("src");
+    let dst = Region::alloc(n * block, Access::ALL).expect("dst");
+    let src_ad = init.register(&src).expect("register src");
+    let dst_ad = target.register(&dst).expect("register dst");
+    let t0 = Instant::now();
+    let peers: Vec<PeerId> = (0..n)
+        .map(|i| {
+            connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad])
+                .unwrap_or_else(|e| panic!("connecting peer {i} of {n}: {e}"))
+                .0
+        })
+        .collect();
+    eprintln!(
+        "{n} peers connected in {:?}: {} CQs on the initiator, {} on the target",
+        t0.elapsed(),
+        init.completion_queues(),
+        target.completion_queues()
+    );
+    let need_per_peer = 2 * 64 + 2 + 1;
+    let max_cqe = init.context().limits().max_cqe.min(1 << 16) as usize;
+    assert!(
+        init.completion_queues() >= (n * need_per_peer).div_ceil(max_cqe),
+        "{} CQs for {n} peers of {need_per_peer} entries (max_cqe {max_cqe})",
+        init.completion_queues()
+    );
+    match init.prepare_peer() {
+        Err(DataError::Unsupported { what, .. }) => assert!(what.contains("max_peers"), "{what}"),
+        other => panic!("peer {} past max_peers={n}: {other:?}", n + 1),
+    }
+    let mut ids = Vec::with_capacity(n);
+    for (i, &peer) in peers.iter().enumerate() {
+        let off = (i * block) as u64;
+        let t = Transfer::new(
+            peer,
+            Op::Write,
+            vec![Descriptor {
+                region: src.id(),
+                offset: off,
+                len: block as u64,
+            }],
+            vec![RemoteDescriptor {
+                key: dst_ad.key,
+                offset: off,
+                len: block as u64,
+            }],
+        );
+        ids.push(t.id);
+        init.submit(t)
+            .unwrap_or_else(|e| panic!("submit to peer {i}: {e}"));
+    }
+    let done = drain(&mut init, &mut [&mut target], &ids);
+    for c in &done {
+        assert!(c.result.is_ok(), "{c:?}");
+    }
+    assert!(
+        dst.to_vec().unwrap() == data,
+        "some peer's slice did not land"
+    );
+    for &peer in &peers {
+        init.remove_peer(peer);
+    }
+    assert!(
+        init.prepare_peer().is_ok(),
+        "removing peers frees their slots"
+    );
+}
+
 #[test]
 #[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
 fn write_with_imm_notification_follows_striped_data() {

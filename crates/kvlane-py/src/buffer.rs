@@ -143,7 +143,10 @@ impl BufferView {
 
 impl Drop for BufferView {
     fn drop(&mut self) {
-        Python::attach(|_| {
+        // The last holder can be a runtime thread that lets go after the
+        // interpreter shut down (a registration dropped at exit); then the
+        // view is left to the exiting process, not released without a GIL.
+        let _ = Python::try_attach(|_| {
             // SAFETY: the view was filled by a successful
             // `PyObject_GetBuffer` and is released exactly once, with the GIL.
             unsafe { PyBuffer_Release(&mut *self.raw) }

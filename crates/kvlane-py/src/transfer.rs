@@ -122,7 +122,8 @@ fn call(callbacks: Vec<Py<PyAny>>) {
     if callbacks.is_empty() {
         return;
     }
-    Python::attach(|py| {
+    // After interpreter shutdown there is nobody left to call back.
+    let _ = Python::try_attach(|py| {
         for cb in callbacks {
             if let Err(e) = cb.call0(py) {
                 e.write_unraisable(py, None);

@@ -17,9 +17,11 @@ class Target:
     """The target process: `ask({"op": ...})` sends a command and returns
     its JSON answer."""
 
-    def __init__(self, mode: str, size: int = LEN) -> None:
+    def __init__(self, mode: str, size: int = LEN, listen: str = "127.0.0.1:0",
+                 seed: int = 7) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "target.py"), mode, str(size)],
+            [sys.executable, os.path.join(HERE, "target.py"), mode, str(size), listen,
+             str(seed)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.info = json.loads(self.proc.stdout.readline())
@@ -66,8 +68,8 @@ def nixl_target():
 def make_target():
     made = []
 
-    def make(mode: str, size: int = LEN) -> Target:
-        made.append(Target(mode, size))
+    def make(mode: str, size: int = LEN, listen: str = "127.0.0.1:0", seed: int = 7) -> Target:
+        made.append(Target(mode, size, listen, seed))
         return made[-1]
 
     yield make

@@ -30,9 +30,11 @@ def sha(buf) -> str:
 
 def main() -> None:
     mode, size = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else LEN
-    buf = pattern(7, size)
+    listen = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1:0"
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 7
+    buf = pattern(seed, size)
     if mode == "native":
-        agent = kvlane.Agent(engine_id="target", backend="tcp", regions=[buf])
+        agent = kvlane.Agent(engine_id="target", listen=listen, backend="tcp", regions=[buf])
         out({"addr": agent.addr, "buf": buf.ctypes.data, "len": size})
         notes = agent.notifications()
 
@@ -45,7 +47,8 @@ def main() -> None:
                     got.append([note.sender, note.payload.decode(), sha(buf)])
             return got
     else:
-        agent = nixl.nixl_agent("target", nixl.nixl_agent_config(backend="tcp"))
+        agent = nixl.nixl_agent("target", nixl.nixl_agent_config(
+            backend="tcp", listen_port=int(listen.rsplit(":", 1)[1])))
         agent.register_memory(agent.get_reg_descs([buf]))
         out({"md": agent.get_agent_metadata().hex(), "buf": buf.ctypes.data, "len": size})
 

@@ -96,13 +96,7 @@ impl Lane {
         let t0 = Instant::now();
         for i in 0..batch as u64 {
             let off = (i % pool) * block;
-            self.src
-                .with_slice(off, block, |s| {
-                    self.dst
-                        .with_slice_mut(off, block, |d| d.copy_from_slice(s))
-                })
-                .and_then(|r| r)
-                .map_err(data)?;
+            self.src.copy_to(off, &self.dst, off, block).map_err(data)?;
             lat.push(t0.elapsed());
         }
         Ok(())

@@ -585,6 +585,9 @@ fn land(rd: &mut FrameReader<'_>, job: &Job) -> io::Result<()> {
         ));
     };
     let total = job.len;
+    region
+        .check_range(job.local_offset, total)
+        .map_err(io::Error::other)?;
     let mut done = 0u64;
     while done < total {
         // Wait for bytes without the lock, so a finisher never waits on
@@ -595,11 +598,7 @@ fn land(rd: &mut FrameReader<'_>, job: &Job) -> io::Result<()> {
             drop(landing);
             return rd.skip(total - done);
         }
-        let n = region
-            .with_slice_mut(job.local_offset + done, total - done, |s| {
-                rd.payload_part(s, total)
-            })
-            .map_err(|e| io::Error::other(e.to_string()))??;
+        let n = rd.payload_part_into(region, job.local_offset + done, total - done, total)?;
         drop(landing);
         done += n as u64;
     }

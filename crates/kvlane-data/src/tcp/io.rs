@@ -2,9 +2,10 @@
 //! small buffer, large payloads move between the socket and region memory
 //! without an intermediate copy.
 
-use crate::memory::Region;
-use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
+use crate::memory::{send_vectored, IoPart, Region};
+use std::io::{self, BufRead, BufReader, Read};
 use std::net::TcpStream;
+use std::os::fd::AsFd;
 
 /// Payloads at least this large bypass the buffers (moved straight
 /// between the socket and region memory); smaller ones are copied, which
@@ -75,6 +76,41 @@ impl<'a> FrameReader<'a> {
         }
     }
 
+    /// Reads exactly `len` payload bytes into `region` from `offset`:
+    /// buffered bytes are copied in, the rest is read from the socket
+    /// straight into region memory ([`Region::recv_from`]) once the
+    /// payload is large, through the buffer otherwise. The range is checked
+    /// before anything is read.
+    pub fn payload_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        region.check_range(offset, len).map_err(io::Error::other)?;
+        let (mut off, end) = (offset, offset + len);
+        let buffered = self.rd.buffer();
+        let n = (buffered.len() as u64).min(len);
+        region
+            .write(off, &buffered[..n as usize])
+            .map_err(io::Error::other)?;
+        self.rd.consume(n as usize);
+        off += n;
+        self.direct = len >= DIRECT_MIN as u64;
+        while off < end {
+            let got = if self.direct {
+                // The buffer is empty here, so bypassing it keeps the order.
+                region.recv_from(off, end - off, self.rd.get_ref().as_fd())?
+            } else {
+                let b = self.rd.fill_buf()?;
+                let n = b.len().min((end - off) as usize);
+                region.write(off, &b[..n]).map_err(io::Error::other)?;
+                self.rd.consume(n);
+                n
+            };
+            if got == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            off += got as u64;
+        }
+        Ok(())
+    }
+
     /// Waits until a read would not block (bytes buffered or waiting on
     /// the socket); `UnexpectedEof` when the peer closed.
     pub(crate) fn wait_readable(&mut self) -> io::Result<()> {
@@ -92,19 +128,29 @@ impl<'a> FrameReader<'a> {
         }
     }
 
-    /// Reads some payload bytes (at most `dst.len()`, at least one) with
-    /// one socket read at most, which does not block after
-    /// [`wait_readable`](Self::wait_readable). `total` is the whole
-    /// payload's length (large payloads bypass the buffer, as in
-    /// [`payload`](Self::payload)).
-    pub(crate) fn payload_part(&mut self, dst: &mut [u8], total: u64) -> io::Result<usize> {
+    /// Reads some of a payload (at most `len` bytes, at least one) into
+    /// `region` at `offset` with one socket read at most, which does not
+    /// block after [`wait_readable`](Self::wait_readable). `total` is the
+    /// whole payload's length (large payloads bypass the buffer, as in
+    /// [`payload_into`](Self::payload_into)).
+    pub(crate) fn payload_part_into(
+        &mut self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+        total: u64,
+    ) -> io::Result<usize> {
         self.direct = total >= DIRECT_MIN as u64;
         let n = if self.is_drained() && self.direct {
-            self.rd.get_mut().read(dst)?
+            region.recv_from(offset, len, self.rd.get_ref().as_fd())?
         } else {
-            self.rd.read(dst)?
+            let b = self.rd.fill_buf()?;
+            let n = b.len().min(usize::try_from(len).unwrap_or(usize::MAX));
+            region.write(offset, &b[..n]).map_err(io::Error::other)?;
+            self.rd.consume(n);
+            n
         };
-        if n == 0 && !dst.is_empty() {
+        if n == 0 && len > 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         Ok(n)
@@ -191,9 +237,19 @@ impl<'a> FrameWriter<'a> {
     /// written).
     pub fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
         if len < COPY_MAX {
-            return region
-                .with_slice(offset, len, |s| self.put(s))
-                .map_err(|e| io::Error::other(e.to_string()));
+            let start = self.buf.len();
+            self.buf.resize(start + len as usize, 0);
+            if let Err(e) = region.read(offset, &mut self.buf[start..]) {
+                self.buf.truncate(start);
+                return Err(io::Error::other(e));
+            }
+            let end = self.buf.len();
+            self.bytes += len as usize;
+            match self.segs.last_mut() {
+                Some(Seg::Buf(_, last_end)) if *last_end == start => *last_end = end,
+                _ => self.segs.push(Seg::Buf(start, end)),
+            }
+            return Ok(());
         }
         self.segs.push(Seg::Mem(region.clone(), offset, len));
         self.bytes = self
@@ -207,11 +263,15 @@ impl<'a> FrameWriter<'a> {
         if self.segs.is_empty() {
             return Ok(());
         }
-        let stream = self.stream;
-        let slices = Vec::with_capacity(self.segs.len());
-        let r = gather(&self.segs, &self.buf, slices, &mut |s| {
-            write_all_slices(stream, s)
-        });
+        let mut parts: Vec<IoPart<'_>> = self
+            .segs
+            .iter()
+            .map(|seg| match seg {
+                Seg::Buf(a, b) => IoPart::Bytes(&self.buf[*a..*b]),
+                Seg::Mem(region, off, len) => IoPart::Region(region, *off, *len),
+            })
+            .collect();
+        let r = write_all_parts(self.stream, &mut parts);
         self.segs.clear();
         self.buf.clear();
         self.bytes = 0;
@@ -219,45 +279,30 @@ impl<'a> FrameWriter<'a> {
     }
 }
 
-/// Borrows every segment's bytes (region memory through nested
-/// `with_slice` calls, one level per region span) and hands the slices to
-/// `f`.
-fn gather<'s>(
-    segs: &[Seg],
-    buf: &'s [u8],
-    mut acc: Vec<IoSlice<'s>>,
-    f: &mut dyn FnMut(&mut [IoSlice<'_>]) -> io::Result<()>,
-) -> io::Result<()> {
-    for (i, seg) in segs.iter().enumerate() {
-        match seg {
-            Seg::Buf(a, b) => acc.push(IoSlice::new(&buf[*a..*b])),
-            Seg::Mem(region, off, len) => {
-                let rest = &segs[i + 1..];
-                return region
-                    .with_slice(*off, *len, move |s| {
-                        let mut acc: Vec<IoSlice<'_>> = acc;
-                        acc.push(IoSlice::new(s));
-                        gather(rest, buf, acc, f)
-                    })
-                    .map_err(|e| io::Error::other(e.to_string()))?;
+/// Writes every part, retrying partial writes; region memory goes to the
+/// socket without a copy ([`send_vectored`]).
+fn write_all_parts(w: &TcpStream, mut parts: &mut [IoPart<'_>]) -> io::Result<()> {
+    loop {
+        while parts.first().is_some_and(IoPart::is_empty) {
+            parts = &mut parts[1..];
+        }
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let mut n = send_vectored(w.as_fd(), parts)? as u64;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let first = parts[0];
+            let take = n.min(first.len());
+            parts[0] = first.advance(take);
+            n -= take;
+            if parts[0].is_empty() {
+                parts = &mut parts[1..];
             }
         }
     }
-    f(&mut acc)
-}
-
-/// Writes every slice, retrying partial writes.
-fn write_all_slices(mut w: &TcpStream, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut slices, 0);
-    while !slices.is_empty() {
-        match w.write_vectored(slices) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut slices, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Socket settings applied to every connection.
@@ -360,6 +405,7 @@ mod tests {
         let (s, _) = listener.accept().unwrap();
         let mut r = FrameReader::new(&s);
         let mut payload = vec![0u8; 300_000];
+        let sink = Region::alloc(300_005, Access::ALL).unwrap();
         for (i, &len) in sizes.iter().enumerate() {
             let mut h = [0u8; 16];
             r.header(&mut h).unwrap();
@@ -367,7 +413,14 @@ mod tests {
             let off = u64::from_le_bytes(h[8..].try_into().unwrap()) as usize;
             assert_eq!(got_len, len, "frame {i}");
             let dst = &mut payload[..len as usize];
-            r.payload(dst).unwrap();
+            // Every other frame lands in region memory (buffered copies and
+            // direct reads into the region), at an odd offset.
+            if i % 2 == 0 {
+                r.payload(dst).unwrap();
+            } else {
+                r.payload_into(&sink, 5, len).unwrap();
+                sink.read(5, dst).unwrap();
+            }
             assert!(dst == &data[off..off + len as usize], "frame {i} payload");
         }
         writer.join().unwrap();

@@ -80,7 +80,8 @@
 //! socket and stops the listener; the I/O threads exit as their sockets
 //! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
 
-// Region memory is reached only through `Region::with_slice{,_mut}`.
+// Region memory is reached only through `Region`'s copies and socket I/O
+// (`read`/`write`, `recv_from`, `send_vectored`), never as a slice.
 #![forbid(unsafe_code)]
 
 mod initiator;

@@ -20,10 +20,11 @@ use super::wire::{
     FrameError, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
 };
 use crate::ids::PeerId;
-use crate::memory::Region;
+use crate::memory::{send_vectored, IoPart, Region};
 use bytes::Bytes;
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, Read};
+use std::os::fd::AsFd;
 
 /// Answers queued (headers and READ payloads) before the connection stops
 /// reading requests: bounds the memory one peer can make us hold and keeps
@@ -36,6 +37,32 @@ const COPY_MAX: u64 = DIRECT_MIN as u64;
 
 /// Most slices gathered into one `writev`.
 const MAX_SLICES: usize = 64;
+
+/// What a served connection reads from and writes to: a socket, or the
+/// fuzz target's in-memory stream. Region memory is reached only through
+/// `Region`'s own socket I/O and copies.
+pub(crate) trait Sock {
+    /// Reads into `buf`.
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
+    /// Reads at most `len` bytes into `region` at `offset` (checked).
+    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize>;
+    /// Writes some of `parts` (one `writev`).
+    fn write_parts(&mut self, parts: &[IoPart<'_>]) -> io::Result<usize>;
+}
+
+impl Sock for mio::net::TcpStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        Read::read(self, buf)
+    }
+
+    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize> {
+        region.recv_from(offset, len, self.as_fd())
+    }
+
+    fn write_parts(&mut self, parts: &[IoPart<'_>]) -> io::Result<usize> {
+        send_vectored(self.as_fd(), parts)
+    }
+}
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -121,11 +148,11 @@ impl Outq {
 
     fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
         if len < COPY_MAX {
-            let mut tmp = Vec::new();
-            region
-                .with_slice(offset, len, |s| tmp.extend_from_slice(s))
-                .map_err(|e| io::Error::other(e.to_string()))?;
-            self.put(&tmp);
+            // `len` < 16 KiB (checked against the region by `read`).
+            let mut tmp = [0u8; COPY_MAX as usize];
+            let tmp = &mut tmp[..len as usize];
+            region.read(offset, tmp).map_err(io::Error::other)?;
+            self.put(tmp);
             return Ok(());
         }
         self.bytes = self
@@ -136,7 +163,7 @@ impl Outq {
     }
 
     /// Writes until done or the socket would block; `Ok(true)` when empty.
-    fn flush<S: Write>(&mut self, s: &mut S) -> io::Result<bool> {
+    fn flush<S: Sock>(&mut self, s: &mut S) -> io::Result<bool> {
         while !self.segs.is_empty() {
             let n = match self.write_some(s) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -150,30 +177,20 @@ impl Outq {
         Ok(true)
     }
 
-    /// One `writev` of the leading buffers and at most one region span.
-    fn write_some<S: Write>(&self, s: &mut S) -> io::Result<usize> {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_SLICES);
+    /// One `writev` of the leading segments.
+    fn write_some<S: Sock>(&self, s: &mut S) -> io::Result<usize> {
+        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(MAX_SLICES);
         let mut skip = self.head;
         for seg in self.segs.iter().take(MAX_SLICES) {
-            match seg {
-                Out::Buf(v) => {
-                    slices.push(IoSlice::new(&v[skip..]));
-                    skip = 0;
-                }
+            parts.push(match seg {
+                Out::Buf(v) => IoPart::Bytes(&v[skip..]),
                 Out::Mem(region, off, len) => {
-                    let (off, len) = (off + skip as u64, len - skip as u64);
-                    return region
-                        .with_slice(off, len, move |m| {
-                            // Shortens the slices' lifetime to `m`'s.
-                            let mut all: Vec<IoSlice<'_>> = slices;
-                            all.push(IoSlice::new(m));
-                            s.write_vectored(&all)
-                        })
-                        .map_err(|e| io::Error::other(e.to_string()))?;
+                    IoPart::Region(region, off + skip as u64, len - skip as u64)
                 }
-            }
+            });
+            skip = 0;
         }
-        s.write_vectored(&slices)
+        s.write_parts(&parts)
     }
 
     fn advance(&mut self, mut n: usize) {
@@ -248,7 +265,7 @@ impl ServeConn {
     /// Serves until the socket would block; `Err` ends the connection.
     /// `scratch` (at least [`REQUEST_LEN`] bytes; [`IO_BUF`] is good) is
     /// the read buffer, shared by the connections of one thread.
-    pub(crate) fn drive<S: Read + Write>(
+    pub(crate) fn drive<S: Sock>(
         &mut self,
         s: &mut S,
         ctx: &Ctx<'_>,
@@ -272,12 +289,7 @@ impl ServeConn {
         r
     }
 
-    fn run<S: Read + Write>(
-        &mut self,
-        s: &mut S,
-        ctx: &Ctx<'_>,
-        input: &mut Input<'_>,
-    ) -> Result<(), End> {
+    fn run<S: Sock>(&mut self, s: &mut S, ctx: &Ctx<'_>, input: &mut Input<'_>) -> Result<(), End> {
         loop {
             if self.out.bytes >= OUT_MAX {
                 self.out.flush(s)?;
@@ -289,8 +301,10 @@ impl ServeConn {
             }
             self.consume(ctx, input)?;
             if self.out.bytes >= IO_BUF {
+                // Whether or not it all went out, read on: the cap above
+                // stops reading once `OUT_MAX` is queued. (Looping back
+                // here while the socket is full would spin.)
                 self.out.flush(s)?;
-                continue;
             }
             match self.fill(s, input) {
                 Ok(0) => {
@@ -311,7 +325,7 @@ impl ServeConn {
 
     /// Reads from the socket: a large WRITE payload straight into region
     /// memory when nothing is buffered, otherwise into the buffer.
-    fn fill<S: Read>(&mut self, s: &mut S, input: &mut Input<'_>) -> io::Result<usize> {
+    fn fill<S: Sock>(&mut self, s: &mut S, input: &mut Input<'_>) -> io::Result<usize> {
         if input.start == input.end {
             input.start = 0;
             input.end = 0;
@@ -325,9 +339,7 @@ impl ServeConn {
             {
                 let left = *len - *done;
                 if left >= DIRECT_MIN as u64 {
-                    let n = region
-                        .with_slice_mut(*offset + *done, left, |m| s.read(m))
-                        .map_err(|e| io::Error::other(e.to_string()))??;
+                    let n = s.read_into(region, *offset + *done, left)?;
                     *done += n as u64;
                     return Ok(n);
                 }
@@ -381,8 +393,8 @@ impl ServeConn {
                     if n > 0 {
                         let src = &rbuf[..n as usize];
                         region
-                            .with_slice_mut(*offset + *done, n, |m| m.copy_from_slice(src))
-                            .map_err(|e| End::Io(io::Error::other(e.to_string())))?;
+                            .write(*offset + *done, src)
+                            .map_err(|e| End::Io(io::Error::other(e)))?;
                         input.start += n as usize;
                         *done += n;
                     }

@@ -226,8 +226,7 @@ pub fn fuzz_request(data: &[u8]) {
                 let needed = needed.unwrap_or(Access::ALL);
                 assert!(region.access().contains(needed), "{req:?} accepted");
                 // Touch exactly what the server would.
-                let touched = region.with_slice(req.offset, req.len, |s| s.len() as u64);
-                assert_eq!(touched.ok(), Some(req.len));
+                assert!(region.check_range(req.offset, req.len).is_ok(), "{req:?}");
             }
             Ok(None) => assert_eq!(req.kind, RequestKind::Notify),
             Err(status) => assert_ne!(status, Status::Ok),
@@ -279,6 +278,7 @@ pub fn fuzz_serve(data: &[u8]) {
         read_piece: 1 + usize::from(shape & 0x0f) * 97,
         write_piece: (1 + usize::from(shape >> 4)) * 4099,
         blocked: false,
+        write_blocked: false,
         output: 0,
     };
     let mut conn = ServeConn::authenticated(PeerId(1));
@@ -286,6 +286,7 @@ pub fn fuzz_serve(data: &[u8]) {
     // Every round consumes input or output, so this ends.
     for _ in 0..input.len() + 4 * super::serve::OUT_MAX + 16 {
         stream.blocked = false;
+        stream.write_blocked = false;
         match conn.drive(&mut stream, &ctx, &mut scratch) {
             Ok(()) => {}
             Err(_) => break,
@@ -298,17 +299,20 @@ pub fn fuzz_serve(data: &[u8]) {
     assert!(c.bytes_written <= input.len() as u64);
 }
 
-/// The fuzz target's socket: input in pieces, `WouldBlock` every other
-/// call so the loop sees both outcomes, output counted and dropped.
+/// The fuzz target's socket: input in pieces and output taken in pieces,
+/// one read and one write per round, `WouldBlock` after that, so the loop
+/// sees both outcomes (and must return when both block); output counted
+/// and dropped.
 struct FuzzStream<'a> {
     input: &'a [u8],
     read_piece: usize,
     write_piece: usize,
     blocked: bool,
+    write_blocked: bool,
     output: usize,
 }
 
-impl io::Read for FuzzStream<'_> {
+impl super::serve::Sock for FuzzStream<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.blocked {
             return Err(io::ErrorKind::WouldBlock.into());
@@ -319,17 +323,37 @@ impl io::Read for FuzzStream<'_> {
         self.input = &self.input[n..];
         Ok(n)
     }
-}
 
-impl io::Write for FuzzStream<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = buf.len().min(self.write_piece);
-        self.output += n;
+    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize> {
+        region.check_range(offset, len).map_err(io::Error::other)?;
+        let mut tmp = vec![
+            0u8;
+            usize::try_from(len)
+                .unwrap_or(usize::MAX)
+                .min(self.read_piece)
+        ];
+        let n = self.read(&mut tmp)?;
+        region.write(offset, &tmp[..n]).map_err(io::Error::other)?;
         Ok(n)
     }
 
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
+    fn write_parts(&mut self, parts: &[crate::memory::IoPart<'_>]) -> io::Result<usize> {
+        for part in parts {
+            if let crate::memory::IoPart::Region(r, off, len) = *part {
+                // What a real `writev` would send must lie in its region.
+                assert!(r.check_range(off, len).is_ok(), "answer outside its region");
+            }
+        }
+        if self.write_blocked {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        self.write_blocked = true;
+        let total: u64 = parts.iter().map(|p| p.len()).sum();
+        let n = usize::try_from(total)
+            .unwrap_or(usize::MAX)
+            .min(self.write_piece);
+        self.output += n;
+        Ok(n)
     }
 }
 

@@ -1,9 +1,10 @@
 //! [`VerbsBackend`]: the [`Backend`] trait on RC queue pairs.
 //!
-//! Per peer: `qps_per_peer` connected QPs sharing one completion queue, a
-//! notification *mailbox* (registered slots the peer writes into with
-//! WRITE_WITH_IMM) and a *staging* buffer for our own notification payloads.
-//! The posting engine lives in `engine.rs`.
+//! Per peer: `qps_per_peer` connected QPs on a completion queue shared with
+//! other peers (see [`SharedCq`]), a notification *mailbox* (registered
+//! slots the peer writes into with WRITE_WITH_IMM) and a *staging* buffer
+//! for our own notification payloads. The state is in `state.rs`, the
+//! posting engine in `engine.rs`.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -11,56 +12,27 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::device::DeviceConfig;
-use super::engine::{Inflight, NotifyState, Peer, QpState};
+use super::config::VerbsConfig;
 use super::error::VerbsError;
-use super::qp::{QpBuilder, QpEndpoint, QpOptions};
-use super::resources::WorkCompletion;
-use super::resources::{CompletionQueue, Context, MemoryRegistration, MrAccess, ProtectionDomain};
+use super::qp::{QpBuilder, QpEndpoint};
+use super::resources::{Context, MemoryRegistration, MrAccess};
+use super::state::{
+    Inflight, Local, NotifyState, Peer, QpState, RemoteMailbox, SharedCq, VerbsBackend,
+    MAX_REMOTE_SLOTS, SLOT_SIZE,
+};
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
-use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
+use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 
-/// Configuration of a [`VerbsBackend`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VerbsConfig {
-    /// Device, port and GID selection.
-    pub device: DeviceConfig,
-    /// Queue pairs per peer; transfers are striped over them.
-    pub qps_per_peer: usize,
-    /// Queue-pair options (send queue depth, timeouts).
-    pub qp: QpOptions,
-    /// Largest piece a descriptor is split into before striping (further
-    /// capped by the port's max message size). 1 MiB: not tuned on
-    /// hardware; big enough that per-WR overhead is negligible, small enough
-    /// that large descriptors spread over every QP.
-    pub stripe_chunk: u64,
-    /// Request a completion every this many work requests of one chain
-    /// (selective signaling). 16: not measured; frees send-queue slots well
-    /// before a 512-deep queue fills.
-    pub signal_every: u32,
-    /// Notification slots per peer (= receives kept posted for WRITE_WITH_IMM).
-    pub notify_slots: u32,
-    /// Transfers accepted but not yet returned by `poll` before `submit`
-    /// answers [`SubmitError::QueueFull`].
-    pub max_in_flight: usize,
-}
-
-impl Default for VerbsConfig {
-    fn default() -> Self {
-        Self {
-            device: DeviceConfig::default(),
-            qps_per_peer: 2,
-            qp: QpOptions::default(),
-            stripe_chunk: 1 << 20,
-            signal_every: 16,
-            notify_slots: 64,
-            max_in_flight: 4096,
-        }
-    }
-}
+/// Entries of each shared completion queue (or the device's `max_cqe`, if
+/// smaller: 32767 on rxe). 64 Ki entries of 64 bytes are 4 MiB; with the
+/// default depths (2 QPs x 512 sends + 64 + 1 receives = 1089 entries a
+/// peer) one CQ serves 60 peers (30 on rxe), so 1,000 peers use 17 CQs (34
+/// on rxe). Not measured: large enough that few CQs are polled per
+/// `progress`, small enough not to pin much memory.
+const CQ_ENTRIES: u32 = 1 << 16;
 
 /// What a verbs peer needs to reach us (msgpack in [`Endpoint::data`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,63 +63,14 @@ pub struct QpStats {
     pub failed: bool,
 }
 
-/// A local registration: the region (kept alive) and its MR.
-#[derive(Clone)]
-pub(crate) struct Local {
-    pub(crate) region: Region,
-    pub(crate) mr: Arc<MemoryRegistration>,
-}
-
-/// Bytes per notification slot; payloads are further limited to the path MTU
-/// so each notification is a single-packet message (see `engine.rs`).
-pub(crate) const SLOT_SIZE: u32 = 4096;
-
-/// The libibverbs backend. Create with [`VerbsBackend::new`]; connect peers
-/// through [`Backend::prepare_peer`] / [`Backend::connect_peer`].
-///
-/// Completions only appear while [`Backend::poll`] is called (CQ polling):
-/// [`Backend::needs_busy_poll`] is `true`. A target must also call `poll`
-/// (or `poll_notifications`) so notification receives are re-posted.
-pub struct VerbsBackend {
-    // Field order is drop order: queue pairs go before the memory they access.
-    pub(crate) peers: HashMap<PeerId, Peer>,
-    pub(crate) inflight: HashMap<TransferId, Inflight>,
-    pub(crate) regions: HashMap<RegionId, Local>,
-    pub(crate) done: Vec<Completion>,
-    pub(crate) notes: VecDeque<Notification>,
-    pub(crate) tokens: HashMap<u32, (PeerId, usize)>,
-    pub(crate) next_token: u32,
-    pub(crate) next_peer: u64,
-    pub(crate) wcs: Vec<WorkCompletion>,
-    pub(crate) earliest_deadline: Option<Instant>,
-    pub(crate) cq_reserved: u32,
-    pub(crate) chunk: u64,
-    pub(crate) config: VerbsConfig,
-    pub(crate) cq: Arc<CompletionQueue>,
-    pub(crate) pd: Arc<ProtectionDomain>,
-    pub(crate) ctx: Arc<Context>,
-}
-
-impl std::fmt::Debug for VerbsBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsBackend")
-            .field("device", &self.ctx.name())
-            .field("peers", &self.peers.len())
-            .field("in_flight", &self.inflight.len())
-            .finish_non_exhaustive()
-    }
-}
-
 impl VerbsBackend {
-    /// Opens the device, allocates a PD and one completion queue. Fails with
+    /// Opens the device, allocates a PD and the first completion queue
+    /// (more are opened as peers arrive). Fails with
     /// [`VerbsError::Unsupported`] on hosts without RDMA.
     pub fn new(config: VerbsConfig) -> Result<Self, VerbsError> {
         let ctx = Context::open(&config.device)?;
         let pd = ctx.alloc_pd()?;
-        // One CQ for every QP's sends and receives; peers reserve their share
-        // (64 Ki entries: ~56 peers at the default depths, 28 on rxe whose
-        // max_cqe is 32767).
-        let cq = ctx.create_cq(ctx.limits().max_cqe.min(1 << 16))?;
+        let cq = ctx.create_cq(ctx.limits().max_cqe.min(CQ_ENTRIES))?;
         let max_msg = u64::from(ctx.port().max_msg_size.max(4096));
         let chunk = config.stripe_chunk.clamp(4096, max_msg);
         Ok(Self {
@@ -161,10 +84,14 @@ impl VerbsBackend {
             next_peer: 1,
             wcs: Vec::with_capacity(64),
             earliest_deadline: None,
-            cq_reserved: 0,
+            earliest_drain: None,
             chunk,
             config,
-            cq,
+            cqs: vec![SharedCq {
+                cq,
+                reserved: 0,
+                peers: 0,
+            }],
             pd,
             ctx,
         })
@@ -188,7 +115,7 @@ impl VerbsBackend {
             p.qps
                 .iter()
                 .map(|q| QpStats {
-                    qpn: q.qpn(),
+                    qpn: q.qpn,
                     data_wrs_posted: q.posted,
                     failed: q.broken,
                 })
@@ -232,6 +159,37 @@ impl VerbsBackend {
         Ok(mr)
     }
 
+    /// Completion queues open now (tests and diagnostics).
+    pub fn completion_queues(&self) -> usize {
+        self.cqs.len()
+    }
+
+    /// A shared CQ with `need` free entries: the first open one with room,
+    /// else a new one.
+    fn cq_with_room(&mut self, need: u32) -> Result<usize, DataError> {
+        if let Some(i) = self
+            .cqs
+            .iter()
+            .position(|c| c.cq.entries().saturating_sub(c.reserved) >= need)
+        {
+            return Ok(i);
+        }
+        let entries = self.ctx.limits().max_cqe.min(CQ_ENTRIES);
+        if need > entries {
+            return Err(DataError::Unsupported {
+                backend: "verbs",
+                what: "one peer's queue pairs need more completion-queue entries than the device's max_cqe: lower qps_per_peer, qp.max_send_wr or notify_slots",
+            });
+        }
+        let cq = self.ctx.create_cq(entries)?;
+        self.cqs.push(SharedCq {
+            cq,
+            reserved: 0,
+            peers: 0,
+        });
+        Ok(self.cqs.len() - 1)
+    }
+
     fn peer_mut(&mut self, peer: PeerId) -> Result<&mut Peer, DataError> {
         self.peers
             .get_mut(&peer)
@@ -271,25 +229,28 @@ impl Backend for VerbsBackend {
     }
 
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
-        let n = self.config.qps_per_peer.max(1);
-        let slots = self.config.notify_slots.max(1);
-        let mut opts = self.config.qp;
-        let need = (opts.max_send_wr + opts.max_recv_wr.max(slots)) * n as u32;
-        if self.cq_reserved + need > self.cq.entries() {
+        if self.peers.len() >= self.config.max_peers {
             return Err(DataError::Unsupported {
                 backend: "verbs",
-                what: "completion queue budget exhausted: too many peers for this device's max_cqe",
+                what: "peer cap reached (VerbsConfig::max_peers): remove a peer first",
             });
         }
+        let n = self.config.qps_per_peer.max(1);
+        let slots = self.config.notify_slots.clamp(1, MAX_REMOTE_SLOTS);
+        let mut opts = self.config.qp;
+        let max_wr = self.ctx.limits().max_qp_wr.max(1);
+        // Worst case on the CQ: every send slot of every QP, the
+        // notification receives of QP 0 and one receive of each other QP.
+        let sends = u64::from(opts.max_send_wr.clamp(1, max_wr)) * n as u64;
+        let need = u32::try_from(sends + u64::from(slots.min(max_wr)) + (n as u64 - 1))
+            .unwrap_or(u32::MAX);
+        let cqi = self.cq_with_room(need)?;
+        let cq = Arc::clone(&self.cqs[cqi].cq);
         let mut prepared = Vec::with_capacity(n);
         for i in 0..n {
             // Only QP 0 receives notifications.
             opts.max_recv_wr = if i == 0 { slots } else { 1 };
-            prepared.push(
-                QpBuilder::new(&self.pd, &self.cq, &self.cq)
-                    .options(opts)
-                    .build()?,
-            );
+            prepared.push(QpBuilder::new(&self.pd, &cq, &cq).options(opts).build()?);
         }
         let mailbox = self.scratch(
             (slots * SLOT_SIZE) as usize,
@@ -310,9 +271,10 @@ impl Backend for VerbsBackend {
         })?;
         let id = PeerId(self.next_peer);
         self.next_peer += 1;
-        self.cq_reserved += need;
+        self.cqs[cqi].reserved += need;
+        self.cqs[cqi].peers += 1;
         self.peers
-            .insert(id, Peer::new(prepared, mailbox, staging, need));
+            .insert(id, Peer::new(prepared, mailbox, staging, cqi, need));
         Ok((
             id,
             Endpoint {
@@ -343,6 +305,27 @@ impl Backend for VerbsBackend {
         if wire.v != 1 {
             return Err(bad(format!("unknown endpoint version {}", wire.v)));
         }
+        // Everything below comes from the peer: check it before any of it
+        // reaches address arithmetic.
+        if !(1..=MAX_REMOTE_SLOTS).contains(&wire.mailbox_slots) || wire.slot_size == 0 {
+            return Err(bad(format!(
+                "{peer} advertised a mailbox of {} slots of {} bytes (1..={MAX_REMOTE_SLOTS} slots of at least 1 byte)",
+                wire.mailbox_slots, wire.slot_size
+            )));
+        }
+        let mailbox_len = u64::from(wire.mailbox_slots) * u64::from(wire.slot_size);
+        if wire.mailbox_addr.checked_add(mailbox_len).is_none() {
+            return Err(bad(format!(
+                "{peer} advertised a mailbox at {:#x} of {mailbox_len} bytes, past the end of the address space",
+                wire.mailbox_addr
+            )));
+        }
+        if let Some(r) = regions.iter().find(|r| r.addr.checked_add(r.len).is_none()) {
+            return Err(bad(format!(
+                "{peer} advertised region {} at {:#x} of {} bytes, past the end of the address space",
+                r.key, r.addr, r.len
+            )));
+        }
         let p = self.peer_mut(peer)?;
         if wire.qps.len() != p.prepared.len() {
             return Err(bad(format!(
@@ -357,7 +340,12 @@ impl Backend for VerbsBackend {
             qps.push(prep.connect(ep)?);
         }
         p.remote = regions.iter().map(|r| (r.key, *r)).collect();
-        p.remote_mailbox = Some((wire.mailbox_addr, wire.mailbox_rkey, wire.mailbox_slots));
+        p.remote_mailbox = Some(RemoteMailbox {
+            addr: wire.mailbox_addr,
+            rkey: wire.mailbox_rkey,
+            slots: wire.mailbox_slots,
+            slot_size: wire.slot_size,
+        });
         p.notify_max = qps[0].mtu().min(wire.slot_size);
         let slots = p.mailbox.region.len() as u32 / SLOT_SIZE;
         let mut states = Vec::with_capacity(qps.len());
@@ -384,7 +372,10 @@ impl Backend for VerbsBackend {
         for q in &p.qps {
             self.tokens.remove(&q.token);
         }
-        self.cq_reserved = self.cq_reserved.saturating_sub(p.cq_share);
+        if let Some(c) = self.cqs.get_mut(p.cq) {
+            c.reserved = c.reserved.saturating_sub(p.cq_share);
+            c.peers = c.peers.saturating_sub(1);
+        }
         // Destroying the QPs stops the NIC; nothing of theirs can complete now.
         drop(p);
         let ids: Vec<_> = self
@@ -521,7 +512,3 @@ impl Backend for VerbsBackend {
         true
     }
 }
-
-/// Everything `submit` resolved: the work requests and the registrations
-/// they use (kept alive until the transfer completes).
-pub(crate) type Planned = (Vec<super::engine::PlannedWr>, Vec<Local>);

@@ -13,11 +13,14 @@
 //! none of its batches is outstanding and its notification (if any) landed.
 //!
 //! Failure. A failed completion moves the QP to ERROR (flushing the rest).
-//! The transfer whose request failed gets [`DataError::Rdma`]; transfers
-//! that were only flushed are re-planned from scratch on the peer's healthy
-//! QPs (READ and WRITE are idempotent) — so one bad request fails only its
-//! own transfer. A transfer with an error completes only after its other
-//! batches drained: the NIC never touches memory of a finished transfer.
+//! The transfer whose request failed gets [`DataError::Rdma`](crate::DataError);
+//! transfers that were only flushed are re-planned from scratch on the
+//! peer's healthy QPs (READ and WRITE are idempotent) — so one bad request
+//! fails only its own transfer. The broken QP keeps its batches until their
+//! flush completions arrive (or it is destroyed after [`DRAIN_GRACE`]), and
+//! a transfer completes only when none of its batches is outstanding on any
+//! QP, broken or not: no memory is released while the NIC may still touch
+//! it, and no late READ lands in a buffer whose transfer already completed.
 //!
 //! Notifications. After all data of a transfer completed, one
 //! WRITE_WITH_IMM on QP 0 writes the payload into mailbox slot `k % slots`
@@ -27,224 +30,20 @@
 //! after copying slot `k % slots` out, so a slot is never overwritten early
 //! (the sender waits on RNR meanwhile).
 
-use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
-use super::backend::{Local, VerbsBackend, SLOT_SIZE};
-use super::qp::{ConnectedQp, PreparedQp, SendWr, WrOp};
-use super::VerbsError;
-use crate::error::DataError;
-use crate::ids::{PeerId, RemoteKey, TransferId};
-use crate::memory::RemoteRegion;
-use crate::transfer::{Completion, Notification, Op, Transfer};
+use super::qp::{SendWr, WrOp};
+use super::state::{
+    seq_le, Batch, NotifyState, VerbsBackend, RECV_BIT, SEQ_MASK, SLOT_SIZE, WC_FLUSH,
+};
+use crate::ids::{PeerId, TransferId};
+use crate::transfer::{Completion, Notification, Op};
 
-const RECV_BIT: u32 = 1 << 31;
-const SEQ_MASK: u32 = RECV_BIT - 1;
-/// `IBV_WC_WR_FLUSH_ERR`.
-const WC_FLUSH: u32 = 5;
-
-/// One planned work request (without id and signaling).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PlannedWr {
-    pub(crate) qp: usize,
-    pub(crate) local_addr: u64,
-    pub(crate) len: u32,
-    pub(crate) lkey: u32,
-    pub(crate) remote_addr: u64,
-    pub(crate) rkey: u32,
-}
-
-/// Notification progress of a transfer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NotifyState {
-    None,
-    Pending,
-    Queued,
-    Posted,
-    Done,
-}
-
-/// A submitted transfer.
-pub(crate) struct Inflight {
-    pub(crate) t: Transfer,
-    pub(super) plan: Vec<PlannedWr>,
-    pub(super) next: usize,
-    pub(super) batches: u32,
-    pub(super) notify: NotifyState,
-    pub(super) error: Option<DataError>,
-    _keep: Vec<Local>,
-}
-
-impl Inflight {
-    pub(crate) fn new(
-        t: Transfer,
-        plan: Vec<PlannedWr>,
-        keep: Vec<Local>,
-        notify: NotifyState,
-    ) -> Self {
-        Self {
-            t,
-            plan,
-            next: 0,
-            batches: 0,
-            notify,
-            error: None,
-            _keep: keep,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Batch {
-    pub(super) last: u32,
-    pub(super) wrs: u32,
-    pub(super) reads: u32,
-    pub(super) transfer: TransferId,
-    pub(super) notify: bool,
-}
-
-/// A connected queue pair and its send-queue accounting.
-pub(crate) struct QpState {
-    pub(super) qp: ConnectedQp,
-    pub(crate) token: u32,
-    pub(crate) broken: bool,
-    pub(super) seq: u32,
-    pub(crate) posted: u64,
-    pub(super) sq_used: u32,
-    pub(super) rd_used: u32,
-    pub(super) batches: VecDeque<Batch>,
-}
-
-impl QpState {
-    pub(crate) fn new(qp: ConnectedQp, token: u32) -> Self {
-        Self {
-            qp,
-            token,
-            broken: false,
-            seq: 0,
-            posted: 0,
-            sq_used: 0,
-            rd_used: 0,
-            batches: VecDeque::new(),
-        }
-    }
-
-    pub(super) fn sq_free(&self) -> u32 {
-        self.qp.sq_depth().saturating_sub(self.sq_used)
-    }
-
-    pub(super) fn rd_free(&self) -> u32 {
-        u32::from(self.qp.max_rd_atomic()).saturating_sub(self.rd_used)
-    }
-
-    pub(crate) fn qpn(&self) -> u32 {
-        self.qp.qpn()
-    }
-
-    fn wr_id(&self, seq: u32) -> u64 {
-        (u64::from(self.token) << 32) | u64::from(seq)
-    }
-}
-
-/// One connected (or prepared) peer.
-pub(crate) struct Peer {
-    // Queue pairs first: dropped before the mailbox and staging they access.
-    pub(crate) qps: Vec<QpState>,
-    pub(crate) prepared: Vec<PreparedQp>,
-    pub(crate) remote: std::collections::HashMap<RemoteKey, RemoteRegion>,
-    pub(crate) remote_mailbox: Option<(u64, u32, u32)>,
-    pub(crate) notify_max: u32,
-    pub(crate) notify_inflight: u32,
-    notify_next: u32,
-    recv_next: u32,
-    pub(crate) backlog: VecDeque<TransferId>,
-    /// Work requests of backlog transfers not posted yet.
-    pub(crate) backlog_wrs: u64,
-    pub(super) notify_queue: VecDeque<TransferId>,
-    pub(crate) cq_share: u32,
-    pub(crate) mailbox: Local,
-    staging: Local,
-}
-
-impl Peer {
-    pub(crate) fn new(
-        prepared: Vec<PreparedQp>,
-        mailbox: Local,
-        staging: Local,
-        cq_share: u32,
-    ) -> Self {
-        Self {
-            qps: Vec::new(),
-            prepared,
-            remote: Default::default(),
-            remote_mailbox: None,
-            notify_max: 0,
-            notify_inflight: 0,
-            notify_next: 0,
-            recv_next: 0,
-            backlog: VecDeque::new(),
-            backlog_wrs: 0,
-            notify_queue: VecDeque::new(),
-            cq_share,
-            mailbox,
-            staging,
-        }
-    }
-
-    /// Notifications that may be unacknowledged at once.
-    pub(crate) fn notify_slots(&self) -> u32 {
-        self.remote_mailbox
-            .map_or(0, |m| m.2)
-            .min(self.staging_slots())
-    }
-
-    fn staging_slots(&self) -> u32 {
-        (self.staging.region.len() as u32 / SLOT_SIZE).max(1)
-    }
-
-    /// No work of this peer is on the NIC or waiting.
-    pub(crate) fn idle(&self) -> bool {
-        self.backlog.is_empty()
-            && self.notify_queue.is_empty()
-            && self.qps.iter().all(|q| q.broken || q.sq_used == 0)
-    }
-
-    /// Whether `need` more work requests fit the send queues, counting what
-    /// the backlog already claims (summed over healthy QPs: a slight
-    /// over-acceptance only leaves work in the backlog a little longer).
-    pub(crate) fn fits(&self, need: usize, op: Op) -> bool {
-        let free: u64 = self
-            .qps
-            .iter()
-            .filter(|q| !q.broken)
-            .map(|q| {
-                u64::from(if op == Op::Read {
-                    q.sq_free().min(q.rd_free())
-                } else {
-                    q.sq_free()
-                })
-            })
-            .sum();
-        self.backlog_wrs + need as u64 <= free
-    }
-
-    /// Posts `n` notification receives on QP 0.
-    pub(crate) fn post_recvs(&mut self, n: u32) -> Result<(), VerbsError> {
-        let Some(q) = self.qps.first_mut() else {
-            return Ok(());
-        };
-        let token = u64::from(q.token) << 32;
-        let start = self.recv_next;
-        self.recv_next = self.recv_next.wrapping_add(n);
-        q.qp.post_recv(
-            (0..n).map(|i| token | u64::from(RECV_BIT | (start.wrapping_add(i) & SEQ_MASK))),
-        )
-    }
-}
-
-/// `a` is at or before `b` in 31-bit sequence space.
-pub(super) fn seq_le(a: u32, b: u32) -> bool {
-    b.wrapping_sub(a) & SEQ_MASK < (1 << 30)
-}
+/// How long a broken queue pair's flush may take to drain before the QP is
+/// destroyed instead (which also stops the NIC touching its memory). Flush
+/// completions come within microseconds on hardware and milliseconds on rxe;
+/// 2 s is a bound for a stuck device, not a measured figure.
+pub(crate) const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 impl VerbsBackend {
     /// Posts what fits: pending notifications first, then the backlog in
@@ -265,9 +64,7 @@ impl VerbsBackend {
                 p.notify_queue.pop_front();
                 continue;
             };
-            let (Some((addr, rkey, remote_slots)), Some(payload)) =
-                (p.remote_mailbox, t.t.notify.clone())
-            else {
+            let (Some(mailbox), Some(payload)) = (p.remote_mailbox, t.t.notify.clone()) else {
                 p.notify_queue.pop_front();
                 continue;
             };
@@ -279,9 +76,8 @@ impl VerbsBackend {
             // The remote slot follows the receiver's slot count (its receive
             // k frees slot k % remote_slots); the staging slot our own count
             // (at most `slots` notifications are unacknowledged).
-            let slot = p.notify_next % remote_slots.max(1);
-            let off = u64::from(slot * SLOT_SIZE);
-            let staging_off = u64::from((p.notify_next % p.staging_slots()) * SLOT_SIZE);
+            let slot = p.notify_next % mailbox.slots;
+            let staging_off = u64::from(p.notify_next % p.staging_slots()) * u64::from(SLOT_SIZE);
             if p.staging.region.write(staging_off, &payload).is_err() {
                 break;
             }
@@ -293,8 +89,8 @@ impl VerbsBackend {
                 local_addr: p.staging.mr.addr() + staging_off,
                 len: payload.len() as u32,
                 lkey: p.staging.mr.lkey(),
-                remote_addr: addr + off,
-                rkey,
+                remote_addr: mailbox.slot_addr(slot),
+                rkey: mailbox.rkey,
                 signaled: true,
             });
             q.seq = (seq + 1) & SEQ_MASK;
@@ -336,7 +132,7 @@ impl VerbsBackend {
                 }
                 let q = &mut p.qps[w.qp];
                 let interval = if reads {
-                    signal_every.min((u32::from(q.qp.max_rd_atomic()) / 2).max(1))
+                    signal_every.min((q.max_rd_atomic() / 2).max(1))
                 } else {
                     signal_every
                 };
@@ -409,6 +205,11 @@ impl VerbsBackend {
             // Every chain ends signaled: nothing waits for a later post.
             last.signaled = true;
             let q = &mut p.qps[qi];
+            // Chains are only built for healthy QPs, which have their QP.
+            let Some(qp) = q.qp.as_mut() else {
+                broke.push(qi);
+                continue;
+            };
             q.sq_used += chain.len() as u32;
             q.rd_used += reads_in_chain[qi];
             q.posted += chain
@@ -420,7 +221,7 @@ impl VerbsBackend {
             // clones of those regions and registrations until it completes,
             // which is after all of its batches completed or were flushed; the
             // staging buffer lives in the peer, which drops its QPs first.
-            if let Err(e) = unsafe { q.qp.post_send(chain) } {
+            if let Err(e) = unsafe { qp.post_send(chain) } {
                 tracing::error!(%peer, error = %e, "posting a work-request chain failed");
                 broke.push(qi);
             }
@@ -430,11 +231,16 @@ impl VerbsBackend {
         }
     }
 
-    /// Polls the CQ, handles completions, deadlines, and posts more.
+    /// Polls the CQs, handles completions, deadlines, and posts more.
     pub(crate) fn progress(&mut self) {
         let mut wcs = std::mem::take(&mut self.wcs);
-        if let Err(e) = self.cq.poll(&mut wcs) {
-            tracing::error!(device = self.ctx.name(), error = %e, "polling the completion queue failed");
+        for c in &self.cqs {
+            if c.peers == 0 && c.reserved == 0 {
+                continue;
+            }
+            if let Err(e) = c.cq.poll(&mut wcs) {
+                tracing::error!(device = self.ctx.name(), error = %e, "polling a completion queue failed");
+            }
         }
         for wc in wcs.drain(..) {
             let token = (wc.wr_id >> 32) as u32;
@@ -445,21 +251,27 @@ impl VerbsBackend {
             if seq & RECV_BIT != 0 {
                 self.on_recv(peer, qi, wc.status, wc.imm);
             } else if wc.status == 0 {
-                self.on_send_ok(peer, qi, seq);
+                self.retire(peer, qi, seq, true);
             } else {
                 let culprit = (wc.status != WC_FLUSH).then_some(seq);
                 self.break_qp(peer, qi, culprit, wc.status, wc.vendor_err);
+                self.retire(peer, qi, seq, false);
             }
         }
         self.wcs = wcs;
         self.expire();
+        self.destroy_undrained(Instant::now());
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for p in peers {
             self.pump(p);
         }
     }
 
-    fn on_send_ok(&mut self, peer: PeerId, qi: usize, seq: u32) {
+    /// A completion for send `seq` of QP `qi` (success, error or flush):
+    /// RC completes in order, so every batch up to it is off the NIC. Frees
+    /// their send-queue slots and lets their transfers finish. A broken QP
+    /// whose batches all drained is destroyed.
+    fn retire(&mut self, peer: PeerId, qi: usize, seq: u32, ok: bool) {
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -475,15 +287,68 @@ impl VerbsBackend {
             if b.notify {
                 p.notify_inflight = p.notify_inflight.saturating_sub(1);
             }
-            if let Some(t) = self.inflight.get_mut(&b.transfer) {
-                t.batches = t.batches.saturating_sub(1);
-                if b.notify {
-                    t.notify = NotifyState::Done;
+            finished.push(b);
+        }
+        let drained = q.broken && q.batches.is_empty();
+        if drained {
+            self.tokens.remove(&q.token);
+            // The flush is complete: nothing of this QP is on the NIC.
+            q.qp = None;
+            q.drain_by = None;
+        }
+        self.release(finished, ok);
+    }
+
+    /// Broken QPs whose flush has not drained by their deadline are
+    /// destroyed (`ibv_destroy_qp`: the NIC touches none of their memory
+    /// afterwards), then their batches are released.
+    pub(crate) fn destroy_undrained(&mut self, now: Instant) {
+        if self.earliest_drain.is_none_or(|d| now < d) {
+            return;
+        }
+        let mut released = Vec::new();
+        let mut earliest: Option<Instant> = None;
+        for (peer, p) in &mut self.peers {
+            for q in &mut p.qps {
+                match q.drain_by {
+                    Some(d) if now >= d => {}
+                    Some(d) => {
+                        earliest = Some(earliest.map_or(d, |e| e.min(d)));
+                        continue;
+                    }
+                    None => continue,
                 }
-                finished.push(b.transfer);
+                tracing::warn!(%peer, qpn = q.qpn, outstanding = q.batches.len(), "a failed queue pair's flush did not drain; destroying it");
+                q.qp = None;
+                q.drain_by = None;
+                self.tokens.remove(&q.token);
+                for b in q.batches.drain(..) {
+                    if b.notify {
+                        p.notify_inflight = p.notify_inflight.saturating_sub(1);
+                    }
+                    released.push(b);
+                }
+                q.sq_used = 0;
+                q.rd_used = 0;
             }
         }
-        for id in finished {
+        self.earliest_drain = earliest;
+        self.release(released, false);
+    }
+
+    /// Batches that left the NIC: their transfers may finish.
+    fn release(&mut self, batches: Vec<Batch>, ok: bool) {
+        let mut ids = Vec::with_capacity(batches.len());
+        for b in batches {
+            if let Some(t) = self.inflight.get_mut(&b.transfer) {
+                t.batches = t.batches.saturating_sub(1);
+                if b.notify && ok {
+                    t.notify = NotifyState::Done;
+                }
+                ids.push(b.transfer);
+            }
+        }
+        for id in ids {
             self.try_finish(id);
         }
     }
@@ -496,13 +361,15 @@ impl VerbsBackend {
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
+        // `imm` comes from the peer: the slot and length are checked against
+        // our mailbox before they address it.
         let (slot, len) = (imm >> 16, imm & 0xffff);
-        let slots = p.mailbox.region.len() as u32 / SLOT_SIZE;
-        if slot < slots && len <= SLOT_SIZE {
+        let slots = p.mailbox.region.len() / u64::from(SLOT_SIZE);
+        if u64::from(slot) < slots && len <= SLOT_SIZE {
             let mut buf = vec![0u8; len as usize];
             if p.mailbox
                 .region
-                .read(u64::from(slot * SLOT_SIZE), &mut buf)
+                .read(u64::from(slot) * u64::from(SLOT_SIZE), &mut buf)
                 .is_ok()
             {
                 self.notes.push_back(Notification {

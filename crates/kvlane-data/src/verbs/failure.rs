@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use super::backend::VerbsBackend;
-use super::engine::{seq_le, NotifyState};
+use super::engine::DRAIN_GRACE;
+use super::state::{seq_le, NotifyState, VerbsBackend};
 use crate::error::DataError;
 use crate::ids::{PeerId, TransferId};
 
@@ -53,30 +53,31 @@ impl VerbsBackend {
             return;
         }
         q.broken = true;
-        if let Err(e) = q.qp.fail() {
-            tracing::warn!(%peer, error = %e, "moving a failed queue pair to ERROR failed");
+        // Its batches stay: they are released as their flush completions
+        // arrive (engine `retire`), or when the QP is destroyed because the
+        // flush did not drain in time; until then their transfers keep the
+        // memory the NIC may still touch.
+        let drain_by = Instant::now() + DRAIN_GRACE;
+        q.drain_by = Some(drain_by);
+        self.earliest_drain = Some(self.earliest_drain.map_or(drain_by, |d| d.min(drain_by)));
+        if let Some(qp) = q.qp.as_mut() {
+            if let Err(e) = qp.fail() {
+                tracing::warn!(%peer, error = %e, "moving a failed queue pair to ERROR failed");
+            }
         }
-        let qpn = q.qp.qpn();
-        self.tokens.remove(&q.token);
+        let qpn = q.qpn;
         tracing::warn!(%peer, qpn, status = wc_status(status), "rdma queue pair failed");
-        let batches = std::mem::take(&mut q.batches);
-        q.sq_used = 0;
-        q.rd_used = 0;
         let culprit_id = culprit.and_then(|s| {
-            batches
+            q.batches
                 .iter()
                 .find(|b| seq_le(s, b.last))
                 .map(|b| b.transfer)
         });
         let mut affected = HashSet::new();
-        for b in &batches {
-            if b.notify {
-                p.notify_inflight = p.notify_inflight.saturating_sub(1);
-            }
+        for b in &q.batches {
             let Some(t) = self.inflight.get_mut(&b.transfer) else {
                 continue;
             };
-            t.batches = t.batches.saturating_sub(1);
             if Some(b.transfer) == culprit_id {
                 t.error.get_or_insert(DataError::Rdma {
                     peer,
@@ -95,6 +96,12 @@ impl VerbsBackend {
                 });
             }
             affected.insert(b.transfer);
+        }
+        if q.batches.is_empty() {
+            // Nothing outstanding: nothing to flush.
+            self.tokens.remove(&q.token);
+            q.qp = None;
+            q.drain_by = None;
         }
         // Transfers still planning onto the broken QP need a new plan too.
         for id in &p.backlog {

@@ -35,6 +35,7 @@
 //! posting work requests that make the NIC access memory.
 
 mod backend;
+mod config;
 mod device;
 mod engine;
 mod error;
@@ -42,8 +43,10 @@ mod failure;
 mod plan;
 mod qp;
 mod resources;
+mod state;
 
-pub use backend::{QpStats, VerbsBackend, VerbsConfig};
+pub use backend::QpStats;
+pub use config::VerbsConfig;
 pub use device::{
     list_devices, pick_gid, probe, select, DeviceConfig, DeviceInfo, DeviceLimits, GidInfo,
     GidKind, GidSelector, PortInfo, PortStatus, Selection, ENV_DEVICE, ENV_GID_INDEX,
@@ -55,3 +58,4 @@ pub use qp::{
 pub use resources::{
     CompletionQueue, Context, MemoryRegistration, MrAccess, ProtectionDomain, WorkCompletion,
 };
+pub use state::VerbsBackend;

@@ -2,8 +2,7 @@
 //! healthy queue pairs, checking every span first (a refused transfer moves
 //! nothing).
 
-use super::backend::{Local, Planned, VerbsBackend};
-use super::engine::PlannedWr;
+use super::state::{Local, Planned, PlannedWr, VerbsBackend};
 use crate::error::DataError;
 use crate::memory::Access;
 use crate::transfer::{Op, Transfer};

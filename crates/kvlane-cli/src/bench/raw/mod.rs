@@ -100,8 +100,7 @@ fn read_into(
     sink: &Region,
     len: u64,
 ) -> io::Result<()> {
-    sink.with_slice_mut(0, len, |s| rd.payload(s))
-        .map_err(io::Error::other)?
+    rd.payload_into(sink, 0, len)
 }
 
 fn invalid(what: String) -> io::Error {

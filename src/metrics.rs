@@ -1,0 +1,383 @@
+//! Prometheus metrics of an agent: what it moved, how long that took, what
+//! failed, and the state of its peers.
+//!
+//! [`Agent::metrics`](crate::Agent::metrics) renders them in the text
+//! exposition format; [`serve_http`] answers `GET /metrics` with them
+//! (`kvlane serve --metrics ADDR`). Names follow Prometheus conventions:
+//!
+//! | name | type | labels |
+//! |---|---|---|
+//! | `kvlane_transfers_total` | counter | `peer`, `op`, `rail`, `outcome` (`ok` or an error kind) |
+//! | `kvlane_transfer_bytes_total` | counter | `peer`, `op`, `rail` (bytes of transfers that completed) |
+//! | `kvlane_transfer_duration_seconds` | histogram | `op` (post to completion) |
+//! | `kvlane_transfer_errors_total` | counter | `kind` |
+//! | `kvlane_peers` | gauge | `state` (`up`, `attaching`, `down`) |
+//! | `kvlane_transfers_in_flight` | gauge | |
+//!
+//! `rail` is the data-plane device a transfer went over (`tcp`, `loopback`,
+//! or the RDMA device name).
+
+use crate::error::ErrorKind;
+use kvlane_data::Op;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// One transfer direction, as a label value.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+enum OpLabel {
+    read,
+    write,
+}
+
+impl From<Op> for OpLabel {
+    fn from(op: Op) -> Self {
+        match op {
+            Op::Read => Self::read,
+            Op::Write => Self::write,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransferLabels {
+    peer: String,
+    op: OpLabel,
+    rail: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BytesLabels {
+    peer: String,
+    op: OpLabel,
+    rail: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: OpLabel,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+/// Peer counts and queue depths read at scrape time.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Snapshot {
+    pub(crate) up: i64,
+    pub(crate) attaching: i64,
+    pub(crate) down: i64,
+    pub(crate) in_flight: i64,
+}
+
+/// An agent's metrics. Cheap to clone; recording takes no lock the data
+/// path holds.
+#[derive(Clone)]
+pub(crate) struct Metrics {
+    inner: Arc<MetricsInner>,
+}
+
+struct MetricsInner {
+    registry: Mutex<Registry>,
+    transfers: Family<TransferLabels, Counter>,
+    bytes: Family<BytesLabels, Counter>,
+    duration: Family<OpLabels, Histogram>,
+    errors: Family<KindLabels, Counter>,
+    peers: Family<StateLabels, Gauge>,
+    in_flight: Gauge,
+}
+
+fn duration_histogram() -> Histogram {
+    // 1 µs .. ~17 s, doubling.
+    Histogram::new(exponential_buckets(1e-6, 2.0, 25))
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvlane");
+        let transfers = Family::<TransferLabels, Counter>::default();
+        let bytes = Family::<BytesLabels, Counter>::default();
+        let duration =
+            Family::<OpLabels, Histogram>::new_with_constructor(duration_histogram as fn() -> _);
+        let errors = Family::<KindLabels, Counter>::default();
+        let peers = Family::<StateLabels, Gauge>::default();
+        let in_flight = Gauge::default();
+        registry.register(
+            "transfers",
+            "Transfers that ended, by peer, op, rail and outcome",
+            transfers.clone(),
+        );
+        registry.register(
+            "transfer_bytes",
+            "Bytes of completed transfers, by peer, op and rail",
+            bytes.clone(),
+        );
+        registry.register_with_unit(
+            "transfer_duration",
+            "Time from post to completion",
+            prometheus_client::registry::Unit::Seconds,
+            duration.clone(),
+        );
+        registry.register(
+            "transfer_errors",
+            "Transfers that failed, by error kind",
+            errors.clone(),
+        );
+        registry.register("peers", "Connections by data-plane state", peers.clone());
+        registry.register(
+            "transfers_in_flight",
+            "Transfers posted and not yet ended",
+            in_flight.clone(),
+        );
+        Self {
+            inner: Arc::new(MetricsInner {
+                registry: Mutex::new(registry),
+                transfers,
+                bytes,
+                duration,
+                errors,
+                peers,
+                in_flight,
+            }),
+        }
+    }
+
+    /// Counts one ended transfer.
+    pub(crate) fn transfer(
+        &self,
+        peer: &str,
+        op: Op,
+        rail: &str,
+        bytes: u64,
+        elapsed: Duration,
+        outcome: Result<(), ErrorKind>,
+    ) {
+        let m = &self.inner;
+        let op = OpLabel::from(op);
+        let outcome_label = match outcome {
+            Ok(()) => "ok".to_string(),
+            Err(k) => kind_label(k),
+        };
+        m.transfers
+            .get_or_create(&TransferLabels {
+                peer: peer.to_string(),
+                op,
+                rail: rail.to_string(),
+                outcome: outcome_label,
+            })
+            .inc();
+        match outcome {
+            Ok(()) => {
+                m.bytes
+                    .get_or_create(&BytesLabels {
+                        peer: peer.to_string(),
+                        op,
+                        rail: rail.to_string(),
+                    })
+                    .inc_by(bytes);
+                m.duration
+                    .get_or_create(&OpLabels { op })
+                    .observe(elapsed.as_secs_f64());
+            }
+            Err(k) => {
+                m.errors
+                    .get_or_create(&KindLabels {
+                        kind: kind_label(k),
+                    })
+                    .inc();
+            }
+        }
+    }
+
+    /// Counts a transfer refused before it was posted.
+    pub(crate) fn refused(&self, kind: ErrorKind) {
+        self.inner
+            .errors
+            .get_or_create(&KindLabels {
+                kind: kind_label(kind),
+            })
+            .inc();
+    }
+
+    /// The text exposition, with the gauges set from `snap`.
+    pub(crate) fn encode(&self, snap: Snapshot) -> String {
+        let m = &self.inner;
+        for (state, v) in [
+            ("up", snap.up),
+            ("attaching", snap.attaching),
+            ("down", snap.down),
+        ] {
+            m.peers.get_or_create(&StateLabels { state }).set(v);
+        }
+        m.in_flight.set(snap.in_flight);
+        let mut out = String::new();
+        let registry = m.registry.lock().unwrap_or_else(|e| e.into_inner());
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        out
+    }
+}
+
+fn kind_label(k: ErrorKind) -> String {
+    let mut s = String::new();
+    for (i, c) in k.to_string().chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            s.push('_');
+        }
+        s.push(c.to_ascii_lowercase());
+    }
+    s
+}
+
+/// Answers `GET /metrics` on `listener` with `render()`, until the task is
+/// aborted. Each connection is read for at most 5 s and 8 KiB of request
+/// head, and at most 16 are served at once; anything else gets a 404.
+pub async fn serve_http<F>(listener: tokio::net::TcpListener, render: F)
+where
+    F: Fn() -> String + Send + Sync + 'static,
+{
+    let render = Arc::new(render);
+    let slots = Arc::new(tokio::sync::Semaphore::new(16));
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // EMFILE and the like: back off instead of spinning.
+                tracing::warn!(error = %e, "metrics listener: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(%from, "metrics listener: 16 scrapes in progress, connection dropped");
+            continue;
+        };
+        let render = render.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let _ = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render)).await;
+        });
+    }
+}
+
+async fn answer(
+    mut s: tokio::net::TcpStream,
+    render: &(dyn Fn() -> String + Send + Sync),
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut buf).await?;
+        if n == 0 || head.len() + n > 8192 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut words = line.split(|&b| b == b' ');
+    let (method, path) = (words.next(), words.next());
+    let (status, body, ctype) = match (method, path) {
+        (Some(b"GET"), Some(p)) if p == b"/metrics" || p.starts_with(b"/metrics?") => (
+            "200 OK",
+            render(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+        _ => (
+            "404 Not Found",
+            "kvlane serves GET /metrics only\n".to_string(),
+            "text/plain; charset=utf-8",
+        ),
+    };
+    let reply = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(reply.as_bytes()).await?;
+    s.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfers_are_counted_by_peer_op_rail_and_outcome() {
+        let m = Metrics::new();
+        m.transfer(
+            "decode",
+            Op::Write,
+            "tcp",
+            4096,
+            Duration::from_micros(30),
+            Ok(()),
+        );
+        m.transfer(
+            "decode",
+            Op::Write,
+            "tcp",
+            4096,
+            Duration::from_micros(50),
+            Ok(()),
+        );
+        m.transfer(
+            "decode",
+            Op::Read,
+            "tcp",
+            4096,
+            Duration::from_millis(5),
+            Err(ErrorKind::PeerLost),
+        );
+        let text = m.encode(Snapshot {
+            up: 3,
+            in_flight: 2,
+            ..Snapshot::default()
+        });
+        let has = |line: &str| text.lines().any(|l| l == line);
+        assert!(
+            has(r#"kvlane_transfers_total{peer="decode",op="write",rail="tcp",outcome="ok"} 2"#),
+            "{text}"
+        );
+        assert!(
+            has(
+                r#"kvlane_transfers_total{peer="decode",op="read",rail="tcp",outcome="peer_lost"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            has(r#"kvlane_transfer_bytes_total{peer="decode",op="write",rail="tcp"} 8192"#),
+            "{text}"
+        );
+        assert!(
+            has(r#"kvlane_transfer_duration_seconds_count{op="write"} 2"#),
+            "{text}"
+        );
+        assert!(
+            has(r#"kvlane_transfer_errors_total{kind="peer_lost"} 1"#),
+            "{text}"
+        );
+        assert!(has(r#"kvlane_peers{state="up"} 3"#), "{text}");
+        assert!(has("kvlane_transfers_in_flight 2"), "{text}");
+        assert!(text.contains("# TYPE kvlane_transfer_duration_seconds histogram"));
+    }
+
+    #[test]
+    fn error_kinds_are_snake_case_labels() {
+        assert_eq!(kind_label(ErrorKind::InvalidInput), "invalid_input");
+        assert_eq!(kind_label(ErrorKind::Io), "io");
+    }
+}
