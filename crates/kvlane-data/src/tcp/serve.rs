@@ -35,6 +35,26 @@ pub(crate) const OUT_MAX: usize = 4 << 20;
 /// header (one `writev` slice); larger ones are sent from region memory.
 const COPY_MAX: u64 = DIRECT_MIN as u64;
 
+/// Answers are flushed at the latest once they acknowledge this many
+/// WRITE payload bytes, even while more requests keep arriving (so acks
+/// keep flowing while the initiator streams without pause).
+const ACK_BATCH: u64 = 1 << 20;
+
+/// Bytes one drive reads before it yields, so that connections sharing an
+/// I/O thread take turns (a peer streaming without pause would otherwise
+/// keep its thread until its socket ran dry): two default chunks.
+const READ_BUDGET: usize = 1 << 20;
+
+/// How a drive ended (without an error).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Drove {
+    /// Waiting for the socket: the next readiness event resumes it.
+    Blocked,
+    /// Used its read budget with input possibly left: drive it again after
+    /// the other connections' turns (no event will come for it).
+    Yielded,
+}
+
 /// Most slices gathered into one `writev`.
 const MAX_SLICES: usize = 64;
 
@@ -234,6 +254,8 @@ pub(crate) struct ServeConn {
     incoming: Incoming,
     out: Outq,
     peer: Option<PeerId>,
+    /// WRITE bytes acknowledged by answers not yet flushed.
+    acked: u64,
 }
 
 impl ServeConn {
@@ -244,6 +266,7 @@ impl ServeConn {
             incoming: Incoming::Hello,
             out: Outq::default(),
             peer: None,
+            acked: 0,
         }
     }
 
@@ -269,7 +292,7 @@ impl ServeConn {
         s: &mut S,
         ctx: &Ctx<'_>,
         scratch: &mut [u8],
-    ) -> Result<(), End> {
+    ) -> Result<Drove, End> {
         let carried = self.carry.len();
         scratch[..carried].copy_from_slice(&self.carry);
         let mut input = Input {
@@ -290,18 +313,25 @@ impl ServeConn {
         r
     }
 
-    fn run<S: Sock>(&mut self, s: &mut S, ctx: &Ctx<'_>, input: &mut Input<'_>) -> Result<(), End> {
+    fn run<S: Sock>(
+        &mut self,
+        s: &mut S,
+        ctx: &Ctx<'_>,
+        input: &mut Input<'_>,
+    ) -> Result<Drove, End> {
+        let mut read = 0usize;
         loop {
             if self.out.bytes >= OUT_MAX {
                 self.out.flush(s)?;
                 if self.out.bytes >= OUT_MAX {
                     // The peer is not taking its answers: read no more
                     // requests until it does (a writable event resumes us).
-                    return Ok(());
+                    return Ok(Drove::Blocked);
                 }
             }
             self.consume(ctx, input)?;
-            if self.out.bytes >= IO_BUF {
+            if self.out.bytes >= IO_BUF || self.acked >= ACK_BATCH {
+                self.acked = 0;
                 // Whether or not it all went out, read on: the cap above
                 // stops reading once `OUT_MAX` is queued. (Looping back
                 // here while the socket is full would spin.)
@@ -321,11 +351,18 @@ impl ServeConn {
                     let _ = self.out.flush(s);
                     return Err(End::Eof);
                 }
-                Ok(_) => {}
+                Ok(n) => {
+                    read += n;
+                    if read >= READ_BUDGET {
+                        self.consume(ctx, input)?;
+                        self.out.flush(s)?;
+                        return Ok(Drove::Yielded);
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.out.flush(s)?;
-                    return Ok(());
+                    return Ok(Drove::Blocked);
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -420,6 +457,7 @@ impl ServeConn {
                     }
                     bump(&ctx.counters.writes_served, 1);
                     bump(&ctx.counters.bytes_written, *len);
+                    self.acked += *len;
                     let tag = *tag;
                     self.answer(Status::Ok, tag);
                 }
@@ -592,7 +630,7 @@ mod tests {
         for _ in 0..1000 {
             s.wrote = false;
             let blocked_before = s.output;
-            conn.drive(&mut s, &ctx, &mut scratch).unwrap();
+            let _ = conn.drive(&mut s, &ctx, &mut scratch).unwrap();
             if s.output == want {
                 break;
             }

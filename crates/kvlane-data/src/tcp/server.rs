@@ -26,7 +26,7 @@
 //!   closes that thread's connections (their peers see the connection end).
 
 use super::io::{tune_socket, SocketOptions};
-use super::serve::{Ctx, End, ServeConn};
+use super::serve::{Ctx, Drove, End, ServeConn};
 #[cfg(test)]
 use super::shared::lock;
 use super::shared::Shared;
@@ -287,9 +287,8 @@ pub fn fuzz_serve(data: &[u8]) {
     for _ in 0..input.len() + 4 * super::serve::OUT_MAX + 16 {
         stream.blocked = false;
         stream.write_blocked = false;
-        match conn.drive(&mut stream, &ctx, &mut scratch) {
-            Ok(()) => {}
-            Err(_) => break,
+        if conn.drive(&mut stream, &ctx, &mut scratch).is_err() {
+            break;
         }
     }
     // Untouched: the read-only and no-access regions.
@@ -533,6 +532,7 @@ impl Server {
                 next_thread: 0,
                 epoch: 0,
                 scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
+                again: Vec::new(),
             };
             let st = state.clone();
             let handle = thread::Builder::new()
@@ -610,6 +610,9 @@ struct Worker {
     /// The credential epoch last checked against.
     epoch: u64,
     scratch: Box<[u8]>,
+    /// Connections that yielded (read budget used): driven again after
+    /// this turn's events, before the thread waits.
+    again: Vec<usize>,
 }
 
 impl Worker {
@@ -628,10 +631,13 @@ impl Worker {
     fn event_loop(&mut self, state: &ServerState) {
         let mut events = Events::with_capacity(EVENTS);
         loop {
-            let timeout = self
-                .unauth
-                .first()
-                .map(|(d, _)| d.saturating_duration_since(Instant::now()));
+            let timeout = if self.again.is_empty() {
+                self.unauth
+                    .first()
+                    .map(|(d, _)| d.saturating_duration_since(Instant::now()))
+            } else {
+                Some(Duration::ZERO)
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(thread = self.index, error = %e, "tcp poll failed; the I/O thread stops");
@@ -641,12 +647,17 @@ impl Worker {
             if state.stop.load(Ordering::Acquire) {
                 return;
             }
+            let again = std::mem::take(&mut self.again);
             for ev in &events {
                 match ev.token() {
                     WAKE => {}
                     LISTEN => self.accept(state),
-                    Token(t) => self.serve(t, state),
+                    Token(t) if !again.contains(&t) => self.serve(t, state),
+                    Token(_) => {}
                 }
+            }
+            for t in again {
+                self.serve(t, state);
             }
             while let Ok((stream, from)) = self.rx.try_recv() {
                 self.adopt(stream, from, state);
@@ -758,7 +769,11 @@ impl Worker {
             self.unauth.remove(&(deadline, token));
         }
         let end = match r {
-            Ok(Ok(())) => return,
+            Ok(Ok(Drove::Blocked)) => return,
+            Ok(Ok(Drove::Yielded)) => {
+                self.again.push(token);
+                return;
+            }
             Ok(Err(end)) => end,
             Err(_) => {
                 bump(&state.counters.connection_panics, 1);
