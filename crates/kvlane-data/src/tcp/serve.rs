@@ -256,6 +256,11 @@ pub(crate) struct ServeConn {
     peer: Option<PeerId>,
     /// WRITE bytes acknowledged by answers not yet flushed.
     acked: u64,
+    /// The last request was a WRITE large enough to be read straight into
+    /// region memory: the next header is read on its own while nothing is
+    /// buffered, so the large payload likely behind it is not pulled into
+    /// the buffer and copied twice (as the blocking server's reader did).
+    direct: bool,
 }
 
 impl ServeConn {
@@ -267,6 +272,7 @@ impl ServeConn {
             out: Outq::default(),
             peer: None,
             acked: 0,
+            direct: false,
         }
     }
 
@@ -389,6 +395,10 @@ impl ServeConn {
                     *done += n as u64;
                     return Ok(n);
                 }
+            } else if self.direct && matches!(self.incoming, Incoming::Header) {
+                let n = s.read(&mut input.buf[..REQUEST_LEN])?;
+                input.end = n;
+                return Ok(n);
             }
         } else if input.start > 0 {
             // What is left is less than one header: cheap to move.
@@ -497,6 +507,7 @@ impl ServeConn {
 
     /// Checks one decoded request and starts serving it.
     fn request(&mut self, req: &Request, ctx: &Ctx<'_>) -> Result<(), End> {
+        self.direct = req.kind == RequestKind::Write && req.len >= DIRECT_MIN as u64;
         let checked = {
             let regions = ctx.regions.read().unwrap_or_else(|e| e.into_inner());
             check_request(&regions, req)
