@@ -77,8 +77,11 @@
 //! # Resource cleanup
 //!
 //! Dropping the backend fails its peers' in-flight transfers, closes every
-//! socket and stops the listener; the I/O threads exit as their sockets
-//! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
+//! socket, and stops and joins the target's I/O threads (the listener's
+//! included); the initiator's stream threads exit as their sockets close.
+//! [`remove_peer`](Backend::remove_peer) does the same for one peer, and
+//! also revokes the credential it issued and closes that peer's
+//! connections to this target.
 
 // Region memory is reached only through `Region`'s copies and socket I/O
 // (`read`/`write`, `recv_from`, `send_vectored`), never as a slice.
