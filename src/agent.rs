@@ -267,8 +267,12 @@ impl AgentBuilder {
         let endpoint = if per_peer {
             None
         } else {
-            let (probe_peer, endpoint) = backend.prepare_peer()?;
-            backend.remove_peer(probe_peer);
+            // The shared endpoint's peer slot stays: with tcp, removing
+            // it would revoke the credential the endpoint carries (tcp
+            // credentials are per prepared peer). Every peer of this agent
+            // presents this one until the facade exchanges endpoints per
+            // connection.
+            let (_shared_peer, endpoint) = backend.prepare_peer()?;
             Some(endpoint)
         };
         let exchange_timeout = self.control.handshake_timeout + Duration::from_secs(1);

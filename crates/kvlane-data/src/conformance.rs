@@ -465,8 +465,9 @@ pub fn bad_requests_refused<F: Fixture>(f: &F) {
         );
         let e = run_one(&mut s.init, &mut s.target, t).expect_err("wrong key accepted");
         assert!(
-            matches!(e, DataError::UnknownKey { .. }) || e.is_refused(),
-            "{op} wrong key: {e}"
+            matches!(e, DataError::UnknownKey { peer, key } if key == bad_key && peer == s.peer),
+            "{op} wrong key: {e} (expected UnknownKey naming {bad_key} at {})",
+            s.peer
         );
         assert_untouched(&s, &l0, &r0, "wrong key");
         // Past the end of the remote region (the first piece is valid: a
@@ -542,6 +543,49 @@ pub fn deadline_expired<F: Fixture>(f: &F) {
     let e = run_one(&mut s.init, &mut s.target, t).expect_err("expired transfer accepted");
     assert!(e.is_timeout(), "{e}");
     assert_untouched(&s, &l0, &r0, "expired transfer");
+
+    // A deadline still ahead when the transfers are submitted that passes
+    // while they move: 32 MiB cannot move in 1 ms, so some must fail as
+    // timeouts, none before the deadline, and none may hang.
+    const BIG: u64 = 32 << 20;
+    const PIECE: u64 = 256 << 10;
+    let mut s = setup(f, BIG as usize, BIG as usize, Access::ALL, 13);
+    let deadline = Instant::now() + Duration::from_millis(1);
+    let mut ids = Vec::new();
+    for op in [Op::Write, Op::Read] {
+        for i in 0..BIG / PIECE / 2 {
+            let at = (i * 2 + u64::from(op == Op::Read)) * PIECE;
+            let t = transfer(&s, op, &[(at, at, PIECE)]).with_deadline(deadline);
+            ids.push(t.id);
+            match s.init.submit(t) {
+                Ok(()) => {}
+                // The queue is shallower than this: enough is in flight.
+                Err(SubmitError::QueueFull { .. }) => {
+                    ids.pop();
+                    break;
+                }
+                Err(e) => panic!("submit: {e}"),
+            }
+        }
+    }
+    let results = collect(&mut s.init, &ids, CASE_TIMEOUT);
+    let mut timeouts = 0;
+    for (id, (r, at)) in &results {
+        match r {
+            Ok(()) => {}
+            Err(e) if e.is_timeout() => {
+                timeouts += 1;
+                assert!(*at >= deadline, "{id} timed out before its deadline");
+            }
+            Err(e) => panic!("{id}: {e}"),
+        }
+    }
+    assert!(
+        timeouts > 0,
+        "all {} transfers of {} MiB completed within a 1 ms deadline: the deadline was not enforced",
+        ids.len(),
+        BIG >> 20
+    );
 }
 
 /// Empty transfers and zero-length descriptors complete successfully, and
@@ -650,12 +694,14 @@ pub fn queue_full_hands_back<F: Fixture>(f: &F) {
 }
 
 /// Removing a peer fails its in-flight transfers (or they had finished);
-/// none is lost and none hangs.
+/// none is lost and none hangs, and with 16 MiB in flight at least one
+/// did not finish and fails as `PeerLost`.
 pub fn removed_peer_fails_in_flight<F: Fixture>(f: &F) {
-    let mut s = setup(f, 1 << 20, 1 << 20, Access::ALL, 12);
+    const PIECE: u64 = 256 << 10;
+    let mut s = setup(f, 16 << 20, 16 << 20, Access::ALL, 12);
     let mut ids = Vec::new();
     for i in 0..64u64 {
-        let t = transfer(&s, Op::Write, &[(i * 16_384, i * 16_384, 16_384)]);
+        let t = transfer(&s, Op::Write, &[(i * PIECE, i * PIECE, PIECE)]);
         ids.push(t.id);
         s.init.submit(t).expect("submit");
     }
@@ -671,12 +717,18 @@ pub fn removed_peer_fails_in_flight<F: Fixture>(f: &F) {
         assert!(Instant::now() < end, "transfers of a removed peer hang");
         std::thread::yield_now();
     }
+    let mut lost = 0;
     for (id, r) in results {
         assert!(
             r.as_ref().is_ok() || r.as_ref().is_err_and(DataError::is_peer_lost),
             "{id}: {r:?}"
         );
+        lost += usize::from(r.is_err());
     }
+    assert!(
+        lost > 0,
+        "all 64 transfers (16 MiB) finished before remove_peer returned: nothing was in flight"
+    );
     let after = transfer(&s, Op::Write, &[(0, 0, 8)]);
     match s.init.submit(after) {
         Err(SubmitError::Rejected(DataError::UnknownPeer(p))) => assert_eq!(p, s.peer),

@@ -6,21 +6,10 @@ use crate::memory::{MemoryKind, Region};
 
 /// Regions registered with one backend, and the key each is served under.
 /// Registering the same region again keeps its key.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct HostRegistry {
     regions: FastMap<RegionId, Region>,
     keys: FastMap<RegionId, RemoteKey>,
-    next_key: u32,
-}
-
-impl Default for HostRegistry {
-    fn default() -> Self {
-        Self {
-            regions: FastMap::default(),
-            keys: FastMap::default(),
-            next_key: 1,
-        }
-    }
 }
 
 impl HostRegistry {
@@ -45,11 +34,14 @@ impl HostRegistry {
         }
         let key = match self.keys.get(&region.id()) {
             Some(key) => *key,
-            None => {
-                let key = RemoteKey(self.next_key);
-                self.next_key = self.next_key.wrapping_add(1).max(1);
-                key
-            }
+            // Not guessable from other keys: random (`rand`'s thread-local
+            // CSPRNG, seeded by the OS), non-zero, unused.
+            None => loop {
+                let key = RemoteKey(rand::random::<u32>());
+                if key.0 != 0 && !self.keys.values().any(|k| *k == key) {
+                    break key;
+                }
+            },
         };
         self.regions.insert(region.id(), region.clone());
         self.keys.insert(region.id(), key);

@@ -188,10 +188,7 @@ impl RemoteRegion {
         offset: u64,
         len: u64,
     ) -> Result<(), DataError> {
-        let needed = match op {
-            crate::transfer::Op::Read => Access::REMOTE_READ,
-            crate::transfer::Op::Write => Access::REMOTE_WRITE,
-        };
+        let needed = op.remote_access();
         if !self.access.contains(needed) {
             return Err(DataError::AccessDenied {
                 op,

@@ -367,7 +367,13 @@ impl Rails {
                 }
                 Err(SubmitError::Rejected(e)) => {
                     part.tried |= 1 << i;
-                    last = Some(Why::Refused(e));
+                    let keys = (i > 0).then_some(&rp.keys);
+                    last = Some(Why::Refused(in_caller_terms(
+                        e,
+                        part.transfer.peer,
+                        part.parent,
+                        keys,
+                    )));
                 }
             }
         }
@@ -429,6 +435,11 @@ impl Rails {
                 self.finish_part(part.parent, Ok(()));
             }
             Err(e) => {
+                let keys = (rail > 0)
+                    .then(|| self.peers.get(&peer).and_then(|p| p.rails.get(rail)))
+                    .flatten()
+                    .map(|rp| &rp.keys);
+                let e = in_caller_terms(e, peer, part.parent, keys);
                 self.rails[rail].stats.failures += 1;
                 let lost = matches!(e, DataError::PeerLost { .. });
                 // A part timeout before the transfer's deadline is the rail
@@ -630,6 +641,51 @@ pub(crate) fn split(
 /// was replaced by a re-dial since).
 fn rail_peer_is(rp: &RailPeer, id: PeerId) -> bool {
     rp.id == Some(id)
+}
+
+/// A rail's error in the caller's terms: the rails peer, the transfer's
+/// id and the rail-0 key (the one the caller used), not the rail's own.
+fn in_caller_terms(
+    e: DataError,
+    peer: PeerId,
+    parent: TransferId,
+    keys: Option<&HashMap<RemoteKey, RemoteKey>>,
+) -> DataError {
+    let back = |k: RemoteKey| {
+        keys.and_then(|m| m.iter().find(|(_, v)| **v == k).map(|(a, _)| *a))
+            .unwrap_or(k)
+    };
+    match e {
+        DataError::UnknownKey { key, .. } => DataError::UnknownKey {
+            peer,
+            key: back(key),
+        },
+        DataError::RemoteOutOfBounds {
+            key,
+            offset,
+            len,
+            region_len,
+            ..
+        } => DataError::RemoteOutOfBounds {
+            peer,
+            key: back(key),
+            offset,
+            len,
+            region_len,
+        },
+        DataError::Timeout { overdue, .. } => DataError::Timeout {
+            id: parent,
+            peer,
+            overdue,
+        },
+        DataError::PeerLost { reason, source, .. } => DataError::PeerLost {
+            peer,
+            reason,
+            source,
+        },
+        DataError::UnknownPeer(_) => DataError::UnknownPeer(peer),
+        other => other,
+    }
 }
 
 fn remap(regions: &[RemoteRegion], keys: &HashMap<RemoteKey, RemoteKey>) -> Vec<RemoteRegion> {

@@ -18,6 +18,17 @@ pub enum Op {
     Write,
 }
 
+impl Op {
+    /// The remote right this operation needs on the target's region (the
+    /// one place that maps operations to rights).
+    pub(crate) fn remote_access(self) -> crate::memory::Access {
+        match self {
+            Self::Read => crate::memory::Access::REMOTE_READ,
+            Self::Write => crate::memory::Access::REMOTE_WRITE,
+        }
+    }
+}
+
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

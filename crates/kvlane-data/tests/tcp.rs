@@ -406,6 +406,66 @@ mod faults {
         assert_eq!(b.in_flight(), 0);
     }
 
+    /// A READ answered after its deadline: the timeout is reported at the
+    /// deadline and the late payload never reaches local memory (the
+    /// caller may already reuse it).
+    #[test]
+    fn a_read_that_timed_out_does_not_land_late() {
+        use kvlane_data::tcp::wire::{Request, Response, Status, REQUEST_LEN};
+        let (ep, ad) = fake_target(|mut s| {
+            let mut h = [0u8; REQUEST_LEN];
+            while s.read_exact(&mut h).is_ok() {
+                let Ok(req) = Request::decode(&h) else { return };
+                std::thread::sleep(Duration::from_millis(400));
+                let resp = Response {
+                    status: Status::Ok,
+                    tag: req.tag,
+                };
+                let _ = s.write_all(&resp.encode());
+                let _ = s.write_all(&vec![0xab; req.len as usize]);
+            }
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let ids: Vec<_> = [4096u64, 256 << 10]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let off = i as u64 * (1 << 20);
+                let t = Transfer::new(
+                    peer,
+                    Op::Read,
+                    vec![Descriptor {
+                        region: local.id(),
+                        offset: off,
+                        len,
+                    }],
+                    vec![RemoteDescriptor {
+                        key: ad.key,
+                        offset: off,
+                        len,
+                    }],
+                )
+                .with_deadline(deadline);
+                let id = t.id;
+                b.submit(t).unwrap();
+                id
+            })
+            .collect();
+        let results = collect(&mut b, &ids, Duration::from_secs(10));
+        for (id, (r, _)) in &results {
+            assert!(r.as_ref().is_err_and(|e| e.is_timeout()), "{id}: {r:?}");
+        }
+        // The answers arrive about 300 ms after the deadline.
+        std::thread::sleep(Duration::from_millis(900));
+        let mut sink = Vec::new();
+        b.poll(&mut sink);
+        assert!(
+            local.to_vec().unwrap().iter().all(|&x| x == 0),
+            "a late READ reply was written into local memory after its timeout"
+        );
+    }
+
     #[test]
     fn broken_connection_fails_only_that_peer_promptly() {
         // Closes each stream after reading a little.
@@ -748,5 +808,200 @@ mod attach_off_lock {
             "{msg}"
         );
         assert!(msg.contains("authentication"), "{msg}");
+    }
+}
+
+/// Hostile and stale peers on the target side: per-peer credentials, one
+/// auth deadline per connection, caps counted after authentication.
+mod hostile {
+    use kvlane_data::tcp::wire::{Hello, HELLO_ACK};
+    use kvlane_data::{Access, Backend, Region, TcpBackend, TcpConfig, TcpEndpoint};
+    use std::io::{ErrorKind, Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    fn target(config: TcpConfig) -> TcpBackend {
+        TcpBackend::new(config).unwrap()
+    }
+
+    fn endpoint(b: &mut TcpBackend) -> (kvlane_data::PeerId, TcpEndpoint) {
+        let (peer, ep) = b.prepare_peer().unwrap();
+        (peer, TcpEndpoint::from_endpoint(&ep).unwrap())
+    }
+
+    /// Presents `token`; `Some(stream)` when acknowledged, `None` when the
+    /// target closed the connection instead.
+    fn hello(ep: &TcpEndpoint, token: [u8; 16]) -> Option<TcpStream> {
+        let mut s = TcpStream::connect(ep.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&Hello { token }.encode()).ok()?;
+        let mut ack = [0u8; HELLO_ACK.len()];
+        match s.read_exact(&mut ack) {
+            Ok(()) => {
+                assert_eq!(ack, HELLO_ACK);
+                Some(s)
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Whether the target closes `s` within `within`.
+    fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+        s.set_read_timeout(Some(within)).unwrap();
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(0) => true,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => true,
+            _ => false,
+        }
+    }
+
+    #[test]
+    fn credentials_are_per_peer_and_revoked_with_the_peer() {
+        let mut b = target(TcpConfig::default());
+        let (p1, ep1) = endpoint(&mut b);
+        let (_p2, ep2) = endpoint(&mut b);
+        assert_ne!(ep1.token, ep2.token, "two peers got the same credential");
+        let mut s1 = hello(&ep1, ep1.token).expect("peer 1's credential refused");
+        let mut s2 = hello(&ep2, ep2.token).expect("peer 2's credential refused");
+        b.remove_peer(p1);
+        assert!(
+            closed_within(&mut s1, Duration::from_secs(5)),
+            "a removed peer's connection stayed open"
+        );
+        assert!(
+            hello(&ep1, ep1.token).is_none(),
+            "a revoked credential was accepted"
+        );
+        assert!(
+            !closed_within(&mut s2, Duration::from_millis(200)),
+            "another peer's connection was closed"
+        );
+        assert!(hello(&ep2, ep2.token).is_some());
+        let c = b.counters();
+        assert_eq!(c.connections_revoked, 1, "{c:?}");
+        assert_eq!(c.auth_failures, 1, "{c:?}");
+    }
+
+    #[test]
+    fn a_restarted_target_refuses_the_old_credentials() {
+        let mut old = target(TcpConfig::default());
+        let (_, ep) = endpoint(&mut old);
+        assert!(hello(&ep, ep.token).is_some());
+        drop(old);
+        let mut new = target(TcpConfig {
+            listen: ep.addr,
+            ..TcpConfig::default()
+        });
+        let (_, new_ep) = endpoint(&mut new);
+        assert_eq!(new_ep.addr, ep.addr);
+        assert!(
+            hello(&ep, ep.token).is_none(),
+            "the old incarnation's credential was accepted"
+        );
+        assert!(hello(&new_ep, new_ep.token).is_some());
+    }
+
+    /// A hello trickled one byte at a time: a per-read timeout would never
+    /// fire; the one deadline per connection closes it.
+    #[test]
+    fn one_auth_deadline_per_connection() {
+        let mut b = target(TcpConfig {
+            auth_timeout: Duration::from_millis(300),
+            ..TcpConfig::default()
+        });
+        let (_, ep) = endpoint(&mut b);
+        let mut s = TcpStream::connect(ep.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let start = Instant::now();
+        let mut closed = false;
+        let bytes = Hello { token: ep.token }.encode();
+        for byte in bytes {
+            if s.write_all(&[byte]).is_err() {
+                closed = true;
+                break;
+            }
+            let mut ack = [0u8; 8];
+            match s.read(&mut ack) {
+                Ok(0) => {
+                    closed = true;
+                    break;
+                }
+                Ok(_) => panic!("a hello trickled past the auth deadline was acknowledged"),
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => {
+                    closed = true;
+                    break;
+                }
+                Err(_) => {} // timed out: nothing yet
+            }
+        }
+        assert!(closed, "the connection outlived its auth deadline");
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+        let c = b.counters();
+        assert_eq!(c.auth_timeouts, 1, "{c:?}");
+    }
+
+    /// Silent connections are capped apart: they never take an
+    /// authenticated slot, and a legitimate peer gets in while they sit.
+    /// Authenticated connections are counted after the hello.
+    #[test]
+    fn silent_connections_neither_take_slots_nor_keep_a_peer_out() {
+        let mut b = target(TcpConfig {
+            max_unauthenticated: 16,
+            max_connections: 4,
+            io_threads: 2,
+            ..TcpConfig::default()
+        });
+        let (_, ep) = endpoint(&mut b);
+        let silent: Vec<TcpStream> = (0..300)
+            .map(|_| TcpStream::connect(ep.addr).unwrap())
+            .collect();
+        let mut authed: Vec<TcpStream> = (0..4)
+            .map(|i| hello(&ep, ep.token).unwrap_or_else(|| panic!("stream {i} was refused")))
+            .collect();
+        assert!(
+            hello(&ep, ep.token).is_none(),
+            "a fifth authenticated connection was admitted past the cap of 4"
+        );
+        // A slot freed by a closed connection is reused.
+        drop(authed.pop());
+        let until = Instant::now() + Duration::from_secs(5);
+        let again = loop {
+            if let Some(s) = hello(&ep, ep.token) {
+                break s;
+            }
+            assert!(Instant::now() < until, "the freed slot was never reused");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let c = b.counters();
+        assert!(c.unauthenticated_evicted >= 300 - 16, "{c:?}");
+        assert!(c.connections_refused >= 1, "{c:?}");
+        drop((silent, authed, again));
+    }
+
+    #[test]
+    fn region_keys_are_not_sequential() {
+        let mut b = target(TcpConfig::default());
+        let regions: Vec<Region> = (0..64)
+            .map(|_| Region::alloc(64, Access::ALL).unwrap())
+            .collect();
+        let keys: Vec<u32> = regions
+            .iter()
+            .map(|r| b.register(r).unwrap().key.0)
+            .collect();
+        let mut unique = keys.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), keys.len(), "a key was handed out twice");
+        let steps = keys
+            .windows(2)
+            .filter(|w| w[1] == w[0].wrapping_add(1))
+            .count();
+        assert!(steps < 4, "keys are guessable: {keys:?}");
+        assert!(!keys.contains(&0));
     }
 }

@@ -10,8 +10,9 @@
 //! the notification is acknowledged.
 
 use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
+use super::shared::{lock, IdMap, Shared};
 use super::wire::{Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN};
-use super::{lock, IdMap, Shared, TcpEndpoint};
+use super::TcpEndpoint;
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
 use crate::memory::{Access, Region};
@@ -37,6 +38,11 @@ pub(crate) struct XferState {
     error: Mutex<Option<DataError>>,
     notify: Option<Bytes>,
     done: AtomicBool,
+    /// Held while READ bytes of this transfer are copied into local
+    /// memory (one socket read's worth at a time): whoever finishes the
+    /// transfer otherwise (deadline, lost peer) takes it first, so once a
+    /// failure is reported no late reply lands in the caller's buffer.
+    landing: Mutex<()>,
 }
 
 impl XferState {
@@ -54,12 +60,25 @@ impl XferState {
             error: Mutex::new(None),
             notify,
             done: AtomicBool::new(false),
+            landing: Mutex::new(()),
         }
     }
 
     /// Marks the transfer finished; true for the one caller that did it.
     pub(crate) fn take_done(&self) -> bool {
         !self.done.swap(true, Ordering::AcqRel)
+    }
+
+    /// Marks the transfer finished unless READ bytes are landing right
+    /// now (then `None`: try again shortly; the copy in progress is one
+    /// socket read's worth of available bytes, it does not wait).
+    pub(crate) fn try_take_done_unlanded(&self) -> Option<bool> {
+        let _g = match self.landing.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(self.take_done())
     }
 
     fn is_done(&self) -> bool {
@@ -142,7 +161,7 @@ fn open_stream(
         }
     };
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
-    tune_socket(&s, cfg.socket);
+    tune_socket(socket2::SockRef::from(&s), cfg.socket);
     let mut ack = [0u8; HELLO_ACK.len()];
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| (&s).write_all(&Hello { token: *token }.encode()))
@@ -331,7 +350,11 @@ impl PeerConn {
         };
         let mut completions = lock(&self.shared.completions);
         for x in lost.values() {
-            if x.take_done() {
+            // After a READ's in-progress copy, never during it.
+            let landed = lock(&x.landing);
+            let first = x.take_done();
+            drop(landed);
+            if first {
                 completions.push(Completion {
                     id: x.id,
                     peer: self.peer,
@@ -395,11 +418,12 @@ impl PeerConn {
                 region_len,
             },
             Status::AccessDenied(bits) => {
-                let (op, needed) = if job.kind == RequestKind::Read {
-                    (Op::Read, Access::REMOTE_READ)
+                let op = if job.kind == RequestKind::Read {
+                    Op::Read
                 } else {
-                    (Op::Write, Access::REMOTE_WRITE)
+                    Op::Write
                 };
+                let needed = op.remote_access();
                 DataError::AccessDenied {
                     op,
                     target: format!("remote {key} at {peer} ({})", self.addr),
@@ -541,22 +565,56 @@ fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
         if let Some(e) = conn.refusal(&job, resp.status) {
             lock(&job.xfer.error).get_or_insert(e);
         } else if job.kind == RequestKind::Read {
-            let Some(region) = &job.local else {
-                return conn.lost(i, protocol("READ without local memory"));
-            };
-            // GPU memory: staged; returns once the bytes are on the device.
-            let r = if region.device().is_some() {
-                region
-                    .write_chunks(job.local_offset, job.len, |s| rd.payload(s))
-                    .map_err(|e| io::Error::other(e.to_string()))
-                    .and_then(|r| r)
-            } else {
-                rd.payload_into(region, job.local_offset, job.len)
-            };
-            if let Err(e) = r {
+            if let Err(e) = land(&mut rd, &job) {
                 return conn.lost(i, e);
             }
         }
         conn.release(&job.xfer, job.kind == RequestKind::Notify);
     }
+}
+
+/// Reads a READ's payload into local memory, one socket read at a time,
+/// each under the transfer's landing lock and only while the transfer is
+/// not finished: the payload of a READ that already timed out (or failed)
+/// is read and discarded, never written.
+fn land(rd: &mut FrameReader<'_>, job: &Job) -> io::Result<()> {
+    let Some(region) = &job.local else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "READ without local memory",
+        ));
+    };
+    let total = job.len;
+    region
+        .check_range(job.local_offset, total)
+        .map_err(io::Error::other)?;
+    if region.device().is_some() {
+        // GPU memory: the answer is read into a buffer, then staged onto
+        // the device under the landing lock (never after the transfer
+        // ended).
+        let mut buf = vec![0u8; total as usize];
+        rd.payload(&mut buf)?;
+        let _landing = lock(&job.xfer.landing);
+        if job.xfer.is_done() {
+            return Ok(());
+        }
+        return region
+            .copy_in(job.local_offset, &buf)
+            .map_err(io::Error::other);
+    }
+    let mut done = 0u64;
+    while done < total {
+        // Wait for bytes without the lock, so a finisher never waits on
+        // the network.
+        rd.wait_readable()?;
+        let landing = lock(&job.xfer.landing);
+        if job.xfer.is_done() {
+            drop(landing);
+            return rd.skip(total - done);
+        }
+        let n = rd.payload_part_into(region, job.local_offset + done, total - done, total)?;
+        drop(landing);
+        done += n as u64;
+    }
+    Ok(())
 }

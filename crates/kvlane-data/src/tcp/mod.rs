@@ -3,13 +3,21 @@
 //! Each [`TcpBackend`] is both a target and an initiator.
 //!
 //! - **Target.** A listener (bound to [`TcpConfig::listen`]) serves READ,
-//!   WRITE and NOTIFY requests on the regions registered with the backend.
-//!   A connection must first present the backend's random 128-bit token
-//!   (carried in its [`Endpoint`], which the control plane only hands to
-//!   peers that completed the handshake); anything else is dropped before
-//!   a request is read. Every request is checked against key, bounds and
-//!   the region's remote rights before memory is touched; refusals are
-//!   answered with a status and counted ([`TcpBackend::counters`]).
+//!   WRITE and NOTIFY requests on the regions registered with the backend,
+//!   on [`TcpConfig::io_threads`] event-driven I/O threads whatever the
+//!   number of connections. A connection must first present a random
+//!   128-bit credential issued for one peer by
+//!   [`prepare_peer`](Backend::prepare_peer) (carried in that peer's
+//!   [`Endpoint`], which the control plane only hands to peers that
+//!   completed the handshake), within [`TcpConfig::auth_timeout`] of
+//!   connecting; anything else is dropped before a request is read.
+//!   [`remove_peer`](Backend::remove_peer) revokes the credential and closes
+//!   the peer's connections. Unauthenticated connections are capped apart
+//!   ([`TcpConfig::max_unauthenticated`]) from authenticated ones
+//!   ([`TcpConfig::max_connections`]). Every request is checked against
+//!   key, bounds and the region's remote rights before memory is touched;
+//!   refusals are answered with a status and counted
+//!   ([`TcpBackend::counters`]).
 //! - **Initiator.** A connected peer gets [`TcpConfig::streams`] TCP
 //!   connections. Transfers are checked locally against the regions the
 //!   peer advertised, split into chunks of at most
@@ -17,11 +25,16 @@
 //!   requests are coalesced into few `write` calls. A notification is sent
 //!   only after every chunk of its transfer was acknowledged.
 //!
-//! I/O uses plain threads and blocking sockets (two per initiator stream,
-//! one per served connection) rather than an async runtime: every stream
-//! is a strictly ordered pipeline, blocking `read`/`write` move bytes
-//! straight between the socket and region memory, and no executor sits
-//! between the kernel and the copy.
+//! The target serves with `mio` (epoll) loops on a fixed set of threads:
+//! a connection is a non-blocking state machine, so silent or slow peers
+//! cost a socket and a few hundred bytes, not a thread. `mio` rather than
+//! io_uring: it is already in the tree (under tokio), needs no kernel
+//! newer than epoll, and the per-request work here is one `read` into a
+//! buffer or region and one `writev` of queued answers, which epoll does
+//! in the same number of syscalls. The initiator still uses plain threads
+//! and blocking sockets (two per stream): every stream is a strictly
+//! ordered pipeline and blocking `read`/`write` move bytes straight
+//! between the socket and region memory.
 //!
 //! That framed socket I/O, [`FrameReader`] and [`FrameWriter`], is public
 //! so that a baseline can move bytes exactly as the backend does (`kvlane
@@ -64,8 +77,11 @@
 //! # Resource cleanup
 //!
 //! Dropping the backend fails its peers' in-flight transfers, closes every
-//! socket and stops the listener; the I/O threads exit as their sockets
-//! close. [`remove_peer`](Backend::remove_peer) does the same for one peer.
+//! socket, and stops and joins the target's I/O threads (the listener's
+//! included); the initiator's stream threads exit as their sockets close.
+//! [`remove_peer`](Backend::remove_peer) does the same for one peer, and
+//! also revokes the credential it issued and closes that peer's
+//! connections to this target.
 
 // Region memory is reached only through `Region`'s copies and socket I/O
 // (`read`/`write`, `recv_from`, `send_vectored`), never as a slice; GPU
@@ -74,27 +90,28 @@
 
 mod initiator;
 mod io;
+mod serve;
 mod server;
+mod shared;
 #[doc(hidden)]
 pub mod wire;
 
 pub use io::{FrameReader, FrameWriter};
-#[doc(hidden)]
-pub use server::fuzz_request;
 pub use server::TcpCounters;
+#[doc(hidden)]
+pub use server::{fuzz_request, fuzz_serve};
 
 use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
-use crate::ids::{PeerId, RegionId, RemoteKey, TransferId};
+use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
-use bytes::Bytes;
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
 use serde::{Deserialize, Serialize};
-use server::{Counters, RegionTable, Server, ServerConfig};
-use std::collections::VecDeque;
+use server::{Counters, Credentials, RegionTable, Server, ServerConfig};
+use shared::{lock, IdMap, Shared};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
@@ -145,8 +162,20 @@ pub struct TcpConfig {
     /// peer's transfers with [`DataError::PeerLost`]. Default 10 s; `None`
     /// leaves the system defaults (hours).
     pub keepalive: Option<Duration>,
-    /// Connections the target side serves at once. Default 1024.
+    /// Authenticated connections the target side serves at once (counted
+    /// after the hello; past it a hello is refused). Default 4096: 1,000
+    /// peers of 4 streams.
     pub max_connections: usize,
+    /// Connections accepted but not yet authenticated the target side
+    /// holds at once; past it the oldest is closed to make room. Default
+    /// 256.
+    pub max_unauthenticated: usize,
+    /// How long an accepted connection has to present its credential,
+    /// counted once from the accept. Default 5 s.
+    pub auth_timeout: Duration,
+    /// Event-driven I/O threads of the target side (each serves its share
+    /// of the connections). Default: the available parallelism, at most 4.
+    pub io_threads: usize,
 }
 
 impl Default for TcpConfig {
@@ -160,7 +189,10 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             socket_buffer: None,
             keepalive: Some(Duration::from_secs(10)),
-            max_connections: 1024,
+            max_connections: 4096,
+            max_unauthenticated: 256,
+            auth_timeout: Duration::from_secs(5),
+            io_threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
         }
     }
 }
@@ -185,7 +217,7 @@ pub struct TcpEndpoint {
     /// What the target's listener is bound to (named in dial errors, so an
     /// unreachable advertised address can be told from a wrong listen).
     pub listen: SocketAddr,
-    /// The per-backend secret every connection presents first.
+    /// The per-peer credential every connection presents first.
     pub token: [u8; TOKEN_LEN],
 }
 
@@ -307,55 +339,8 @@ impl TcpEndpoint {
     }
 }
 
-/// A map keyed by transfer id.
-pub(crate) type IdMap<V> = FastMap<TransferId, V>;
 use crate::host_registry::HostRegistry;
 pub(crate) use crate::ids::FastMap;
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Tables behind these locks stay consistent if a holder panicked.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// State shared by the backend and its I/O threads.
-#[derive(Default)]
-pub(crate) struct Shared {
-    pub(crate) completions: Mutex<Vec<Completion>>,
-    pub(crate) notifications: Mutex<VecDeque<Bytes>>,
-    waker: Mutex<Option<Waker>>,
-}
-
-impl Shared {
-    /// Queues a completion; wakes the poller only when the queue was empty
-    /// (otherwise an earlier push already woke it and it has not drained
-    /// the queue since), which saves a syscall per completion in bursts.
-    pub(crate) fn complete(&self, c: Completion) {
-        let mut q = lock(&self.completions);
-        let was_empty = q.is_empty();
-        q.push(c);
-        drop(q);
-        if was_empty {
-            self.wake();
-        }
-    }
-
-    /// Queues a notification that arrived; wakes like [`complete`](Self::complete).
-    pub(crate) fn notify(&self, payload: Bytes) {
-        let mut q = lock(&self.notifications);
-        let was_empty = q.is_empty();
-        q.push_back(payload);
-        drop(q);
-        if was_empty {
-            self.wake();
-        }
-    }
-
-    pub(crate) fn wake(&self) {
-        if let Some(w) = lock(&self.waker).as_ref() {
-            w.wake_by_ref();
-        }
-    }
-}
 
 struct PeerSlot {
     conn: Option<Arc<PeerConn>>,
@@ -372,6 +357,7 @@ pub struct TcpBackend {
     endpoint: TcpEndpoint,
     regions: Arc<RegionTable>,
     counters: Arc<Counters>,
+    creds: Arc<Credentials>,
     shared: Arc<Shared>,
     registry: HostRegistry,
     next_peer: u64,
@@ -381,7 +367,7 @@ pub struct TcpBackend {
     next_deadline: Option<Instant>,
     drained: Vec<Completion>,
     // Last field: dropped after the peers are failed in `Drop`.
-    _server: Server,
+    server: Server,
 }
 
 impl std::fmt::Debug for TcpBackend {
@@ -398,20 +384,23 @@ impl std::fmt::Debug for TcpBackend {
 impl TcpBackend {
     /// Starts the listener and returns the backend.
     pub fn new(config: TcpConfig) -> Result<Self, DataError> {
-        let token: [u8; TOKEN_LEN] = rand::random();
         let regions = Arc::new(RegionTable::default());
         let counters = Arc::new(Counters::default());
         let shared = Arc::new(Shared::default());
+        let creds = Arc::new(Credentials::default());
         let server = Server::start(
             ServerConfig {
                 listen: config.listen,
-                token,
                 max_connections: config.max_connections.max(1),
+                max_unauthenticated: config.max_unauthenticated.max(1),
+                auth_timeout: config.auth_timeout,
+                io_threads: config.io_threads.max(1),
                 socket: config.socket_options(),
             },
             regions.clone(),
             shared.clone(),
             counters.clone(),
+            creds.clone(),
         )?;
         let listen = server.local_addr();
         let mut addr = listen;
@@ -423,10 +412,12 @@ impl TcpBackend {
             endpoint: TcpEndpoint {
                 addr,
                 listen,
-                token,
+                // Replaced by each peer's credential in `prepare_peer`.
+                token: [0; TOKEN_LEN],
             },
             regions,
             counters,
+            creds,
             shared,
             registry: HostRegistry::default(),
             next_peer: 1,
@@ -435,7 +426,7 @@ impl TcpBackend {
             ready: Vec::new(),
             next_deadline: None,
             drained: Vec::new(),
-            _server: server,
+            server,
         })
     }
 
@@ -497,31 +488,22 @@ impl TcpBackend {
                 peer: t.peer,
                 key: seg.key,
             })?;
-            let needed = match t.op {
-                Op::Read => Access::REMOTE_READ,
-                Op::Write => Access::REMOTE_WRITE,
-            };
-            if !ad.access.contains(needed) {
-                return Err(DataError::AccessDenied {
-                    op: t.op,
-                    target: format!("remote {} at {} ({})", seg.key, t.peer, conn.addr()),
-                    needed,
-                    granted: ad.access,
-                });
-            }
-            if seg
-                .remote_offset
-                .checked_add(seg.len)
-                .is_none_or(|end| end > ad.len)
-            {
-                return Err(DataError::RemoteOutOfBounds {
-                    peer: t.peer,
-                    key: seg.key,
-                    offset: seg.remote_offset,
-                    len: seg.len,
-                    region_len: ad.len,
-                });
-            }
+            ad.check(t.peer, t.op, seg.remote_offset, seg.len)
+                .map_err(|e| match e {
+                    // Name the target's address too.
+                    DataError::AccessDenied {
+                        op,
+                        target,
+                        needed,
+                        granted,
+                    } => DataError::AccessDenied {
+                        op,
+                        target: format!("{target} ({})", conn.addr()),
+                        needed,
+                        granted,
+                    },
+                    other => other,
+                })?;
         }
         Ok(conn)
     }
@@ -553,11 +535,21 @@ impl TcpBackend {
         let mut next: Option<Instant> = None;
         let peers = &self.peers;
         self.in_flight.retain(|id, x| {
-            if x.deadline > now || !x.take_done() {
-                // Still running, or finished by an I/O thread an instant
-                // ago: its completion is drained by the next `poll`.
-                next = Some(next.map_or(x.deadline, |n| n.min(x.deadline)));
-                return true;
+            let keep = |next: &mut Option<Instant>, at: Instant| {
+                *next = Some(next.map_or(at, |n| n.min(at)));
+                true
+            };
+            if x.deadline > now {
+                return keep(&mut next, x.deadline);
+            }
+            match x.try_take_done_unlanded() {
+                // READ bytes are being copied this instant: retry at the
+                // next poll (the copy does not wait on the network).
+                None => return keep(&mut next, now),
+                // Finished by an I/O thread an instant ago: its
+                // completion is drained by the next `poll`.
+                Some(false) => return keep(&mut next, x.deadline),
+                Some(true) => {}
             }
             if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
                 conn.forget(*id);
@@ -603,6 +595,10 @@ impl Backend for TcpBackend {
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
         let peer = PeerId(self.next_peer);
         self.next_peer += 1;
+        let endpoint = TcpEndpoint {
+            token: self.creds.issue(peer),
+            ..self.endpoint
+        };
         self.peers.insert(
             peer,
             PeerSlot {
@@ -611,7 +607,7 @@ impl Backend for TcpBackend {
                 staged: Vec::new(),
             },
         );
-        Ok((peer, self.endpoint.to_endpoint()))
+        Ok((peer, endpoint.to_endpoint()))
     }
 
     fn connect_peer(
@@ -667,6 +663,8 @@ impl Backend for TcpBackend {
     }
 
     fn remove_peer(&mut self, peer: PeerId) {
+        // Its credential goes too, and with it its connections to us.
+        self.server.revoke(peer);
         if let Some(slot) = self.peers.remove(&peer) {
             if let Some(conn) = slot.conn {
                 conn.fail("peer removed", None);

@@ -1,37 +1,61 @@
 //! Target side: serves READ, WRITE and NOTIFY requests on the regions
 //! registered with the backend.
 //!
-//! One listener thread accepts connections; each connection gets a thread
-//! with blocking I/O (a connection is one ordered request stream, so a
-//! thread per connection needs no locking on the hot path and lets the
-//! kernel move bytes straight between the socket and region memory).
-//! Every request passes [`check_request`] before memory is touched.
+//! A fixed set of I/O threads ([`TcpConfig::io_threads`](super::TcpConfig::io_threads),
+//! O(cores), not O(connections)) each runs an epoll loop (`mio`) over its
+//! share of the connections; thread 0 also owns the listener and hands
+//! accepted connections out round-robin. A connection is a non-blocking
+//! state machine ([`ServeConn`]); every request passes [`check_request`]
+//! before memory is touched.
+//!
+//! Hostile peers:
+//!
+//! - A connection must present a **per-peer credential** (issued by
+//!   [`Credentials::issue`] for one [`PeerId`], revoked by
+//!   [`Server::revoke`], which also closes that peer's connections) within
+//!   **one auth deadline per connection**, counted from the accept.
+//! - **Unauthenticated connections are capped apart** from authenticated
+//!   ones (`max_unauthenticated`, split over the threads); past the cap the
+//!   oldest unauthenticated connection is closed to make room, so a flood
+//!   of silent connections neither takes an authenticated slot nor keeps
+//!   a legitimate newcomer out for longer than it takes to accept it.
+//! - **Authenticated connections are counted after the hello**
+//!   (`max_connections`); past the cap a hello is refused.
+//! - A connection whose serving **panics** is closed, its slot freed and
+//!   the panic counted; a panic of an I/O thread's loop is logged and
+//!   closes that thread's connections (their peers see the connection end).
 
-use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
-use super::wire::{
-    FrameError, Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
-    TOKEN_LEN,
-};
-use super::{lock, Shared};
+use super::io::{tune_socket, SocketOptions};
+use super::serve::{Ctx, Drove, End, ServeConn};
+#[cfg(test)]
+use super::shared::lock;
+use super::shared::Shared;
+use super::wire::{Hello, Request, RequestKind, Status, HELLO_LEN, REQUEST_LEN, TOKEN_LEN};
 use crate::error::DataError;
-use crate::ids::{PeerId, RemoteKey};
-use crate::loopback::check_remote;
+use crate::ids::{FastMap, PeerId, RemoteKey};
 use crate::memory::Region;
-use bytes::Bytes;
-use std::collections::HashMap;
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use std::collections::{BTreeSet, HashMap};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+#[cfg(test)]
+use std::sync::Mutex;
+use std::sync::{Arc, RwLock};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// Answers are flushed at the latest once they acknowledge this many
-/// payload bytes, even while more requests are waiting.
-const ACK_BATCH: u64 = 1 << 20;
+/// Accepted connections waiting for their I/O thread (per thread).
+const HANDOFF: usize = 1024;
 
-/// How long a new connection may take to present its token.
-const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Readiness events taken per `epoll_wait`.
+const EVENTS: usize = 1024;
+
+const WAKE: Token = Token(0);
+const LISTEN: Token = Token(1);
+const FIRST_CONN: usize = 2;
 
 /// Regions served, by key.
 pub(crate) type RegionTable = RwLock<HashMap<RemoteKey, Region>>;
@@ -43,10 +67,24 @@ pub(crate) type RegionTable = RwLock<HashMap<RemoteKey, Region>>;
 pub struct TcpCounters {
     /// Connections accepted by the listener.
     pub connections_accepted: u64,
-    /// Connections refused because the connection cap was reached.
+    /// Authenticated connections refused because the connection cap was
+    /// reached, and accepted connections dropped because an I/O thread's
+    /// hand-over queue was full.
     pub connections_refused: u64,
-    /// Connections dropped because their hello or token was wrong.
+    /// Connections dropped because their hello or token was wrong (a
+    /// revoked credential included).
     pub auth_failures: u64,
+    /// Connections closed because they did not authenticate within the
+    /// auth deadline.
+    pub auth_timeouts: u64,
+    /// Unauthenticated connections closed to make room for newer ones
+    /// (the unauthenticated cap was reached).
+    pub unauthenticated_evicted: u64,
+    /// Served connections closed because their credential was revoked
+    /// (the peer was removed).
+    pub connections_revoked: u64,
+    /// Connections closed because serving them panicked (a bug; logged).
+    pub connection_panics: u64,
     /// Connections closed because a header did not decode.
     pub framing_errors: u64,
     /// Requests refused: no region under the key.
@@ -69,21 +107,25 @@ pub struct TcpCounters {
 
 #[derive(Default)]
 pub(crate) struct Counters {
-    connections_accepted: AtomicU64,
-    connections_refused: AtomicU64,
-    auth_failures: AtomicU64,
-    framing_errors: AtomicU64,
-    refused_unknown_key: AtomicU64,
-    refused_out_of_bounds: AtomicU64,
-    refused_access: AtomicU64,
-    reads_served: AtomicU64,
-    writes_served: AtomicU64,
-    notifications: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
+    pub(crate) connections_accepted: AtomicU64,
+    pub(crate) connections_refused: AtomicU64,
+    pub(crate) auth_failures: AtomicU64,
+    pub(crate) auth_timeouts: AtomicU64,
+    pub(crate) unauthenticated_evicted: AtomicU64,
+    pub(crate) connections_revoked: AtomicU64,
+    pub(crate) connection_panics: AtomicU64,
+    pub(crate) framing_errors: AtomicU64,
+    pub(crate) refused_unknown_key: AtomicU64,
+    pub(crate) refused_out_of_bounds: AtomicU64,
+    pub(crate) refused_access: AtomicU64,
+    pub(crate) reads_served: AtomicU64,
+    pub(crate) writes_served: AtomicU64,
+    pub(crate) notifications: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
 }
 
-fn bump(c: &AtomicU64, n: u64) {
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
@@ -94,6 +136,10 @@ impl Counters {
             connections_accepted: g(&self.connections_accepted),
             connections_refused: g(&self.connections_refused),
             auth_failures: g(&self.auth_failures),
+            auth_timeouts: g(&self.auth_timeouts),
+            unauthenticated_evicted: g(&self.unauthenticated_evicted),
+            connections_revoked: g(&self.connections_revoked),
+            connection_panics: g(&self.connection_panics),
             framing_errors: g(&self.framing_errors),
             refused_unknown_key: g(&self.refused_unknown_key),
             refused_out_of_bounds: g(&self.refused_out_of_bounds),
@@ -106,7 +152,7 @@ impl Counters {
         }
     }
 
-    fn refused(&self, status: Status) {
+    pub(crate) fn refused(&self, status: Status) {
         match status {
             Status::Ok => {}
             Status::UnknownKey => bump(&self.refused_unknown_key, 1),
@@ -129,7 +175,10 @@ pub(crate) fn check_request(
     let region = regions.get(&req.key).ok_or(Status::UnknownKey)?;
     // The peer id only names the peer in the error, which the target does
     // not report; the status carries what the initiator needs.
-    match check_remote(PeerId(0), req.key, region, op, req.offset, req.len) {
+    match region
+        .advert(req.key)
+        .check(PeerId(0), op, req.offset, req.len)
+    {
         Ok(()) => Ok(Some(region.clone())),
         Err(DataError::AccessDenied { granted, .. }) => Err(Status::AccessDenied(granted.bits())),
         Err(DataError::RemoteOutOfBounds { region_len, .. }) => {
@@ -172,10 +221,9 @@ pub fn fuzz_request(data: &[u8]) {
             Ok(Some(region)) => {
                 let end = req.offset.checked_add(req.len);
                 assert!(end.is_some_and(|e| e <= region.len()), "{req:?} accepted");
-                let needed = match req.kind {
-                    RequestKind::Read => Access::REMOTE_READ,
-                    _ => Access::REMOTE_WRITE,
-                };
+                let needed = req.kind.op().map(crate::transfer::Op::remote_access);
+                assert!(needed.is_some(), "{req:?} accepted");
+                let needed = needed.unwrap_or(Access::ALL);
                 assert!(region.access().contains(needed), "{req:?} accepted");
                 // Touch exactly what the server would.
                 assert!(region.check_range(req.offset, req.len).is_ok(), "{req:?}");
@@ -186,29 +234,232 @@ pub fn fuzz_request(data: &[u8]) {
     }
 }
 
+/// Runs arbitrary bytes through the server's real request loop
+/// ([`ServeConn::drive`], the code every served connection runs) over an
+/// in-memory stream that hands the input out in pieces of the sizes the
+/// first bytes pick and takes output only in small pieces (so partial
+/// reads and writes and the output cap are exercised), against a small
+/// region table. Asserts that the loop ends (EOF or an error), never
+/// panics, and never writes outside the writable regions. For the
+/// `tcp_serve` fuzz target; not a stable API.
+#[doc(hidden)]
+pub fn fuzz_serve(data: &[u8]) {
+    use crate::memory::Access;
+    let Some((&shape, input)) = data.split_first() else {
+        return;
+    };
+    let regions = RegionTable::default();
+    let mut guards = Vec::new();
+    for (key, len, access) in [
+        (1, 4096, Access::ALL),
+        (2, 100, Access::REMOTE_READ),
+        (3, 20_000, Access::REMOTE_WRITE),
+        (u32::MAX, 65_536, Access::NONE),
+    ] {
+        let Ok(region) = Region::alloc(len, access) else {
+            return;
+        };
+        regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(RemoteKey(key), region.clone());
+        guards.push(region);
+    }
+    let shared = Shared::default();
+    let counters = Counters::default();
+    let ctx = Ctx {
+        regions: &regions,
+        shared: &shared,
+        counters: &counters,
+        authenticate: &|_| Err(End::Auth),
+    };
+    let mut stream = FuzzStream {
+        input,
+        read_piece: 1 + usize::from(shape & 0x0f) * 97,
+        write_piece: (1 + usize::from(shape >> 4)) * 4099,
+        blocked: false,
+        write_blocked: false,
+        output: 0,
+    };
+    let mut conn = ServeConn::authenticated(PeerId(1));
+    let mut scratch = vec![0u8; super::io::IO_BUF];
+    // Every round consumes input or output, so this ends.
+    for _ in 0..input.len() + 4 * super::serve::OUT_MAX + 16 {
+        stream.blocked = false;
+        stream.write_blocked = false;
+        if conn.drive(&mut stream, &ctx, &mut scratch).is_err() {
+            break;
+        }
+    }
+    // Untouched: the read-only and no-access regions.
+    assert!(guards[1].to_vec().is_ok_and(|v| v.iter().all(|&b| b == 0)));
+    assert!(guards[3].to_vec().is_ok_and(|v| v.iter().all(|&b| b == 0)));
+    let c = counters.snapshot();
+    assert!(c.bytes_written <= input.len() as u64);
+}
+
+/// The fuzz target's socket: input in pieces and output taken in pieces,
+/// one read and one write per round, `WouldBlock` after that, so the loop
+/// sees both outcomes (and must return when both block); output counted
+/// and dropped.
+struct FuzzStream<'a> {
+    input: &'a [u8],
+    read_piece: usize,
+    write_piece: usize,
+    blocked: bool,
+    write_blocked: bool,
+    output: usize,
+}
+
+impl super::serve::Sock for FuzzStream<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.blocked {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        self.blocked = true;
+        let n = buf.len().min(self.read_piece).min(self.input.len());
+        buf[..n].copy_from_slice(&self.input[..n]);
+        self.input = &self.input[n..];
+        Ok(n)
+    }
+
+    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize> {
+        region.check_range(offset, len).map_err(io::Error::other)?;
+        let mut tmp = vec![
+            0u8;
+            usize::try_from(len)
+                .unwrap_or(usize::MAX)
+                .min(self.read_piece)
+        ];
+        let n = self.read(&mut tmp)?;
+        region.write(offset, &tmp[..n]).map_err(io::Error::other)?;
+        Ok(n)
+    }
+
+    fn write_parts(&mut self, parts: &[crate::memory::IoPart<'_>]) -> io::Result<usize> {
+        for part in parts {
+            if let crate::memory::IoPart::Region(r, off, len) = *part {
+                // What a real `writev` would send must lie in its region.
+                assert!(r.check_range(off, len).is_ok(), "answer outside its region");
+            }
+        }
+        if self.write_blocked {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        self.write_blocked = true;
+        let total: u64 = parts.iter().map(|p| p.len()).sum();
+        let n = usize::try_from(total)
+            .unwrap_or(usize::MAX)
+            .min(self.write_piece);
+        self.output += n;
+        Ok(n)
+    }
+}
+
+/// Per-peer credentials the server accepts: a random 128-bit token each
+/// (from `rand`'s thread-local CSPRNG, seeded by the OS).
+#[derive(Default)]
+pub(crate) struct Credentials {
+    table: RwLock<CredTable>,
+    /// Bumped by every revocation; I/O threads compare it with what they
+    /// saw to close the connections of revoked peers.
+    epoch: AtomicU64,
+}
+
+#[derive(Default)]
+struct CredTable {
+    by_token: HashMap<[u8; TOKEN_LEN], PeerId>,
+    by_peer: FastMap<PeerId, [u8; TOKEN_LEN]>,
+}
+
+impl Credentials {
+    /// Issues (or re-issues, revoking the old one) the credential of `peer`.
+    pub(crate) fn issue(&self, peer: PeerId) -> [u8; TOKEN_LEN] {
+        let token: [u8; TOKEN_LEN] = rand::random();
+        let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = t.by_peer.insert(peer, token) {
+            t.by_token.remove(&old);
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+        t.by_token.insert(token, peer);
+        token
+    }
+
+    /// Revokes `peer`'s credential; true if it had one.
+    fn revoke(&self, peer: PeerId) -> bool {
+        let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
+        let Some(token) = t.by_peer.remove(&peer) else {
+            return false;
+        };
+        t.by_token.remove(&token);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        true
+    }
+
+    /// The peer whose credential `hello` carries.
+    fn authenticate(&self, hello: &[u8; HELLO_LEN]) -> Option<PeerId> {
+        let mut token = [0u8; TOKEN_LEN];
+        token.copy_from_slice(&hello[HELLO_LEN - TOKEN_LEN..]);
+        let t = self.table.read().unwrap_or_else(|e| e.into_inner());
+        let (stored, peer) = t.by_token.get_key_value(&token)?;
+        // The lookup found the token; the comparison also checks the
+        // header and takes the same time whatever the bytes are.
+        Hello::verify(hello, stored).then_some(*peer)
+    }
+
+    fn is_valid(&self, peer: PeerId) -> bool {
+        self.table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_peer
+            .contains_key(&peer)
+    }
+}
+
 pub(crate) struct ServerConfig {
     pub(crate) listen: SocketAddr,
-    pub(crate) token: [u8; TOKEN_LEN],
     pub(crate) max_connections: usize,
+    pub(crate) max_unauthenticated: usize,
+    pub(crate) auth_timeout: Duration,
+    pub(crate) io_threads: usize,
     pub(crate) socket: SocketOptions,
+}
+
+/// How the listener thread reaches an I/O thread.
+struct Handoff {
+    tx: SyncSender<(TcpStream, SocketAddr)>,
+    waker: Arc<Waker>,
 }
 
 struct ServerState {
     regions: Arc<RegionTable>,
     shared: Arc<Shared>,
     counters: Arc<Counters>,
-    token: [u8; TOKEN_LEN],
+    creds: Arc<Credentials>,
     stop: AtomicBool,
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Authenticated connections served now, all threads together.
+    authenticated: AtomicUsize,
     max_connections: usize,
+    /// Unauthenticated connections one thread holds at most.
+    unauth_per_thread: usize,
+    auth_timeout: Duration,
     socket: SocketOptions,
+    handoffs: Vec<Handoff>,
+    /// Tests: serving a connection of this peer panics.
+    #[cfg(test)]
+    panic_peer: Mutex<Option<PeerId>>,
 }
 
-/// The listener and its connections; shut down on drop.
+/// The listener and its I/O threads; shut down (threads joined, every
+/// connection closed) on drop.
 pub(crate) struct Server {
     state: Arc<ServerState>,
     addr: SocketAddr,
-    listener: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn io_err(op: String) -> impl FnOnce(io::Error) -> DataError {
+    move |source| DataError::Io { op, source }
 }
 
 impl Server {
@@ -217,252 +468,393 @@ impl Server {
         regions: Arc<RegionTable>,
         shared: Arc<Shared>,
         counters: Arc<Counters>,
+        creds: Arc<Credentials>,
     ) -> Result<Self, DataError> {
-        let listener = TcpListener::bind(config.listen).map_err(|source| DataError::Io {
-            op: format!("bind tcp listener {}", config.listen),
-            source,
-        })?;
-        let addr = listener.local_addr().map_err(|source| DataError::Io {
-            op: format!("local address of tcp listener {}", config.listen),
-            source,
-        })?;
+        let listen = config.listen;
+        let std_listener = std::net::TcpListener::bind(listen)
+            .map_err(io_err(format!("bind tcp listener {listen}")))?;
+        let addr = std_listener
+            .local_addr()
+            .map_err(io_err(format!("local address of tcp listener {listen}")))?;
+        std_listener
+            .set_nonblocking(true)
+            .map_err(io_err(format!("make tcp listener {addr} non-blocking")))?;
+        let mut listener = Some(TcpListener::from_std(std_listener));
+        let n = config.io_threads.max(1);
+        let mut polls = Vec::new();
+        let mut handoffs = Vec::new();
+        let mut inboxes = Vec::new();
+        for i in 0..n {
+            let poll = Poll::new().map_err(io_err(format!("create tcp I/O poller {i}")))?;
+            let waker = Arc::new(
+                Waker::new(poll.registry(), WAKE)
+                    .map_err(io_err(format!("create tcp I/O waker {i}")))?,
+            );
+            let (tx, rx) = mpsc::sync_channel(HANDOFF);
+            polls.push(poll);
+            handoffs.push(Handoff { tx, waker });
+            inboxes.push(rx);
+        }
+        if let (Some(l), Some(poll)) = (listener.as_mut(), polls.first()) {
+            poll.registry()
+                .register(l, LISTEN, Interest::READABLE)
+                .map_err(io_err(format!("register tcp listener {addr}")))?;
+        }
         let state = Arc::new(ServerState {
             regions,
             shared,
             counters,
-            token: config.token,
+            creds,
             stop: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
-            max_connections: config.max_connections,
+            authenticated: AtomicUsize::new(0),
+            max_connections: config.max_connections.max(1),
+            unauth_per_thread: config.max_unauthenticated.div_ceil(n).max(1),
+            auth_timeout: config.auth_timeout,
             socket: config.socket,
+            handoffs,
+            #[cfg(test)]
+            panic_peer: Mutex::new(None),
         });
-        let thread_state = state.clone();
-        let handle = thread::Builder::new()
-            .name(format!("kvlane-tcp-listen-{}", addr.port()))
-            .spawn(move || accept_loop(&listener, &thread_state))
-            .map_err(|source| DataError::Io {
-                op: format!("spawn tcp listener thread for {addr}"),
-                source,
-            })?;
-        Ok(Self {
-            state,
+        let mut server = Self {
+            state: state.clone(),
             addr,
-            listener: Some(handle),
-        })
+            threads: Vec::new(),
+        };
+        for (i, (poll, rx)) in polls.into_iter().zip(inboxes).enumerate() {
+            let worker = Worker {
+                index: i,
+                poll,
+                listener: if i == 0 { listener.take() } else { None },
+                conns: FastMap::default(),
+                unauth: BTreeSet::new(),
+                next_token: FIRST_CONN,
+                rx,
+                next_thread: 0,
+                epoch: 0,
+                scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
+                again: Vec::new(),
+            };
+            let st = state.clone();
+            let handle = thread::Builder::new()
+                .name(format!("kvlane-tcp-io-{}-{i}", addr.port()))
+                .spawn(move || worker.run(&st))
+                .map_err(io_err(format!("spawn tcp I/O thread {i} for {addr}")))?;
+            // On an error `server` drops here, which stops the threads
+            // already started.
+            server.threads.push(handle);
+        }
+        Ok(server)
     }
 
     /// The address the listener is bound to (with the real port).
     pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// Revokes `peer`'s credential and closes its connections (at the
+    /// I/O threads' next turn, promptly: they are woken).
+    pub(crate) fn revoke(&self, peer: PeerId) {
+        if self.state.creds.revoke(peer) {
+            self.wake_all();
+        }
+    }
+
+    /// Authenticated connections served now.
+    #[cfg(test)]
+    fn authenticated(&self) -> usize {
+        self.state.authenticated.load(Ordering::Acquire)
+    }
+
+    fn wake_all(&self) {
+        for h in &self.state.handoffs {
+            if let Err(e) = h.waker.wake() {
+                tracing::error!(error = %e, addr = %self.addr, "could not wake a tcp I/O thread");
+            }
+        }
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         self.state.stop.store(true, Ordering::Release);
-        // Wake the blocking accept with a connection of our own.
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake {
-                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let woken = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
-        if let Some(h) = self.listener.take() {
-            match woken {
-                Ok(_) => {
-                    if h.join().is_err() {
-                        tracing::error!(addr = %self.addr, "tcp listener thread panicked");
-                    }
-                }
-                // Joining could block forever: leave the thread parked in
-                // `accept`; it exits at the next connection.
-                Err(e) => {
-                    tracing::warn!(addr = %self.addr, error = %e, "could not wake the tcp listener")
-                }
+        self.wake_all();
+        for h in self.threads.drain(..) {
+            if h.join().is_err() {
+                tracing::error!(addr = %self.addr, "a tcp I/O thread panicked");
             }
-        }
-        for (_, s) in lock(&self.state.conns).drain() {
-            let _ = s.shutdown(Shutdown::Both);
         }
     }
 }
 
-fn accept_loop(listener: &TcpListener, state: &Arc<ServerState>) {
-    let mut next_id = 0u64;
-    loop {
-        let (stream, from) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) => {
-                if state.stop.load(Ordering::Acquire) {
+/// One served connection on its I/O thread.
+struct Conn {
+    stream: TcpStream,
+    from: SocketAddr,
+    serve: ServeConn,
+    /// Set once authenticated.
+    peer: Option<PeerId>,
+    accepted: Instant,
+}
+
+/// One I/O thread: its poller, its connections, and (thread 0) the listener.
+struct Worker {
+    index: usize,
+    poll: Poll,
+    listener: Option<TcpListener>,
+    conns: FastMap<usize, Conn>,
+    /// Unauthenticated connections by auth deadline (oldest first).
+    unauth: BTreeSet<(Instant, usize)>,
+    next_token: usize,
+    rx: Receiver<(TcpStream, SocketAddr)>,
+    next_thread: usize,
+    /// The credential epoch last checked against.
+    epoch: u64,
+    scratch: Box<[u8]>,
+    /// Connections that yielded (read budget used): driven again after
+    /// this turn's events, before the thread waits.
+    again: Vec<usize>,
+}
+
+impl Worker {
+    fn run(mut self, state: &ServerState) {
+        let index = self.index;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.event_loop(state)));
+        if r.is_err() {
+            // The connections close as `self` drops; their peers see it.
+            tracing::error!(
+                thread = index,
+                "a tcp I/O thread panicked; its connections are closed"
+            );
+        }
+    }
+
+    fn event_loop(&mut self, state: &ServerState) {
+        let mut events = Events::with_capacity(EVENTS);
+        loop {
+            let timeout = if self.again.is_empty() {
+                self.unauth
+                    .first()
+                    .map(|(d, _)| d.saturating_duration_since(Instant::now()))
+            } else {
+                Some(Duration::ZERO)
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(thread = self.index, error = %e, "tcp poll failed; the I/O thread stops");
                     return;
                 }
-                tracing::warn!(error = %e, "tcp accept failed");
-                thread::sleep(Duration::from_millis(10));
+            }
+            if state.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let again = std::mem::take(&mut self.again);
+            for ev in &events {
+                match ev.token() {
+                    WAKE => {}
+                    LISTEN => self.accept(state),
+                    Token(t) if !again.contains(&t) => self.serve(t, state),
+                    Token(_) => {}
+                }
+            }
+            for t in again {
+                self.serve(t, state);
+            }
+            while let Ok((stream, from)) = self.rx.try_recv() {
+                self.adopt(stream, from, state);
+            }
+            let epoch = state.creds.epoch.load(Ordering::Acquire);
+            if epoch != self.epoch {
+                self.epoch = epoch;
+                self.close_revoked(state);
+            }
+            self.expire(Instant::now(), state);
+        }
+    }
+
+    fn accept(&mut self, state: &ServerState) {
+        loop {
+            let Some(listener) = &self.listener else {
+                return;
+            };
+            let (stream, from) = match listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of fds and the like: the connection stays in the
+                    // backlog; try again at the next turn.
+                    tracing::warn!(error = %e, "tcp accept failed");
+                    return;
+                }
+            };
+            bump(&state.counters.connections_accepted, 1);
+            let n = state.handoffs.len();
+            let i = self.next_thread % n;
+            self.next_thread = self.next_thread.wrapping_add(1);
+            if i == self.index {
+                self.adopt(stream, from, state);
                 continue;
             }
-        };
-        if state.stop.load(Ordering::Acquire) {
+            match state.handoffs[i].tx.try_send((stream, from)) {
+                Ok(()) => {
+                    let _ = state.handoffs[i].waker.wake();
+                }
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                    bump(&state.counters.connections_refused, 1);
+                }
+            }
+        }
+    }
+
+    fn adopt(&mut self, mut stream: TcpStream, from: SocketAddr, state: &ServerState) {
+        // Past this thread's unauthenticated cap, the oldest goes.
+        while self.unauth.len() >= state.unauth_per_thread {
+            let Some((_, token)) = self.unauth.pop_first() else {
+                break;
+            };
+            if self.conns.remove(&token).is_some() {
+                bump(&state.counters.unauthenticated_evicted, 1);
+            }
+        }
+        tune_socket(socket2::SockRef::from(&stream), state.socket);
+        let token = self.next_token;
+        self.next_token += 1;
+        if let Err(e) = self.poll.registry().register(
+            &mut stream,
+            Token(token),
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            tracing::warn!(%from, error = %e, "could not register a tcp connection");
             return;
         }
-        let clone = stream.try_clone();
-        let mut conns = lock(&state.conns);
-        if conns.len() >= state.max_connections {
-            bump(&state.counters.connections_refused, 1);
-            tracing::warn!(%from, cap = state.max_connections, "tcp connection cap reached");
-            continue;
-        }
-        let Ok(clone) = clone else { continue };
-        next_id += 1;
-        let id = next_id;
-        conns.insert(id, clone);
-        drop(conns);
-        bump(&state.counters.connections_accepted, 1);
-        let conn_state = state.clone();
-        let spawned = thread::Builder::new()
-            .name(format!("kvlane-tcp-serve-{id}"))
-            .spawn(move || {
-                let span = tracing::debug_span!("tcp-serve", %from, id);
-                let _g = span.enter();
-                match serve(stream, &conn_state) {
-                    Ok(()) => tracing::debug!("connection closed by peer"),
-                    Err(End::Auth) => {
-                        bump(&conn_state.counters.auth_failures, 1);
-                        tracing::warn!(%from, "unauthenticated tcp connection dropped");
-                    }
-                    Err(End::Frame(e)) => {
-                        bump(&conn_state.counters.framing_errors, 1);
-                        tracing::warn!(%from, error = %e, "framing error; connection closed");
-                    }
-                    Err(End::Io(e)) => tracing::debug!(%from, error = %e, "connection ended"),
-                }
-                if let Some(s) = lock(&conn_state.conns).remove(&id) {
-                    let _ = s.shutdown(Shutdown::Both);
-                }
-            });
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "could not spawn a tcp connection thread");
-            if let Some(s) = lock(&state.conns).remove(&id) {
-                let _ = s.shutdown(Shutdown::Both);
-            }
-        }
-    }
-}
-
-enum End {
-    Auth,
-    Frame(FrameError),
-    Io(io::Error),
-}
-
-impl From<io::Error> for End {
-    fn from(e: io::Error) -> Self {
-        Self::Io(e)
-    }
-}
-
-fn serve(stream: TcpStream, state: &ServerState) -> Result<(), End> {
-    tune_socket(&stream, state.socket);
-    // Authenticate before reading any request.
-    stream.set_read_timeout(Some(AUTH_TIMEOUT))?;
-    let mut hello = [0u8; HELLO_LEN];
-    if (&stream).read_exact(&mut hello).is_err() || !Hello::verify(&hello, &state.token) {
-        return Err(End::Auth);
-    }
-    stream.set_read_timeout(None)?;
-    (&stream).write_all(&HELLO_ACK)?;
-    let mut rd = FrameReader::new(&stream);
-    let mut wr = FrameWriter::new(&stream);
-    let c = &state.counters;
-    // Payload bytes answered but not yet flushed.
-    let mut unflushed = 0u64;
-    loop {
-        // Answers go out in batches: flush before we would block, or once
-        // a batch acknowledges `ACK_BATCH` bytes (so acks keep flowing
-        // while the initiator streams without pause).
-        if wr.buffered() > 0 && (unflushed >= ACK_BATCH || rd.would_block()) {
-            wr.flush()?;
-            unflushed = 0;
-        }
-        let mut h = [0u8; REQUEST_LEN];
-        match rd.header(&mut h) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                // Half-closed: the initiator may still read its answers.
-                let _ = wr.flush();
-                return Ok(());
-            }
-            Err(e) => return Err(e.into()),
-        }
-        let req = Request::decode(&h).map_err(End::Frame)?;
-        // After decoding: a peer's raw length field never reaches arithmetic.
-        unflushed = unflushed.saturating_add(req.len);
-        let checked = {
-            let regions = state.regions.read().unwrap_or_else(|e| e.into_inner());
-            check_request(&regions, &req)
-        };
-        let status = match checked {
-            Ok(Some(region)) if req.kind == RequestKind::Write => {
-                if region.device().is_some() {
-                    // GPU memory: staged; returns once the bytes are on the device.
-                    region
-                        .write_chunks(req.offset, req.len, |s| rd.payload(s))
-                        .map_err(|e| io::Error::other(e.to_string()))??;
-                } else {
-                    rd.payload_into(&region, req.offset, req.len)?;
-                }
-                bump(&c.writes_served, 1);
-                bump(&c.bytes_written, req.len);
-                Status::Ok
-            }
-            Ok(Some(region)) => {
-                wr.put(&Response::ok(req.tag).encode());
-                wr.region(&region, req.offset, req.len)?;
-                bump(&c.reads_served, 1);
-                bump(&c.bytes_read, req.len);
-                if wr.is_full() {
-                    wr.flush()?;
-                    unflushed = 0;
-                }
-                continue;
-            }
-            Ok(None) => {
-                // `len <= MAX_NOTIFY` (checked by decode).
-                let mut payload = vec![0u8; req.len as usize];
-                rd.payload(&mut payload)?;
-                state.shared.notify(Bytes::from(payload));
-                bump(&c.notifications, 1);
-                Status::Ok
-            }
-            Err(status) => {
-                c.refused(status);
-                // Skip a refused WRITE's payload; it never reaches memory.
-                rd.skip(req.payload_len())?;
-                status
-            }
-        };
-        wr.put(
-            &Response {
-                status,
-                tag: req.tag,
-            }
-            .encode(),
+        let accepted = Instant::now();
+        self.unauth.insert((accepted + state.auth_timeout, token));
+        self.conns.insert(
+            token,
+            Conn {
+                stream,
+                from,
+                serve: ServeConn::new(),
+                peer: None,
+                accepted,
+            },
         );
-        if wr.is_full() {
-            wr.flush()?;
-            unflushed = 0;
+        // Bytes may have arrived before the registration.
+        self.serve(token, state);
+    }
+
+    fn serve(&mut self, token: usize, state: &ServerState) {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let scratch = &mut self.scratch;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let ctx = Ctx {
+                regions: &state.regions,
+                shared: &state.shared,
+                counters: &state.counters,
+                authenticate: &|hello| admit(state, hello),
+            };
+            let r = conn.serve.drive(&mut conn.stream, &ctx, scratch);
+            #[cfg(test)]
+            if conn.serve.peer().is_some() && conn.serve.peer() == *lock(&state.panic_peer) {
+                panic!("test: serving {:?} panics", conn.serve.peer());
+            }
+            r
+        }));
+        let newly_authed = conn.peer.is_none() && conn.serve.peer().is_some();
+        if newly_authed {
+            conn.peer = conn.serve.peer();
+            let deadline = conn.accepted + state.auth_timeout;
+            self.unauth.remove(&(deadline, token));
+        }
+        let end = match r {
+            Ok(Ok(Drove::Blocked)) => return,
+            Ok(Ok(Drove::Yielded)) => {
+                self.again.push(token);
+                return;
+            }
+            Ok(Err(end)) => end,
+            Err(_) => {
+                bump(&state.counters.connection_panics, 1);
+                let (from, peer) = (conn.from, conn.peer);
+                tracing::error!(%from, ?peer, "serving a tcp connection panicked; it is closed");
+                self.close(token, state);
+                return;
+            }
+        };
+        let (from, peer) = (conn.from, conn.peer);
+        match end {
+            // Gone before a complete hello: a failed authentication too.
+            End::Eof | End::Io(_) if peer.is_none() => {
+                bump(&state.counters.auth_failures, 1);
+                tracing::debug!(%from, "tcp connection ended before authenticating");
+            }
+            End::Eof => tracing::debug!(%from, ?peer, "connection closed by peer"),
+            End::Auth => {
+                bump(&state.counters.auth_failures, 1);
+                tracing::debug!(%from, "unauthenticated tcp connection dropped");
+            }
+            End::Refused => {
+                bump(&state.counters.connections_refused, 1);
+                tracing::debug!(%from, cap = state.max_connections, "tcp connection cap reached");
+            }
+            End::Frame(e) => {
+                bump(&state.counters.framing_errors, 1);
+                tracing::debug!(%from, ?peer, error = %e, "framing error; connection closed");
+            }
+            End::Io(e) => tracing::debug!(%from, ?peer, error = %e, "connection ended"),
+        }
+        self.close(token, state);
+    }
+
+    /// Drops a connection and frees its slot.
+    fn close(&mut self, token: usize, state: &ServerState) {
+        let Some(conn) = self.conns.remove(&token) else {
+            return;
+        };
+        if conn.peer.is_some() {
+            state.authenticated.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            self.unauth
+                .remove(&(conn.accepted + state.auth_timeout, token));
+        }
+    }
+
+    fn close_revoked(&mut self, state: &ServerState) {
+        let revoked: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.peer.is_some_and(|p| !state.creds.is_valid(p)))
+            .map(|(t, _)| *t)
+            .collect();
+        for token in revoked {
+            bump(&state.counters.connections_revoked, 1);
+            self.close(token, state);
+        }
+    }
+
+    fn expire(&mut self, now: Instant, state: &ServerState) {
+        while let Some(&(deadline, token)) = self.unauth.first() {
+            if deadline > now {
+                return;
+            }
+            self.unauth.pop_first();
+            if self.conns.remove(&token).is_some() {
+                bump(&state.counters.auth_timeouts, 1);
+            }
         }
     }
 }
 
-impl Response {
-    fn ok(tag: u64) -> Self {
-        Self {
-            status: Status::Ok,
-            tag,
-        }
+/// Authenticates a hello and admits its connection under the cap.
+fn admit(state: &ServerState, hello: &[u8; HELLO_LEN]) -> Result<PeerId, End> {
+    let peer = state.creds.authenticate(hello).ok_or(End::Auth)?;
+    if state.authenticated.fetch_add(1, Ordering::AcqRel) >= state.max_connections {
+        state.authenticated.fetch_sub(1, Ordering::AcqRel);
+        return Err(End::Refused);
     }
+    Ok(peer)
 }
 
 #[cfg(test)]
@@ -524,6 +916,102 @@ mod tests {
         }
     }
 
+    fn server(max_connections: usize) -> (Server, Arc<Counters>) {
+        let counters = Arc::new(Counters::default());
+        let server = Server::start(
+            ServerConfig {
+                listen: "127.0.0.1:0".parse().unwrap(),
+                max_connections,
+                max_unauthenticated: 16,
+                auth_timeout: Duration::from_secs(5),
+                io_threads: 2,
+                socket: SocketOptions {
+                    buffer: None,
+                    keepalive: None,
+                },
+            },
+            Arc::new(RegionTable::default()),
+            Arc::new(Shared::default()),
+            counters.clone(),
+            Arc::new(Credentials::default()),
+        )
+        .unwrap();
+        (server, counters)
+    }
+
+    /// Connects and presents `peer`'s credential; the ack, or what the
+    /// server sent before closing (nothing) when it refused.
+    fn hello(server: &Server, token: [u8; TOKEN_LEN]) -> (std::net::TcpStream, Vec<u8>) {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&Hello { token }.encode()).unwrap();
+        let mut ack = vec![0u8; super::super::wire::HELLO_ACK.len()];
+        let n = s.read(&mut ack).unwrap_or(0);
+        ack.truncate(n);
+        (s, ack)
+    }
+
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < until, "timed out waiting for {what}");
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_panicking_connection_is_closed_and_frees_its_slot() {
+        use std::io::Read;
+        let (server, counters) = server(1);
+        let (bad, good) = (PeerId(1), PeerId(2));
+        let bad_token = server.state.creds.issue(bad);
+        let good_token = server.state.creds.issue(good);
+        *lock(&server.state.panic_peer) = Some(bad);
+        // The hello is accepted, then serving panics: the connection ends.
+        let (mut s, _) = hello(&server, bad_token);
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        wait_for("the panic to be counted", || {
+            counters.connection_panics.load(Ordering::Acquire) >= 1
+        });
+        wait_for("the slot to be freed", || server.authenticated() == 0);
+        // The only slot is free again: another peer is admitted and served.
+        let (_s, ack) = hello(&server, good_token);
+        assert_eq!(ack, super::super::wire::HELLO_ACK);
+        assert_eq!(server.authenticated(), 1);
+        // The I/O threads survived the panic.
+        let (_s2, refused) = hello(&server, good_token);
+        assert!(refused.is_empty(), "past the cap of 1, a hello is refused");
+        wait_for("the refusal to be counted", || {
+            counters.connections_refused.load(Ordering::Acquire) == 1
+        });
+    }
+
+    #[test]
+    fn a_revoked_credential_is_refused_and_its_connections_closed() {
+        use std::io::Read;
+        let (server, counters) = server(8);
+        let (a, b) = (PeerId(1), PeerId(2));
+        let ta = server.state.creds.issue(a);
+        let tb = server.state.creds.issue(b);
+        let (mut sa, ack) = hello(&server, ta);
+        assert_eq!(ack, super::super::wire::HELLO_ACK);
+        let (_sb, ack) = hello(&server, tb);
+        assert_eq!(ack, super::super::wire::HELLO_ACK);
+        server.revoke(a);
+        let mut rest = Vec::new();
+        let _ = sa.read_to_end(&mut rest);
+        assert!(rest.is_empty());
+        wait_for("the revoked connection to be counted", || {
+            counters.connections_revoked.load(Ordering::Acquire) == 1
+        });
+        let (_s, refused) = hello(&server, ta);
+        assert!(refused.is_empty(), "a revoked credential was accepted");
+        // The other peer's connection is untouched.
+        assert_eq!(server.authenticated(), 1);
+    }
+
     #[test]
     fn notifications_touch_no_region() {
         let req = Request {
@@ -534,6 +1022,41 @@ mod tests {
             len: 10,
         };
         assert!(matches!(check_request(&table(), &req), Ok(None)));
+    }
+
+    #[test]
+    fn the_serve_fuzz_entry_survives_requests_of_every_kind() {
+        let mut data = vec![0x37u8];
+        for (kind, key, offset, len) in [
+            (1u8, 1u32, 0u64, 4096u64),
+            (2, 1, 4000, 96),
+            (2, 3, 0, 20_000),
+            (2, 2, 0, 10),
+            (1, u32::MAX, 0, 10),
+            (3, 0, 0, 5),
+        ] {
+            let mut h = [0u8; REQUEST_LEN];
+            h[0] = kind;
+            h[4..8].copy_from_slice(&key.to_le_bytes());
+            h[16..24].copy_from_slice(&offset.to_le_bytes());
+            h[24..32].copy_from_slice(&len.to_le_bytes());
+            data.extend_from_slice(&h);
+            if kind != 1 {
+                data.extend(std::iter::repeat_n(0xab, len as usize));
+            }
+        }
+        // Then many READs whose answers pile up past the output cap.
+        for _ in 0..2000 {
+            let mut h = [0u8; REQUEST_LEN];
+            h[0] = 1;
+            h[4..8].copy_from_slice(&1u32.to_le_bytes());
+            h[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            data.extend_from_slice(&h);
+        }
+        data.extend_from_slice(&[0xff; 40]);
+        fuzz_serve(&data);
+        data[0] = 0;
+        fuzz_serve(&data);
     }
 
     #[test]

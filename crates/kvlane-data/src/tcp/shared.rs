@@ -1,0 +1,57 @@
+//! State shared by the backend and its I/O threads: the completion and
+//! notification queues, the waker, and the lock helper they all use.
+
+use crate::ids::{FastMap, TransferId};
+use crate::transfer::Completion;
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
+use std::task::Waker;
+
+/// A map keyed by transfer id.
+pub(crate) type IdMap<V> = FastMap<TransferId, V>;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Tables behind these locks stay consistent if a holder panicked.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// State shared by the backend and its I/O threads.
+#[derive(Default)]
+pub(crate) struct Shared {
+    pub(crate) completions: Mutex<Vec<Completion>>,
+    pub(crate) notifications: Mutex<VecDeque<Bytes>>,
+    pub(crate) waker: Mutex<Option<Waker>>,
+}
+
+impl Shared {
+    /// Queues a completion; wakes the poller only when the queue was empty
+    /// (otherwise an earlier push already woke it and it has not drained
+    /// the queue since), which saves a syscall per completion in bursts.
+    pub(crate) fn complete(&self, c: Completion) {
+        let mut q = lock(&self.completions);
+        let was_empty = q.is_empty();
+        q.push(c);
+        drop(q);
+        if was_empty {
+            self.wake();
+        }
+    }
+
+    /// Queues a notification that arrived; wakes like [`complete`](Self::complete).
+    pub(crate) fn notify(&self, payload: Bytes) {
+        let mut q = lock(&self.notifications);
+        let was_empty = q.is_empty();
+        q.push_back(payload);
+        drop(q);
+        if was_empty {
+            self.wake();
+        }
+    }
+
+    pub(crate) fn wake(&self) {
+        if let Some(w) = lock(&self.waker).as_ref() {
+            w.wake_by_ref();
+        }
+    }
+}
