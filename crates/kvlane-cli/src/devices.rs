@@ -1,13 +1,51 @@
 //! `kvlane devices`: GPUs and RDMA devices, or the plain reason there are
 //! none.
 
+use kvlane_data::topology::Topology;
 use kvlane_data::{gpu_devices, GpuRuntime};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// Options of `kvlane devices`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct DevicesArgs {
+    /// Read the PCIe tree for the GPU x NIC matrix from this sysfs root
+    /// (a saved or fixture tree) instead of /sys.
+    #[arg(long, default_value = "/sys")]
+    sysfs: PathBuf,
+}
 
 /// Prints what this machine offers; returns false when there is no RDMA.
-pub(crate) fn run() -> bool {
+pub(crate) fn run(args: &DevicesArgs) -> bool {
     gpus();
+    topology(&args.sysfs);
     rdma()
+}
+
+/// The GPU x NIC matrix (`nvidia-smi topo -m` link classes: PIX one PCIe
+/// switch, PXB several bridges, PHB the host bridge, NODE across host
+/// bridges of one NUMA node, SYS across NUMA nodes).
+fn topology(sysfs: &Path) {
+    match Topology::from_sysfs(sysfs) {
+        Ok(t) if !t.gpus.is_empty() && !t.nics.is_empty() => {
+            println!("topology (GPU x RDMA NIC, from {}):", sysfs.display());
+            print!("{}", t.matrix());
+            for g in &t.gpus {
+                let near: Vec<&str> = t
+                    .nearest_nics(&g.pci)
+                    .iter()
+                    .map(|n| n.name.as_str())
+                    .collect();
+                println!("nearest to GPU{}: {}", g.index, near.join(", "));
+            }
+        }
+        Ok(t) => println!(
+            "topology: {} GPU(s) and {} RDMA NIC(s) on the PCIe tree of {} (no matrix)",
+            t.gpus.len(),
+            t.nics.len(),
+            sysfs.display()
+        ),
+        Err(e) => println!("topology: {e}"),
+    }
 }
 
 /// One line per GPU (`cuda:0 NVIDIA H200 pci 0000:1b:00.0 ...`), or one

@@ -52,8 +52,9 @@ enum Command {
     /// Preflight, handshake and round-trip samples against an agent.
     Ping(ping::PingArgs),
     /// List GPUs (CUDA, ROCm) with their PCI addresses and RDMA devices,
-    /// or say why there are none; exits 2 when there is no RDMA device.
-    Devices,
+    /// or say why there are none, and the GPU x NIC matrix of the PCIe
+    /// tree; exits 2 when there is no RDMA device.
+    Devices(devices::DevicesArgs),
     /// Keep verified transfers running against agents and report every
     /// failure, peer event, restart check and latency.
     ///
@@ -124,8 +125,8 @@ fn main() -> ExitCode {
             Ok(false) => ExitCode::FAILURE,
             Err(e) => report(&*e),
         },
-        Command::Devices => {
-            if devices::run() {
+        Command::Devices(args) => {
+            if devices::run(&args) {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(2)

@@ -580,3 +580,42 @@ fn bench_peers_reports_aggregate_rows_per_peer_count() {
         assert!(fds(1) > fds(0) && threads(1) > threads(0), "{rows:?}");
     }
 }
+
+#[test]
+fn devices_prints_the_gpu_nic_matrix_of_a_sysfs_tree() {
+    let tree = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../kvlane-data/tests/data/topology/dgx-h100"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["devices", "--sysfs", tree])
+        .output()
+        .expect("run kvlane devices");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = |gpu: &str| -> Vec<String> {
+        text.lines()
+            .find(|l| l.starts_with(gpu))
+            .unwrap_or_else(|| panic!("no {gpu} row:\n{text}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(
+        row("GPU5 "),
+        [
+            "GPU5",
+            "0000:ab:00.0",
+            "1",
+            "SYS",
+            "SYS",
+            "SYS",
+            "SYS",
+            "NODE",
+            "PIX",
+            "NODE",
+            "NODE"
+        ],
+        "{text}"
+    );
+    assert!(text.contains("nearest to GPU5: mlx5_5"), "{text}");
+}
