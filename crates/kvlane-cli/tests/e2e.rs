@@ -619,3 +619,45 @@ fn devices_prints_the_gpu_nic_matrix_of_a_sysfs_tree() {
     );
     assert!(text.contains("nearest to GPU5: mlx5_5"), "{text}");
 }
+
+#[test]
+fn bench_rows_carry_the_rails_a_backend_ran_over() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args([
+            "bench",
+            "--backend",
+            "tcp",
+            "--rails",
+            "2",
+            "--block-sizes",
+            "1M",
+        ])
+        .args([
+            "--batch",
+            "4",
+            "--duration",
+            "100ms",
+            "--no-baseline",
+            "--json",
+        ])
+        .output()
+        .expect("run kvlane bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in &rows {
+        assert_eq!(
+            (r["backend"].as_str(), r["rails"].as_u64()),
+            (Some("tcp"), Some(2)),
+            "{r}"
+        );
+        assert!(r["transfers"].as_u64() > Some(0), "{r}");
+    }
+}

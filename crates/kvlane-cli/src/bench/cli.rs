@@ -112,6 +112,12 @@ pub(crate) struct BenchArgs {
     /// `rocm:0`). The memcpy and raw-tcp baselines stay in host memory.
     #[arg(long, default_value = "host", value_parser = parse_memory)]
     memory: Memory,
+    /// Rails per backend: in-process runs give tcp that many tcp backends
+    /// and verbs that many RDMA devices (those with an ACTIVE port, in
+    /// order), joined as one (`kvlane_data::Rails`); `--role` agents use at
+    /// most that many of theirs. Rows carry `rails`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    rails: u64,
 }
 
 /// `--memory`: host or a GPU.
@@ -145,6 +151,62 @@ fn role_backend(args: &[BackendArg]) -> Result<kvlane::BackendChoice, String> {
             Err("--role target|initiator takes one network backend in --backend".into())
         }
     }
+}
+
+/// Rail backends with their names, in rail order.
+type NamedRails = Vec<(String, Box<dyn Backend>)>;
+
+/// `rails` backends of `kind` joined as one (one: the backend itself).
+fn make_rails(kind: BackendKind, rails: usize) -> Result<Box<dyn Backend>, BenchError> {
+    if rails <= 1 || kind == BackendKind::Loopback {
+        return make_backend(kind);
+    }
+    let data = |source| BenchError::Data {
+        backend: kind.to_string(),
+        source,
+    };
+    let named: NamedRails = match kind {
+        BackendKind::Verbs => verbs_rails(rails).map_err(data)?,
+        _ => (0..rails)
+            .map(|i| Ok((format!("{kind}{i}"), make_backend(kind)?)))
+            .collect::<Result<_, BenchError>>()?,
+    };
+    Ok(Box::new(
+        kvlane_data::Rails::new(named, kvlane_data::RailsConfig::default()).map_err(data)?,
+    ))
+}
+
+/// Verbs backends on the first `n` devices with an ACTIVE port.
+#[cfg(feature = "verbs")]
+fn verbs_rails(n: usize) -> Result<NamedRails, kvlane_data::DataError> {
+    use kvlane_data::verbs::{list_devices, DeviceConfig, VerbsBackend, VerbsConfig};
+    let names: Vec<String> = list_devices()?
+        .into_iter()
+        .filter(|d| d.first_active_port().is_some())
+        .map(|d| d.name)
+        .collect();
+    if names.len() < n {
+        return Err(kvlane_data::DataError::Unsupported {
+            backend: "verbs",
+            what: "--rails asks for more RDMA devices than have an ACTIVE port",
+        });
+    }
+    names
+        .into_iter()
+        .take(n)
+        .map(|name| {
+            let cfg = VerbsConfig {
+                device: DeviceConfig::device(name.clone()),
+                ..VerbsConfig::default()
+            };
+            Ok((name, Box::new(VerbsBackend::new(cfg)?) as Box<dyn Backend>))
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs_rails(_: usize) -> Result<NamedRails, kvlane_data::DataError> {
+    verbs_backend().map(|b| vec![("verbs".into(), b)])
 }
 
 fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
@@ -225,6 +287,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         baselines: !args.no_baseline,
         threads: args.threads,
         memory: args.memory.0,
+        rails: args.rails as usize,
     };
     let opts = remote::RemoteOpts {
         backend: if args.role == Role::Local {
@@ -236,6 +299,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         advertise: args.advertise.clone(),
         dial_any_data_host: args.dial_any_data_host,
         memory: args.memory.0,
+        rails: args.rails as usize,
     };
     if args.peers_worker {
         let addr = args
@@ -289,7 +353,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         Role::Local => {
             let total = plan.block_sizes.len() * local::rows_per_block_size(&plan);
             let out = Output::new(args.json, total as u64)?;
-            let r = local::run(&plan, &make_backend, |w| out.progress(w), |r| out.row(r));
+            let rails = plan.rails;
+            let factory = move |kind| make_rails(kind, rails);
+            let r = local::run(&plan, &factory, |w| out.progress(w), |r| out.row(r));
             out.finish();
             Ok(r?)
         }

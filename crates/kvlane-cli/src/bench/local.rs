@@ -140,6 +140,11 @@ pub(crate) fn run(
                     let kind = plan.backends[index];
                     Row {
                         memory: plan.memory_name(),
+                        rails: if kind == BackendKind::Loopback {
+                            1
+                        } else {
+                            plan.rails
+                        },
                         ..p.sample.row(kind.as_str(), op_name(p.op), block, p.batch)
                     }
                 }
@@ -191,6 +196,7 @@ mod tests {
             baselines: true,
             threads: 2,
             memory: None,
+            rails: 1,
         };
         let rows = rows_of(&plan, &loopback);
         assert_eq!(
@@ -226,6 +232,7 @@ mod tests {
             baselines: true,
             threads: 1,
             memory: None,
+            rails: 1,
         };
         let tcp = |_| -> Result<Box<dyn Backend>, BenchError> {
             Ok(Box::new(
@@ -261,6 +268,7 @@ mod tests {
             baselines: false,
             threads: 1,
             memory: None,
+            rails: 1,
         };
         let mut printed = 0;
         let e = run(

@@ -49,6 +49,8 @@ pub(crate) struct BenchPlan {
     pub(crate) threads: usize,
     /// Where the backends' memory lives: host (`None`) or this GPU.
     pub(crate) memory: Option<GpuDevice>,
+    /// Rails (devices, or tcp backends) per in-process backend; 1 = none.
+    pub(crate) rails: usize,
 }
 
 impl BenchPlan {
@@ -66,6 +68,9 @@ pub(crate) struct Row {
     /// `host`, or the GPU the backend's memory is on (`cuda:0`); baselines
     /// (memcpy, raw-tcp) always run on host memory.
     pub(crate) memory: String,
+    /// Rails the backend moved the bytes over (1 for baselines and
+    /// single-device backends).
+    pub(crate) rails: usize,
     pub(crate) op: String,
     pub(crate) block_size: u64,
     pub(crate) batch: usize,

@@ -57,12 +57,15 @@ pub(crate) struct RemoteOpts {
     pub(crate) dial_any_data_host: bool,
     /// Where the served (target) or moved (initiator) memory lives.
     pub(crate) memory: Option<kvlane_data::GpuDevice>,
+    /// Use at most this many rails.
+    pub(crate) rails: usize,
 }
 
 pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
     let mut b = Agent::builder()
         .backend(opts.backend)
-        .dial_any_data_host(opts.dial_any_data_host);
+        .dial_any_data_host(opts.dial_any_data_host)
+        .max_rails(opts.rails);
     if let Some(k) = &opts.psk {
         b = b.psk(k.as_bytes().to_vec());
     }
@@ -184,6 +187,7 @@ fn against(
     let peer = agent.connect(addr)?;
     let remote_pages = peer_pages(&peer)?;
     let backend = agent.agent().backend_kind().to_string();
+    let rails = agent.agent().rail_stats().len().max(1);
     let mut raw = match (plan.baselines, announced_raw_port(&peer.engine_id())?) {
         (false, _) => None,
         (true, Some(port)) => {
@@ -264,6 +268,7 @@ fn against(
             let mut row = p.sample.row(name, op_name(p.op), block, p.batch);
             if side != Side::RawTcp {
                 row.memory = plan.memory_name();
+                row.rails = rails;
             }
             emit(&row).map_err(BenchError::Output)?;
         }

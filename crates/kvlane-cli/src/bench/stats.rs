@@ -76,6 +76,7 @@ pub(crate) fn latency(lat: &mut [Duration]) -> Row {
     Row {
         backend: String::new(),
         memory: "host".into(),
+        rails: 1,
         op: String::new(),
         block_size: 0,
         batch: 0,
