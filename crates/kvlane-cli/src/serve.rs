@@ -190,7 +190,11 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
         let _ = out.flush();
     }
     let metrics = match &args.metrics {
-        Some(addr) => Some(serve_metrics(&agent, addr).await?),
+        Some(addr) => {
+            let (task, bound) = serve_metrics(&agent, addr).await?;
+            println!("metrics http://{bound}/metrics");
+            Some(task)
+        }
         None => None,
     };
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -230,11 +234,11 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
 }
 
 /// Binds `addr` and answers `GET /metrics` with the agent's metrics until
-/// the returned task is aborted.
+/// the returned task is aborted; returns it and the bound address.
 pub(crate) async fn serve_metrics(
     agent: &Agent,
     addr: &str,
-) -> Result<tokio::task::JoinHandle<()>, Error> {
+) -> Result<(tokio::task::JoinHandle<()>, String), Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         Error::from(kvlane::data::DataError::Io {
             op: format!("bind the metrics listener on {addr}"),
@@ -244,12 +248,11 @@ pub(crate) async fn serve_metrics(
     let bound = listener
         .local_addr()
         .map_or(addr.to_string(), |a| a.to_string());
-    println!("metrics http://{bound}/metrics");
     let agent = agent.clone();
-    Ok(tokio::spawn(kvlane::metrics::serve_http(
-        listener,
-        move || agent.metrics(),
-    )))
+    let task = tokio::spawn(kvlane::metrics::serve_http(listener, move || {
+        agent.metrics()
+    }));
+    Ok((task, bound))
 }
 
 #[cfg(test)]

@@ -63,6 +63,10 @@ pub(crate) struct SoakArgs {
     /// the tcp backend's default address.
     #[arg(long, value_delimiter = ',')]
     data_listen: Vec<String>,
+    /// Serve the soaking agent's Prometheus metrics at
+    /// `http://ADDR/metrics` (the address is printed on stderr).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
     /// Interval of the per-peer `stats` lines.
     #[arg(long, default_value = "5s", value_parser = units::parse_duration)]
     stats_interval: Duration,
@@ -597,6 +601,14 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         .dial_any_data_host(args.dial_any_data_host)
         .build()
         .await?;
+    let metrics = match &args.metrics {
+        Some(addr) => {
+            let (task, bound) = crate::serve::serve_metrics(&agent, addr).await?;
+            eprintln!("kvlane soak: metrics http://{bound}/metrics");
+            Some(task)
+        }
+        None => None,
+    };
     let liveness = Liveness {
         keepalive_interval_ms: ms(control.keepalive_interval),
         liveness_budget: control.liveness_budget,
@@ -702,6 +714,9 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
     let _ = stop_stats.send(());
     let _ = stats_thread.join();
     event_task.abort();
+    if let Some(task) = metrics {
+        task.abort();
+    }
     let (healthy, summary) = ctx.summary(liveness);
     ctx.out.emit(&summary);
     ctx.agent.close().await;
