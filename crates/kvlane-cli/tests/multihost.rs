@@ -250,20 +250,31 @@ fn readme_two_host_bench_recipe_runs_across_hosts() {
         String::from_utf8_lossy(&out.stderr),
         target.stderr()
     );
-    // backend op block batch GB/s ...: per block size and op, the tcp
-    // backend's row and the raw-tcp ceiling of the same link, same run.
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .skip(1)
+    // Per block size and op, the tcp backend's row and the raw-tcp ceiling
+    // of the same link, same run; columns found by their header.
+    let mut lines = stdout.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| *h == name)
+            .unwrap_or_else(|| panic!("no {name} column in:\n{stdout}"))
+    };
+    let (c_backend, c_op, c_block, c_gbps) = (col("backend"), col("op"), col("block"), col("GB/s"));
+    let rows: Vec<Vec<&str>> = lines
         .map(|l| l.split_whitespace().collect())
-        .filter(|r: &Vec<&str>| r.len() > 4)
+        .filter(|r: &Vec<&str>| r.len() > c_gbps)
         .collect();
     let gbps = |backend: &str, op: &str, block: &str| -> f64 {
         let row = rows
             .iter()
-            .find(|r| (r[0], r[1], r[2]) == (backend, op, block))
+            .find(|r| (r[c_backend], r[c_op], r[c_block]) == (backend, op, block))
             .unwrap_or_else(|| panic!("no {backend} {op} {block} row in:\n{stdout}"));
-        row[4].parse().expect("a GB/s column")
+        row[c_gbps].parse().expect("a GB/s column")
     };
     for block in ["64K", "1M"] {
         for op in ["read", "write"] {

@@ -448,14 +448,28 @@ impl Rails {
                     e,
                     DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
                 ) && now < part.transfer.deadline;
+                let broken = matches!(
+                    e,
+                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
+                );
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
                     .and_then(|p| p.rails.get_mut(rail))
                 {
-                    if moves {
+                    if broken && rail_peer_is(rp, c.peer) {
+                        // The rail's connection is dropped at once: bytes it
+                        // still holds (a WRITE queued behind a silent link)
+                        // must never land after the part was posted again
+                        // elsewhere, or after newer data. It is dialed again
+                        // after `retry_after`.
+                        self.rails[rail].backend.remove_peer(c.peer);
+                        rp.id = None;
+                        rp.lost = true;
                         rp.down_since = Some(now);
-                        rp.lost |= lost && rail_peer_is(rp, c.peer);
+                    } else if moves {
+                        rp.down_since = Some(now);
+                        rp.lost |= lost;
                     }
                 }
                 part.tried |= 1 << rail;
