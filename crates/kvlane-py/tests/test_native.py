@@ -145,12 +145,21 @@ def test_bad_input_is_a_clear_exception_and_nothing_hangs():
 
 
 def test_ctrl_c_interrupts_a_wait():
-    with kvlane.Agent(engine_id="a", backend="tcp") as a:
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-        start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            a.notifications().recv()  # would wait forever
-        assert time.monotonic() - start < 5
+    # A process started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then installs no handler: put
+    # Python's own back, so the signal reaches the wait however we run.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with kvlane.Agent(engine_id="a", backend="tcp") as a:
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            start = time.monotonic()
+            with pytest.raises(KeyboardInterrupt):
+                # Bounded, so a lost signal fails the test instead of
+                # hanging it; nothing else would end this wait.
+                a.notifications().recv(30)
+            assert time.monotonic() - start < 5
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_peer_killed_mid_transfer_fails_with_peer_lost_within_the_liveness_budget(make_target):
