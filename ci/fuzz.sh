@@ -12,5 +12,11 @@ fi
 export RUSTC_BOOTSTRAP=1
 for target in $(cargo fuzz list --fuzz-dir fuzz); do
   echo "--- fuzz $target for ${secs}s"
-  cargo fuzz run --fuzz-dir fuzz "$target" -- -max_total_time="$secs" -rss_limit_mb=2048
+  extra=()
+  # control_listener drives a real ControlNode on a tokio runtime that
+  # lives for the whole process: its zeromq tasks are still allocated when
+  # libFuzzer exits, which LeakSanitizer reports as leaks (not a per-input
+  # leak); its RSS is bounded by -rss_limit_mb instead.
+  [ "$target" = control_listener ] && extra=(-detect_leaks=0)
+  cargo fuzz run --fuzz-dir fuzz "$target" -- -max_total_time="$secs" -rss_limit_mb=2048 "${extra[@]}"
 done
