@@ -592,6 +592,31 @@ impl Rails {
     }
 }
 
+/// Appends to `out` the spans of `list` that cover the next `need` bytes
+/// from the cursor (`at`, `off`: span index and offset into it), moving
+/// the cursor past them. `cut(span, offset, len)` makes a piece of a span.
+fn take<T, A: smallvec::Array<Item = T>>(
+    list: &[T],
+    at: &mut usize,
+    off: &mut u64,
+    mut need: u64,
+    out: &mut smallvec::SmallVec<A>,
+    len_of: impl Fn(&T) -> u64,
+    cut: impl Fn(&T, u64, u64) -> T,
+) {
+    while need > 0 {
+        let d = &list[*at];
+        let n = (len_of(d) - *off).min(need);
+        out.push(cut(d, *off, n));
+        *off += n;
+        need -= n;
+        if *off == len_of(d) {
+            *at += 1;
+            *off = 0;
+        }
+    }
+}
+
 /// Cuts a transfer's byte stream into `n` contiguous ranges of about equal
 /// size (multiples of `align`), each with its local and remote spans.
 pub(crate) fn split(
@@ -612,39 +637,34 @@ pub(crate) fn split(
         } else {
             share.min(left)
         };
-        let (mut l, mut r) = (Descriptors::new(), RemoteDescriptors::new());
-        let mut need = want;
-        while need > 0 {
-            let d = &local[li];
-            let take = (d.len - loff).min(need);
-            l.push(Descriptor {
+        let mut l = Descriptors::new();
+        take(
+            local,
+            &mut li,
+            &mut loff,
+            want,
+            &mut l,
+            |d| d.len,
+            |d, off, len| Descriptor {
                 region: d.region,
-                offset: d.offset + loff,
-                len: take,
-            });
-            loff += take;
-            need -= take;
-            if loff == d.len {
-                li += 1;
-                loff = 0;
-            }
-        }
-        let mut need = want;
-        while need > 0 {
-            let d = &remote[ri];
-            let take = (d.len - roff).min(need);
-            r.push(RemoteDescriptor {
+                offset: d.offset + off,
+                len,
+            },
+        );
+        let mut r = RemoteDescriptors::new();
+        take(
+            remote,
+            &mut ri,
+            &mut roff,
+            want,
+            &mut r,
+            |d| d.len,
+            |d, off, len| RemoteDescriptor {
                 key: d.key,
-                offset: d.offset + roff,
-                len: take,
-            });
-            roff += take;
-            need -= take;
-            if roff == d.len {
-                ri += 1;
-                roff = 0;
-            }
-        }
+                offset: d.offset + off,
+                len,
+            },
+        );
         out.push((l, r, want));
         left -= want;
     }
