@@ -234,12 +234,21 @@ impl AgentBuilder {
         };
         let mut backend = match self.custom {
             Some(b) => b,
-            None => crate::backend::create(
-                self.backend,
-                &data_listen,
-                self.advertise.as_deref(),
-                &self.rails,
-            )?,
+            None => {
+                let regions: Vec<&Region> = self
+                    .kv
+                    .iter()
+                    .map(|(_, r)| r)
+                    .chain(self.regions.iter())
+                    .collect();
+                crate::backend::create(
+                    self.backend,
+                    &data_listen,
+                    self.advertise.as_deref(),
+                    &self.rails,
+                    &regions,
+                )?
+            }
         };
         let mut kv = Vec::new();
         let mut adverts = Vec::new();
@@ -267,11 +276,8 @@ impl AgentBuilder {
         let endpoint = if per_peer {
             None
         } else {
-            // The shared endpoint's peer slot stays: with tcp, removing
-            // it would revoke the credential the endpoint carries (tcp
-            // credentials are per prepared peer). Every peer of this agent
-            // presents this one until the facade exchanges endpoints per
-            // connection.
+            // One endpoint for every peer (loopback): its slot stays for
+            // the agent's life.
             let (_shared_peer, endpoint) = backend.prepare_peer()?;
             Some(endpoint)
         };
@@ -312,6 +318,7 @@ impl AgentBuilder {
             attach_timeout: exchange_timeout + CONNECT_BOUND,
             metrics: crate::metrics::Metrics::new(),
             rail,
+            control_stats: Mutex::new(kvlane_control::Stats::default()),
         });
         let mut control_events = inner.control.events();
         let weak = Arc::downgrade(&inner);
@@ -338,7 +345,20 @@ impl AgentBuilder {
                 inner.deliver(note);
             }
         });
-        lock(&inner.tasks).extend([control_task, note_task]);
+        let weak = Arc::downgrade(&inner);
+        let stats_task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                let Ok(stats) = inner.control.stats().await else {
+                    break;
+                };
+                *lock(&inner.control_stats) = stats;
+            }
+        });
+        lock(&inner.tasks).extend([control_task, note_task, stats_task]);
         info!(engine = %inner.engine_id, addr = inner.control.local_addr(), "agent up");
         Ok(Agent { inner })
     }
@@ -464,6 +484,8 @@ impl Agent {
         let mut snap = crate::metrics::Snapshot {
             in_flight: i64::try_from(self.inner.transport.in_flight()).unwrap_or(i64::MAX),
             rails: self.inner.transport.with_backend(|b| b.rail_stats()),
+            tcp: self.inner.transport.with_backend(|b| b.tcp_counters()),
+            control: *lock(&self.inner.control_stats),
             notifications_dropped: self.notifications_dropped(),
             ..Default::default()
         };

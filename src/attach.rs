@@ -9,15 +9,18 @@
 //! its own. [`Agent::connect`](crate::Agent::connect) waits for the outcome
 //! ([`Inner::await_attach`]).
 //!
-//! Backends with one endpoint for all peers (tcp, loopback) advertise it in
-//! the handshake, and each side connects on `Ready`; an endpoint advertised
-//! on a wildcard address is dialed at the host the control connection
-//! reached ([`Endpoint::reached_at`]). Backends that need an endpoint per
-//! peer (verbs: a queue pair per peer) exchange endpoints over the control
-//! connection once it is ready: the side that dialed sends an offer
-//! (`DP_OFFER`), the other side connects to it and answers with its own
-//! endpoint (`DP_ANSWER`), and the dialer connects to that. Both steps are
-//! bounded by the handshake deadline.
+//! Backends that issue an endpoint per peer (tcp: a credential per peer,
+//! revoked when the peer is detached; verbs: a queue pair per peer)
+//! exchange endpoints over the control connection once it is ready: the
+//! side that dialed sends an offer (`DP_OFFER`), the other side connects to
+//! it and answers with its own endpoint (`DP_ANSWER`), and the dialer
+//! connects to that. Both steps are bounded by the handshake deadline. A
+//! side that cannot reach the offered endpoint still answers, so the dialer
+//! can initiate. Backends with one endpoint for all peers (loopback)
+//! advertise it in the handshake instead, and each side connects on
+//! `Ready`. Either way an endpoint on a wildcard address is dialed at the
+//! host the control connection is with ([`Endpoint::reached_at`]), and only
+//! there unless `dial_any_data_host` ([`crate::dial`]).
 //!
 //! Every attachment is tied to a generation of its connection: a `Dead`,
 //! `Restarted` or `Closed` event bumps it, and an attachment that finishes
@@ -63,6 +66,7 @@ struct Target {
     engine_id: String,
     kv: Vec<KvAdvert>,
     regions: Vec<RemoteRegion>,
+    peer_host: Option<std::net::IpAddr>,
 }
 
 impl Target {
@@ -76,6 +80,7 @@ impl Target {
             engine_id: entry.engine_id.clone(),
             kv: entry.kv.clone(),
             regions: entry.regions.clone(),
+            peer_host: entry.peer_host,
         }
     }
 
@@ -108,22 +113,30 @@ impl Inner {
                 return;
             }
         };
-        let target = {
+        let (target, attached) = {
             let mut peers = lock(&self.peers);
             let entry = peers.entry(id).or_insert_with(PeerEntry::new);
+            // A repeated `Ready` in one generation (same incarnation):
+            // the data peer attached for it stays.
+            let attached = entry.data_peer.is_some() && entry.incarnation == info.incarnation;
             entry.engine_id.clone_from(&info.engine_id);
             entry.incarnation = info.incarnation;
             entry.kv.clone_from(&dp.kv);
             entry.regions.clone_from(&dp.regions);
+            entry.peer_host = info.peer_host;
             entry.attach.send_replace(Attach::Pending {
                 incarnation: info.incarnation,
             });
-            Target::of(id, addr, entry)
+            (Target::of(id, addr, entry), attached)
         };
         if self.per_peer {
+            if attached {
+                return self.report(&target, role, Ok(()));
+            }
             // The dialer offers; the acceptor waits for the offer
             // (`accept_offer`), which arrives after this `Ready`.
-            if role == Role::Initiator {
+            if role == Role::Initiator && !lock(&self.offers).contains_key(&id) {
+                // (An offer in progress reports for this incarnation too.)
                 let this = self.clone();
                 self.runtime.spawn(async move {
                     let r = this.dial_exchange(&target).await;
@@ -134,9 +147,7 @@ impl Inner {
         }
         let this = self.clone();
         self.runtime.spawn(async move {
-            let r = this
-                .attach_shared(&target, dp.endpoint, info.peer_host)
-                .await;
+            let r = this.attach_shared(&target, dp.endpoint).await;
             this.report(&target, role, r);
         });
     }
@@ -191,7 +202,6 @@ impl Inner {
         self: &Arc<Self>,
         t: &Target,
         endpoint: Option<Endpoint>,
-        peer_host: Option<std::net::IpAddr>,
     ) -> Result<(), Error> {
         let endpoint = endpoint.ok_or_else(|| {
             refused(format!(
@@ -200,15 +210,23 @@ impl Inner {
                 t.addr
             ))
         })?;
-        let endpoint = endpoint.reached_at(peer_host)?;
-        if !self.dial_any_data_host {
-            crate::dial::check(&t.addr, &endpoint, peer_host)?;
-        }
+        let endpoint = self.dialable(t, &endpoint)?;
         let regions = t.regions();
         let (data_peer, _) = self
             .off_thread(move |tr| tr.connect_peer(&endpoint, &regions))
             .await?;
-        self.install(t, data_peer)
+        self.install(t, data_peer, true)
+    }
+
+    /// `endpoint` as this side dials it for `t`: a wildcard host filled in
+    /// with the host of the control connection, and refused when it is on
+    /// another host (unless `dial_any_data_host`).
+    fn dialable(&self, t: &Target, endpoint: &Endpoint) -> Result<Endpoint, Error> {
+        let endpoint = endpoint.reached_at(t.peer_host)?;
+        if !self.dial_any_data_host {
+            crate::dial::check(&t.addr, &endpoint, t.peer_host)?;
+        }
+        Ok(endpoint)
     }
 
     /// Per-peer mode, dialing side: offer an endpoint, connect to the answer.
@@ -253,6 +271,7 @@ impl Inner {
                     )))
                 }
             };
+            let remote = self.dialable(t, &remote)?;
             let regions = t.regions();
             self.off_thread(move |tr| tr.connect_prepared(peer, &remote, &regions))
                 .await
@@ -260,7 +279,7 @@ impl Inner {
         .await;
         lock(&self.offers).remove(&t.id);
         match result {
-            Ok(()) => self.install(t, peer),
+            Ok(()) => self.install(t, peer, true),
             Err(e) => {
                 self.transport.with_backend(|b| b.remove_peer(peer));
                 Err(e)
@@ -278,7 +297,7 @@ impl Inner {
         let result = self.accept(id, &addr, &payload).await;
         let answer = DpFrame {
             incarnation: self.incarnation,
-            endpoint: result.as_ref().ok().map(|(_, ep)| ep.clone()),
+            endpoint: result.as_ref().ok().map(|(_, ep, _)| ep.clone()),
             error: result.as_ref().err().map(ToString::to_string),
         };
         let sent = match frames::encode("an endpoint answer", &answer) {
@@ -290,8 +309,8 @@ impl Inner {
             Err(e) => Err(e),
         };
         match (result, sent) {
-            (Ok((t, _)), Ok(())) => self.report(&t, Role::Acceptor, Ok(())),
-            (Ok((t, _)), Err(e)) => {
+            (Ok((t, _, reached)), Ok(())) => self.report(&t, Role::Acceptor, reached),
+            (Ok((t, _, _)), Err(e)) => {
                 warn!(peer = %id, %addr, error = %e, "could not answer an endpoint offer");
                 self.detach(id, "answer not delivered");
                 self.report(&t, Role::Acceptor, Err(e));
@@ -309,12 +328,18 @@ impl Inner {
         }
     }
 
+    /// Connects to an offer. Returns the connection, the endpoint to
+    /// answer with, and whether this side reached the offered endpoint:
+    /// when it did not (the dialer's data plane listens where this host
+    /// cannot go, or on another host than its control connection), the
+    /// answer still goes out, so that the dialer can initiate, and the
+    /// prepared peer is kept as the entry's `served_peer` (`install`).
     async fn accept(
         self: &Arc<Self>,
         id: ConnectionId,
         addr: &str,
         payload: &[u8],
-    ) -> Result<(Target, Endpoint), Error> {
+    ) -> Result<(Target, Endpoint, Result<(), Error>), Error> {
         let offer: DpFrame = frames::decode("an endpoint offer", addr, payload)?;
         let remote = offer
             .endpoint
@@ -332,12 +357,24 @@ impl Inner {
             }
             Target::of(id, addr.to_owned(), e)
         };
-        let regions = t.regions();
         let (peer, endpoint) = self
-            .off_thread(move |tr| tr.connect_peer(&remote, &regions))
+            .off_thread(|tr| tr.with_backend(|b| b.prepare_peer()))
             .await?;
-        self.install(&t, peer)?;
-        Ok((t, endpoint))
+        let reached = match self.dialable(&t, &remote) {
+            Ok(remote) => {
+                let regions = t.regions();
+                self.off_thread(move |tr| {
+                    let connecting =
+                        tr.with_backend(|b| b.start_connect(peer, &remote, &regions))?;
+                    let connected = connecting.run()?;
+                    tr.with_backend(|b| b.finish_connect(peer, connected))
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        self.install(&t, peer, reached.is_ok())?;
+        Ok((t, endpoint, reached))
     }
 
     /// Routes an answer to the offer waiting for it.
@@ -353,11 +390,13 @@ impl Inner {
         }
     }
 
-    /// Installs a connected data-plane peer unless the connection changed
-    /// (died, restarted, closed) since the attach began. What the
-    /// handshake said is already in the entry (`on_ready` recorded it in
-    /// the same generation).
-    fn install(&self, t: &Target, data_peer: PeerId) -> Result<(), Error> {
+    /// Installs a data-plane peer unless the connection changed (died,
+    /// restarted, closed) since the attach began. What the handshake said
+    /// is already in the entry (`on_ready` recorded it in the same
+    /// generation). A peer that is not `connected` (prepared only, see
+    /// `accept`) is kept as the entry's `served_peer`: what it issued lets
+    /// the other side reach us.
+    fn install(&self, t: &Target, data_peer: PeerId, connected: bool) -> Result<(), Error> {
         let mut peers = lock(&self.peers);
         let Some(entry) = peers
             .get_mut(&t.id)
@@ -373,10 +412,26 @@ impl Inner {
                 ),
             ));
         };
+        if !connected {
+            if entry.served_peer.is_none() {
+                entry.served_peer = Some(data_peer);
+                return Ok(());
+            }
+            drop(peers);
+            self.transport.with_backend(|b| b.remove_peer(data_peer));
+            return Ok(());
+        }
         if entry.data_peer.is_some() {
             // A second attach in the same generation (a repeated Ready):
             // the data peer in use stays, with the transfers in flight on
-            // it; replacing it would fail them with "peer removed".
+            // it; replacing it would fail them with "peer removed". With
+            // per-peer endpoints the other side may already use what the
+            // new one issued (its answer went out): it is kept until the
+            // generation ends.
+            if self.per_peer && entry.served_peer.is_none() {
+                entry.served_peer = Some(data_peer);
+                return Ok(());
+            }
             drop(peers);
             debug!(peer = %t.id, "second attach in one generation: the first data peer stays");
             self.transport.with_backend(|b| b.remove_peer(data_peer));
@@ -476,13 +531,15 @@ impl Inner {
     pub(crate) fn detach(&self, id: ConnectionId, why: &str) {
         let old = {
             let mut peers = lock(&self.peers);
-            peers.get_mut(&id).and_then(|e| {
+            peers.get_mut(&id).map(|e| {
                 e.generation += 1;
-                e.data_peer.take()
+                [e.data_peer.take(), e.served_peer.take()]
             })
         };
         lock(&self.offers).remove(&id);
-        if let Some(old) = old {
+        for old in old.into_iter().flatten().flatten() {
+            // With per-peer endpoints this also revokes what the peer was
+            // issued (its tcp credential): its connections to us close.
             debug!(peer = %id, why, "detaching data plane");
             self.transport.with_backend(|b| b.remove_peer(old));
         }

@@ -3,7 +3,7 @@
 use crate::agent::BackendChoice;
 use crate::error::{Error, ErrorKind};
 use kvlane_data::tcp::{TcpBackend, TcpConfig};
-use kvlane_data::{Backend, LoopbackBackend};
+use kvlane_data::{Backend, LoopbackBackend, MemoryKind, Region};
 use std::net::{IpAddr, ToSocketAddrs};
 
 /// Named rail backends, in rail order.
@@ -32,6 +32,7 @@ pub(crate) fn create(
     data_listen: &str,
     advertise: Option<&str>,
     rails: &RailChoice,
+    regions: &[&Region],
 ) -> Result<Box<dyn Backend>, Error> {
     let one = |named: NamedRails| -> Result<Box<dyn Backend>, Error> {
         let mut named = named;
@@ -45,10 +46,10 @@ pub(crate) fn create(
             rails = ?named.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
             "data plane over several rails"
         );
-        Ok(Box::new(kvlane_data::Rails::new(
-            named,
-            kvlane_data::RailsConfig::default(),
-        )?))
+        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        let mut r = kvlane_data::Rails::new(named, kvlane_data::RailsConfig::default())?;
+        prefer_nearest(&mut r, &names, regions);
+        Ok(Box::new(r))
     };
     let tcp_rails = || -> Result<NamedRails, Error> {
         data_listen
@@ -69,6 +70,48 @@ pub(crate) fn create(
                 one(tcp_rails()?)
             }
         },
+    }
+}
+
+/// Gives each GPU region the rails nearest to its GPU, from this machine's
+/// PCIe topology (`/sys`); regions whose GPU or rails the topology does not
+/// place keep every rail. Nothing here fails the build: the preference is
+/// an optimisation, said at `info` when it is made.
+fn prefer_nearest(rails: &mut kvlane_data::Rails, names: &[String], regions: &[&Region]) {
+    let gpus: Vec<(&Region, kvlane_data::GpuDevice)> = regions
+        .iter()
+        .filter_map(|r| match r.kind() {
+            MemoryKind::Gpu { device } => Some((*r, device)),
+            _ => None,
+        })
+        .collect();
+    if gpus.is_empty() {
+        return;
+    }
+    let topology = match kvlane_data::topology::Topology::scan() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::info!(error = %e, "no PCIe topology: GPU regions use every rail");
+            return;
+        }
+    };
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    for (region, device) in gpus {
+        let bus = kvlane_data::gpu_devices(device.runtime)
+            .ok()
+            .and_then(|all| {
+                all.into_iter()
+                    .find(|g| g.device == device)
+                    .map(|g| g.pci_bus_id)
+            });
+        let Some(bus) = bus else { continue };
+        let near = topology.nearest_rails(&bus, &names);
+        if !near.is_empty() {
+            tracing::info!(region = %region.id(), %device, pci = %bus,
+                rails = ?near.iter().map(|&i| names[i]).collect::<Vec<_>>(),
+                "GPU region prefers its nearest rails");
+            rails.prefer(region.id(), &near);
+        }
     }
 }
 

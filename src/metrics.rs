@@ -21,6 +21,14 @@
 //! | `kvlane_rail_reposts_total` | counter | `rail` (failed parts moved to another rail) |
 //! | `kvlane_rail_down_peers` | gauge | `rail` (peers it is set aside for) |
 //!
+//! | `kvlane_control_refused_total` | counter | `reason`: `unauthenticated` (inbound peers refused before they proved the key: peer cap, failed or incompatible handshake), `handshake_evicted` (handshakes dropped for newer ones at the handshake cap) |
+//! | `kvlane_control_frames_dropped_total` | counter | `reason`: `oversized`, `malformed`, `unknown_type`, `unexpected` |
+//! | `kvlane_data_connections_refused_total` | counter | `reason`: `auth_failed` (wrong or revoked credential), `auth_timeout`, `unauthenticated_evicted`, `cap` (connection cap), `revoked` (open connections closed when their peer was removed), `framing`, `panic` (tcp target) |
+//! | `kvlane_data_requests_refused_total` | counter | `reason`: `unknown_key`, `out_of_bounds`, `access` (tcp target) |
+//!
+//! The control counters are read from the control driver about once a
+//! second, so a scrape may lag them by that much.
+//!
 //! `rail` on the transfer families is the backend (`tcp`, `loopback`,
 //! `verbs`); the `kvlane_rail_*` families name each rail of a multi-rail
 //! agent (its device or `tcp:ADDR`).
@@ -33,7 +41,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -93,6 +100,22 @@ pub(crate) struct Snapshot {
     pub(crate) in_flight: i64,
     pub(crate) rails: Vec<kvlane_data::RailStats>,
     pub(crate) notifications_dropped: u64,
+    pub(crate) control: kvlane_control::Stats,
+    pub(crate) tcp: Option<kvlane_data::TcpCounters>,
+}
+
+/// What the collector encodes, from the last scrape's snapshot.
+#[derive(Debug, Default)]
+struct Scraped {
+    rails: Vec<kvlane_data::RailStats>,
+    notifications_dropped: u64,
+    control: kvlane_control::Stats,
+    tcp: Option<kvlane_data::TcpCounters>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -101,9 +124,31 @@ struct RailLabels {
 }
 
 /// Counters kept elsewhere (the multi-rail backend, the notification
-/// queue), as they were at the last scrape.
+/// queue, the control driver, the tcp target), as they were at the last
+/// scrape.
 #[derive(Debug, Default)]
-struct RailsCollector(Mutex<Vec<kvlane_data::RailStats>>, AtomicU64);
+struct RailsCollector(Mutex<Scraped>);
+
+/// Encodes one counter family labelled by `reason`.
+fn reasons(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    values: &[(&'static str, u64)],
+) -> Result<(), std::fmt::Error> {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::counter::ConstCounter;
+    let mut family = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    for &(reason, v) in values {
+        ConstCounter::new(v).encode(family.encode_family(&ReasonLabels { reason })?)?;
+    }
+    Ok(())
+}
 
 impl prometheus_client::collector::Collector for RailsCollector {
     fn encode(
@@ -119,8 +164,57 @@ impl prometheus_client::collector::Collector for RailsCollector {
             None,
             prometheus_client::metrics::MetricType::Counter,
         )?;
-        ConstCounter::new(self.1.load(Ordering::Relaxed)).encode(dropped)?;
-        let rails = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let scraped = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        ConstCounter::new(scraped.notifications_dropped).encode(dropped)?;
+        let (c, t) = (&scraped.control, scraped.tcp);
+        let mut families: Vec<(&str, &str, Vec<(&'static str, u64)>)> = vec![
+            (
+                "control_refused",
+                "Inbound control connections refused or dropped before they were authenticated",
+                vec![
+                    ("unauthenticated", c.refused_inbound),
+                    ("handshake_evicted", c.handshakes_evicted),
+                ],
+            ),
+            (
+                "control_frames_dropped",
+                "Control frames dropped instead of acted on",
+                vec![
+                    ("oversized", c.oversized),
+                    ("malformed", c.malformed),
+                    ("unknown_type", c.unknown_type),
+                    ("unexpected", c.unexpected),
+                ],
+            ),
+        ];
+        if let Some(t) = t {
+            families.push((
+                "data_connections_refused",
+                "Data-plane connections refused or closed by the tcp target",
+                vec![
+                    ("auth_failed", t.auth_failures),
+                    ("auth_timeout", t.auth_timeouts),
+                    ("unauthenticated_evicted", t.unauthenticated_evicted),
+                    ("cap", t.connections_refused),
+                    ("revoked", t.connections_revoked),
+                    ("framing", t.framing_errors),
+                    ("panic", t.connection_panics),
+                ],
+            ));
+            families.push((
+                "data_requests_refused",
+                "Data-plane requests the tcp target refused",
+                vec![
+                    ("unknown_key", t.refused_unknown_key),
+                    ("out_of_bounds", t.refused_out_of_bounds),
+                    ("access", t.refused_access),
+                ],
+            ));
+        }
+        for (name, help, values) in &families {
+            reasons(&mut encoder, name, help, values)?;
+        }
+        let rails = &scraped.rails;
         if rails.is_empty() {
             return Ok(());
         }
@@ -316,10 +410,12 @@ impl Metrics {
             m.peers.get_or_create(&StateLabels { state }).set(v);
         }
         m.in_flight.set(snap.in_flight);
-        *m.rails.0.lock().unwrap_or_else(|e| e.into_inner()) = snap.rails;
-        m.rails
-            .1
-            .store(snap.notifications_dropped, Ordering::Relaxed);
+        *m.rails.0.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
+            rails: snap.rails,
+            notifications_dropped: snap.notifications_dropped,
+            control: snap.control,
+            tcp: snap.tcp,
+        };
         let mut out = String::new();
         let registry = m.registry.lock().unwrap_or_else(|e| e.into_inner());
         // Writing into a String cannot fail.

@@ -53,6 +53,14 @@ pub(crate) struct PeerEntry {
     /// Data-plane peer of the current incarnation; `None` while dead,
     /// attaching, or when the peer's data plane cannot be reached from here.
     pub(crate) data_peer: Option<PeerId>,
+    /// Per-peer endpoints (tcp, verbs): the data-plane peer prepared for a
+    /// peer whose endpoint this side could not reach. It holds what the
+    /// peer presents to reach us (its tcp credential), so the peer can
+    /// still initiate; dropped (revoked) with the generation.
+    pub(crate) served_peer: Option<PeerId>,
+    /// The host the control connection is with (the address dialed, or
+    /// an inbound connection's source): data endpoints are dialed there.
+    pub(crate) peer_host: Option<std::net::IpAddr>,
     pub(crate) kv: Vec<KvAdvert>,
     /// Plain regions the peer advertised (span transfers).
     pub(crate) regions: Vec<RemoteRegion>,
@@ -68,6 +76,8 @@ impl PeerEntry {
             engine_id: String::new(),
             incarnation: 0,
             data_peer: None,
+            served_peer: None,
+            peer_host: None,
             kv: Vec::new(),
             regions: Vec::new(),
             generation: 0,
@@ -124,6 +134,9 @@ pub(crate) struct Inner {
     /// The `rail` label of this agent's transfers (its backend; one rail
     /// per agent until multi-rail).
     pub(crate) rail: &'static str,
+    /// The control driver's counters, refreshed about once a second for
+    /// `Agent::metrics` (which cannot wait on the driver).
+    pub(crate) control_stats: Mutex<kvlane_control::Stats>,
 }
 
 impl Inner {

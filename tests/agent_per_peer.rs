@@ -5,7 +5,7 @@
 use kvlane::data::{
     Access, KvLayout, KvParts, LayoutOrder, LoopbackBackend, LoopbackConfig, Region,
 };
-use kvlane::{Agent, BackendChoice, PeerEventKind};
+use kvlane::{Agent, PeerEventKind};
 use std::time::Duration;
 
 fn layout() -> KvLayout {
@@ -126,9 +126,10 @@ async fn restart_rexchanges_endpoints_and_old_transfers_are_stale() {
 async fn shared_endpoint_agent_cannot_reach_a_per_peer_agent() {
     let (b, _) = agent("b", "127.0.0.1:0", 2).await;
     let len = layout().required_len().unwrap() as usize;
+    // Loopback's default: one endpoint for every peer.
     let a = Agent::builder()
-        .engine_id("tcp-agent")
-        .backend(BackendChoice::Tcp)
+        .engine_id("shared-agent")
+        .backend_instance(LoopbackBackend::new(LoopbackConfig::default()))
         .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
         .build()
         .await

@@ -167,11 +167,31 @@ pub trait Backend: Send + 'static {
         false
     }
 
+    /// Drops the connection to `peer` (its in-flight transfers complete
+    /// with [`DataError::PeerLost`], as with
+    /// [`remove_peer`](Self::remove_peer)) but keeps the peer prepared,
+    /// with what it issued (tcp: the credential the remote presents to
+    /// us), so that [`start_connect`](Self::start_connect) can connect it
+    /// again to the same remote endpoint. Returns false, doing nothing,
+    /// when the backend cannot (verbs: a queue pair in error needs a new
+    /// one and a new endpoint exchange); then remove the peer instead.
+    fn disconnect_peer(&mut self, peer: PeerId) -> bool {
+        let _ = peer;
+        false
+    }
+
     /// Whether completions only appear by calling `poll` repeatedly while
     /// work is in flight (CQ polling), rather than being announced through
     /// the waker.
     fn needs_busy_poll(&self) -> bool {
         false
+    }
+
+    /// Counters of the tcp target side (connections refused, requests
+    /// served and refused), summed over the rails of a multi-rail tcp
+    /// backend; `None` for other backends.
+    fn tcp_counters(&self) -> Option<crate::TcpCounters> {
+        None
     }
 
     /// What each rail carried, for a multi-rail backend
@@ -236,6 +256,12 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn endpoint_per_peer(&self) -> bool {
         (**self).endpoint_per_peer()
+    }
+    fn disconnect_peer(&mut self, peer: PeerId) -> bool {
+        (**self).disconnect_peer(peer)
+    }
+    fn tcp_counters(&self) -> Option<crate::TcpCounters> {
+        (**self).tcp_counters()
     }
     fn rail_stats(&self) -> Vec<crate::RailStats> {
         (**self).rail_stats()

@@ -19,6 +19,13 @@
 //!   [`RailsConfig::retry_after`]: a success takes it back into use. With
 //!   no rail left the transfer fails with the last error.
 //!
+//! - **Nearest rails.** A region can be given the rails nearest to its
+//!   memory ([`Rails::prefer`]; the agent does it for GPU regions from the
+//!   PCIe topology, [`Topology::nearest_rails`](crate::topology::Topology::nearest_rails)).
+//!   A transfer whose local regions all have preferred rails rotates or is
+//!   split over those only, while one of them is usable; otherwise over
+//!   every usable rail.
+//!
 //! Per-rail counters: [`Backend::rail_stats`].
 
 use crate::backend::{Backend, Connected, Connecting};
@@ -239,6 +246,8 @@ pub struct Rails {
         std::sync::mpsc::Receiver<Redialed>,
     ),
     waker: Option<Waker>,
+    /// Local region -> the rails preferred for it (bit i: rail i).
+    prefer: HashMap<RegionId, u64>,
 }
 
 impl std::fmt::Debug for Rails {
@@ -300,7 +309,49 @@ impl Rails {
             scratch: Vec::new(),
             redials: std::sync::mpsc::channel(),
             waker: None,
+            prefer: HashMap::new(),
         })
+    }
+
+    /// Prefers `rails` (indices into the rails, as given to
+    /// [`new`](Self::new)) for transfers from or to local `region`: the
+    /// rails nearest to its memory. Indices past the last rail are
+    /// ignored; an empty list (or none in range) removes the preference.
+    pub fn prefer(&mut self, region: RegionId, rails: &[usize]) {
+        let mask = rails
+            .iter()
+            .filter(|&&i| i < self.rails.len() && i < 64)
+            .fold(0u64, |m, &i| m | 1 << i);
+        if mask == 0 {
+            self.prefer.remove(&region);
+        } else {
+            self.prefer.insert(region, mask);
+        }
+    }
+
+    /// `rails` narrowed to those preferred for every local region of `t`,
+    /// when each has a preference and one of them is in `rails`.
+    fn preferred(&self, t: &Transfer, rails: Vec<usize>) -> Vec<usize> {
+        if self.prefer.is_empty() {
+            return rails;
+        }
+        let mut mask = u64::MAX;
+        for d in &t.local {
+            match self.prefer.get(&d.region) {
+                Some(m) => mask &= m,
+                None => return rails,
+            }
+        }
+        let near: Vec<usize> = rails
+            .iter()
+            .copied()
+            .filter(|&i| i < 64 && mask & (1 << i) != 0)
+            .collect();
+        if near.is_empty() {
+            rails
+        } else {
+            near
+        }
     }
 
     /// The rails a transfer to `peer` with these remote keys can use now:
@@ -463,8 +514,13 @@ impl Rails {
                         // must never land after the part was posted again
                         // elsewhere, or after newer data. It is dialed again
                         // after `retry_after`.
-                        self.rails[rail].backend.remove_peer(c.peer);
-                        rp.id = None;
+                        // A backend that can keeps the rail peer (and what
+                        // it issued: the remote's way in to us) to dial it
+                        // again in place.
+                        if !self.rails[rail].backend.disconnect_peer(c.peer) {
+                            self.rails[rail].backend.remove_peer(c.peer);
+                            rp.id = None;
+                        }
                         rp.lost = true;
                         rp.down_since = Some(now);
                     } else if moves {
@@ -534,6 +590,7 @@ impl Rails {
                 continue;
             };
             rp.redialing = false;
+            let in_place = rp.id == Some(new);
             match result.and_then(|c| backend.finish_connect(new, c)) {
                 Ok(()) => {
                     tracing::info!(rail = %name, "rails: rail dialed again, back in use");
@@ -543,7 +600,9 @@ impl Rails {
                 }
                 Err(e) => {
                     tracing::debug!(rail = %name, error = %e, "rails: re-dial failed");
-                    backend.remove_peer(new);
+                    if !in_place {
+                        backend.remove_peer(new);
+                    }
                     rp.down_since = Some(now);
                 }
             }
@@ -558,12 +617,15 @@ impl Rails {
                     continue;
                 };
                 let Rail { backend, name, .. } = &mut self.rails[i];
-                if let Some(old) = rp.id.take() {
-                    backend.remove_peer(old);
+                // A rail peer still here was disconnected in place
+                // (`disconnect_peer`): it is connected again as it is.
+                // Otherwise a new one is prepared.
+                let in_place = rp.id.is_some();
+                let started = match rp.id {
+                    Some(id) => Ok(id),
+                    None => backend.prepare_peer().map(|(new, _)| new),
                 }
-                let started = backend
-                    .prepare_peer()
-                    .and_then(|(new, _)| Ok((new, backend.start_connect(new, ep, regs)?)));
+                .and_then(|new| Ok((new, backend.start_connect(new, ep, regs)?)));
                 let (new, connecting) = match started {
                     Ok(v) => v,
                     Err(e) => {
@@ -585,7 +647,9 @@ impl Rails {
                 if spawned.is_err() {
                     rp.redialing = false;
                     rp.down_since = Some(now);
-                    backend.remove_peer(new);
+                    if !in_place {
+                        backend.remove_peer(new);
+                    }
                 }
             }
         }
@@ -757,6 +821,7 @@ impl Backend for Rails {
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        self.prefer.remove(&region);
         let mut first = Ok(());
         for rail in &mut self.rails {
             if let Err(e) = rail.backend.deregister(region) {
@@ -984,6 +1049,7 @@ impl Backend for Rails {
         }
         let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
         let rails = self.usable(state, &keys, 0, now);
+        let rails = self.preferred(&transfer, rails);
         let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
         let remote_bytes: u64 = transfer.remote.iter().map(|d| d.len).sum();
         let whole = rails.len() <= 1
@@ -1113,6 +1179,16 @@ impl Backend for Rails {
 
     fn needs_busy_poll(&self) -> bool {
         self.rails.iter().any(|r| r.backend.needs_busy_poll())
+    }
+
+    fn tcp_counters(&self) -> Option<crate::TcpCounters> {
+        self.rails
+            .iter()
+            .filter_map(|r| r.backend.tcp_counters())
+            .reduce(|mut sum, c| {
+                sum.merge(&c);
+                sum
+            })
     }
 
     fn rail_stats(&self) -> Vec<RailStats> {

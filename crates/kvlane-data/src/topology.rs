@@ -196,6 +196,32 @@ impl Topology {
             .collect()
     }
 
+    /// Which of `rails` (RDMA device names, in rail order) are nearest to
+    /// the GPU at PCI address `gpu_bus_id`: the indices of those that
+    /// share its best link. Empty when the GPU is not in this topology or
+    /// no rail names one of its NICs (tcp rails, say).
+    pub fn nearest_rails(&self, gpu_bus_id: &str, rails: &[&str]) -> Vec<usize> {
+        let Some(gpu) = self.gpu_by_address(gpu_bus_id) else {
+            return Vec::new();
+        };
+        let links: Vec<(usize, Link)> = rails
+            .iter()
+            .enumerate()
+            .filter_map(|(i, name)| {
+                let nic = self.nics.iter().find(|n| n.name == *name)?;
+                Some((i, nic.pci.as_ref().map_or(Link::Sys, |p| link(&gpu.pci, p))))
+            })
+            .collect();
+        let Some(best) = links.iter().map(|&(_, l)| l).min() else {
+            return Vec::new();
+        };
+        links
+            .into_iter()
+            .filter(|&(_, l)| l == best)
+            .map(|(i, _)| i)
+            .collect()
+    }
+
     /// The GPU x NIC matrix as `kvlane devices` prints it: one row per GPU
     /// (index, bus id, NUMA node, then the link to each NIC).
     pub fn matrix(&self) -> String {

@@ -85,6 +85,9 @@ impl Backend for Flaky {
     fn remove_peer(&mut self, p: PeerId) {
         self.inner.remove_peer(p)
     }
+    fn disconnect_peer(&mut self, p: PeerId) -> bool {
+        self.inner.disconnect_peer(p)
+    }
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
         self.inner.submit(t)
     }
@@ -213,6 +216,37 @@ fn small_transfers_go_whole_and_rotate_over_the_rails() {
         [5, 5],
         "{s:?}"
     );
+}
+
+#[test]
+fn a_region_with_preferred_rails_uses_only_those_while_they_work() {
+    let mut p = pair(
+        rails(3, RailsConfig::default()),
+        Box::new(rails(3, RailsConfig::default())),
+    );
+    // The region's nearest rails are 1 and 2 (a GPU's two NICs, say).
+    p.init.prefer(p.src.id(), &[1, 2, 7]);
+    for i in 0..10 {
+        run(&mut p, Op::Write, i * 4096, 4096).unwrap();
+    }
+    let s = p.init.rail_stats();
+    assert_eq!(
+        s.iter().map(|r| r.parts).collect::<Vec<_>>(),
+        [0, 5, 5],
+        "{s:?}"
+    );
+    // A large one is split over the preferred rails only.
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert_eq!(bytes(&s)[0], 0, "{s:?}");
+    assert_eq!(bytes(&s)[1], bytes(&s)[2], "{s:?}");
+    // Without the preference every rail takes its turn again.
+    p.init.prefer(p.src.id(), &[]);
+    for i in 0..3 {
+        run(&mut p, Op::Write, i * 4096, 4096).unwrap();
+    }
+    assert_eq!(p.init.rail_stats()[0].parts, 1);
 }
 
 #[test]

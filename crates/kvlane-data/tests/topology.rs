@@ -169,3 +169,35 @@ fn fake_gpu() -> kvlane_data::topology::PciDevice {
         bridges: vec!["0000:18:01.0".into()],
     }
 }
+
+#[test]
+fn a_gpus_nearest_rail_is_the_nic_on_its_switch() {
+    let t = Topology::from_sysfs(&fixture("dgx-h100")).unwrap();
+    let rails = [
+        "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7",
+    ];
+    for g in &t.gpus {
+        assert_eq!(
+            t.nearest_rails(&g.pci.address, &rails),
+            [g.index],
+            "GPU{}",
+            g.index
+        );
+    }
+    // Rails that are a subset (KVLANE_IB_DEVICES=mlx5_1,mlx5_6): GPU0's
+    // nearest is mlx5_1 (same socket), GPU7's is mlx5_6.
+    let gpu = |i: usize| t.gpus[i].pci.address.clone();
+    assert_eq!(t.nearest_rails(&gpu(0), &["mlx5_1", "mlx5_6"]), [0]);
+    assert_eq!(t.nearest_rails(&gpu(7), &["mlx5_1", "mlx5_6"]), [1]);
+    // Two rails on GPU0's socket tie.
+    assert_eq!(
+        t.nearest_rails(&gpu(0), &["mlx5_2", "mlx5_3", "mlx5_5"]),
+        [0, 1]
+    );
+    // The bus id as CUDA prints it (upper case, 8-digit domain) works too.
+    let cuda_style = format!("0000{}", gpu(3).to_ascii_uppercase());
+    assert_eq!(t.nearest_rails(&cuda_style, &rails), [3]);
+    // tcp rails, or a GPU that is not in the tree: no preference.
+    assert!(t.nearest_rails(&gpu(0), &["tcp:10.0.0.1:0"]).is_empty());
+    assert!(t.nearest_rails("0000:ff:00.0", &rails).is_empty());
+}

@@ -770,6 +770,29 @@ impl Backend for TcpBackend {
         n
     }
 
+    fn tcp_counters(&self) -> Option<TcpCounters> {
+        Some(self.counters())
+    }
+
+    /// Every prepared peer gets its own credential (revoked with the
+    /// peer), so endpoints are exchanged per connection.
+    fn endpoint_per_peer(&self) -> bool {
+        true
+    }
+
+    /// The peer keeps its credential (the remote's connections to us stay
+    /// valid) and can be connected again.
+    fn disconnect_peer(&mut self, peer: PeerId) -> bool {
+        let Some(slot) = self.peers.get_mut(&peer) else {
+            return false;
+        };
+        slot.staged.clear();
+        if let Some(conn) = slot.conn.take() {
+            conn.fail("connection dropped", None);
+        }
+        true
+    }
+
     fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
     }

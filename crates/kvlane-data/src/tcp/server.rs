@@ -105,6 +105,46 @@ pub struct TcpCounters {
     pub bytes_written: u64,
 }
 
+impl TcpCounters {
+    /// Adds `other`'s counts to these (the rails of one agent).
+    pub fn merge(&mut self, other: &Self) {
+        let Self {
+            connections_accepted,
+            connections_refused,
+            auth_failures,
+            auth_timeouts,
+            unauthenticated_evicted,
+            connections_revoked,
+            connection_panics,
+            framing_errors,
+            refused_unknown_key,
+            refused_out_of_bounds,
+            refused_access,
+            reads_served,
+            writes_served,
+            notifications,
+            bytes_read,
+            bytes_written,
+        } = other;
+        self.connections_accepted += connections_accepted;
+        self.connections_refused += connections_refused;
+        self.auth_failures += auth_failures;
+        self.auth_timeouts += auth_timeouts;
+        self.unauthenticated_evicted += unauthenticated_evicted;
+        self.connections_revoked += connections_revoked;
+        self.connection_panics += connection_panics;
+        self.framing_errors += framing_errors;
+        self.refused_unknown_key += refused_unknown_key;
+        self.refused_out_of_bounds += refused_out_of_bounds;
+        self.refused_access += refused_access;
+        self.reads_served += reads_served;
+        self.writes_served += writes_served;
+        self.notifications += notifications;
+        self.bytes_read += bytes_read;
+        self.bytes_written += bytes_written;
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) connections_accepted: AtomicU64,

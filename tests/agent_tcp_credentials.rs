@@ -1,0 +1,164 @@
+//! tcp agents exchange data-plane endpoints per connection: every peer is
+//! issued a credential of its own, and detaching the peer revokes it (its
+//! connections to this agent are closed) without touching other peers.
+//! What the tcp target refuses shows in the agent's metrics.
+
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
+use kvlane::{Agent, BackendChoice};
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+fn layout() -> KvLayout {
+    KvLayout::new(2, 8, 4096, KvParts::Separate, LayoutOrder::LayerMajor).unwrap()
+}
+
+async fn agent(name: &str, data_listen: Option<&str>) -> (Agent, Region) {
+    let len = layout().required_len().unwrap() as usize;
+    let kv = Region::from_vec(
+        (0..len)
+            .map(|i| (i % 251) as u8 ^ name.len() as u8)
+            .collect(),
+        Access::ALL,
+    )
+    .unwrap();
+    let mut b = Agent::builder()
+        .engine_id(name)
+        .backend(BackendChoice::Tcp)
+        .register_kv(layout(), kv.clone());
+    if let Some(d) = data_listen {
+        b = b.data_listen(d);
+    }
+    (b.build().await.unwrap(), kv)
+}
+
+/// The value of the sample named exactly `series` (name and labels).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (name, v) = l.rsplit_once(' ')?;
+        (name == series).then(|| v.parse().unwrap())
+    })
+}
+
+/// Polls `agent`'s metrics until `series` reaches at least `min`; returns
+/// the last value seen (after 10 s at the latest).
+async fn wait_for(agent: &Agent, series: &str, min: f64) -> f64 {
+    let start = Instant::now();
+    loop {
+        let v = sample(&agent.metrics(), series).unwrap_or(-1.0);
+        if v >= min || start.elapsed() > Duration::from_secs(10) {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn block(r: &Region, id: u32) -> Vec<u8> {
+    let l = layout();
+    let mut b = vec![0u8; l.block_bytes as usize];
+    r.read(l.offset(0, 0, id).unwrap(), &mut b).unwrap();
+    b
+}
+
+const REVOKED: &str = r#"kvlane_data_connections_refused_total{reason="revoked"}"#;
+const AUTH_FAILED: &str = r#"kvlane_data_connections_refused_total{reason="auth_failed"}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaching_a_peer_revokes_its_credential_and_spares_the_others() {
+    let (b, b_kv) = agent("b", None).await;
+    let (a, a_kv) = agent("a", None).await;
+    let (c, c_kv) = agent("cc", None).await;
+    let pa = a.connect(b.local_addr()).await.unwrap();
+    let pc = c.connect(b.local_addr()).await.unwrap();
+    pa.write_blocks(0..2, &[1], &[1], None)
+        .unwrap()
+        .await
+        .unwrap();
+    pc.write_blocks(0..2, &[2], &[2], None)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(block(&b_kv, 1), block(&a_kv, 1));
+    assert_eq!(block(&b_kv, 2), block(&c_kv, 2));
+    assert_eq!(sample(&a.metrics(), REVOKED), Some(0.0));
+
+    // `a` detaches `b` before it says bye: the credential `a` issued to
+    // `b` is revoked, and `b`'s open connections into `a` (its dial-back
+    // streams) are closed by `a` for it.
+    pa.disconnect().await.unwrap();
+    let revoked = wait_for(&a, REVOKED, 1.0).await;
+    assert!(
+        revoked >= 1.0,
+        "no connection of b into a was closed by the revocation:\n{}",
+        a.metrics()
+    );
+
+    // `c`'s credential at `b` is its own: `c` goes on, and `a` comes
+    // back with a new one.
+    pc.write_blocks(0..2, &[3], &[3], None)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(block(&b_kv, 3), block(&c_kv, 3));
+    let pa = a.connect(b.local_addr()).await.unwrap();
+    pa.write_blocks(0..2, &[4], &[4], None)
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(block(&b_kv, 4), block(&a_kv, 4));
+    // Nobody ever presented a wrong or revoked credential to `b`.
+    assert_eq!(
+        sample(&b.metrics(), AUTH_FAILED),
+        Some(0.0),
+        "{}",
+        b.metrics()
+    );
+    a.close().await;
+    b.close().await;
+    c.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_data_connection_is_counted_as_an_auth_failure() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let data = format!("127.0.0.1:{port}");
+    let (b, _) = agent("b", Some(&data)).await;
+    let data2 = data.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(&data2).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // A hello's length of garbage: no credential matches.
+        let _ = s.write_all(&[0x5a; 64]);
+        let mut buf = [0u8; 16];
+        // The target closes the connection instead of answering.
+        assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)));
+    })
+    .await
+    .unwrap();
+    let v = wait_for(&b, AUTH_FAILED, 1.0).await;
+    assert_eq!(v, 1.0, "{}", b.metrics());
+    b.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_the_wrong_key_is_counted_as_refused() {
+    let len = layout().required_len().unwrap() as usize;
+    let keyed = |name: &str, key: &[u8]| {
+        Agent::builder()
+            .engine_id(name)
+            .backend(BackendChoice::Tcp)
+            .psk(key.to_vec())
+            .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+    };
+    let b = keyed("b", b"the right key").build().await.unwrap();
+    let m = keyed("mallory", b"a wrong key").build().await.unwrap();
+    assert!(m.connect(b.local_addr()).await.is_err());
+    let series = r#"kvlane_control_refused_total{reason="unauthenticated"}"#;
+    let v = wait_for(&b, series, 1.0).await;
+    assert!(v >= 1.0, "{}", b.metrics());
+    m.close().await;
+    b.close().await;
+}
