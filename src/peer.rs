@@ -433,6 +433,36 @@ impl TransferHandle {
     }
 }
 
+impl TransferHandle {
+    /// Blocks the thread for at most `timeout` (not from async code);
+    /// `None` while the transfer is still running, and the handle stays
+    /// usable. No runtime is entered: a waiter pays one condition-variable
+    /// wait, which is what a blocking caller (Python's `wait`) needs per
+    /// transfer.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), Error>> {
+        match &mut self.inner {
+            HandleInner::Data(h) => h.wait_timeout(timeout).map(|r| r.map_err(Error::from)),
+            HandleInner::Task(rx) => {
+                // A READ with a notification: its control-plane step runs
+                // in a task; poll its answer (rare, and bounded by the
+                // transfer's deadline).
+                let end = Instant::now() + timeout;
+                loop {
+                    match rx.try_recv() {
+                        Ok(r) => return Some(r),
+                        Err(oneshot::error::TryRecvError::Closed) => {
+                            return Some(Err(Error::msg(ErrorKind::Closed, "agent closed")))
+                        }
+                        Err(oneshot::error::TryRecvError::Empty) => {}
+                    }
+                    let left = end.checked_duration_since(Instant::now())?;
+                    std::thread::sleep(left.min(Duration::from_micros(200)));
+                }
+            }
+        }
+    }
+}
+
 impl Future for TransferHandle {
     type Output = Result<(), Error>;
 

@@ -81,7 +81,7 @@ impl Shared {
             return (st.outcome.clone(), Vec::new());
         };
         drop(st);
-        let r = runtime().block_on(async { tokio::time::timeout(slice, &mut h).await.ok() });
+        let r = h.wait_timeout(slice);
         let mut st = lock(&self.state);
         match r {
             Some(r) => {
