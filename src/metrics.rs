@@ -129,6 +129,9 @@ struct RailLabels {
 #[derive(Debug, Default)]
 struct RailsCollector(Mutex<Scraped>);
 
+/// A counter family by `reason`: name, help, (reason, value) pairs.
+type ReasonFamily = (&'static str, &'static str, Vec<(&'static str, u64)>);
+
 /// Encodes one counter family labelled by `reason`.
 fn reasons(
     encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
@@ -167,7 +170,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
         let scraped = self.0.lock().unwrap_or_else(|e| e.into_inner());
         ConstCounter::new(scraped.notifications_dropped).encode(dropped)?;
         let (c, t) = (&scraped.control, scraped.tcp);
-        let mut families: Vec<(&str, &str, Vec<(&'static str, u64)>)> = vec![
+        let mut families: Vec<ReasonFamily> = vec![
             (
                 "control_refused",
                 "Inbound control connections refused or dropped before they were authenticated",
