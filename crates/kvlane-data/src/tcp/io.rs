@@ -1,6 +1,9 @@
-//! Framed socket I/O shared by both sides: headers are batched through a
-//! small buffer, large payloads move between the socket and region memory
-//! without an intermediate copy.
+//! Framed socket I/O on blocking sockets ([`FrameReader`], [`FrameWriter`],
+//! for baselines such as `kvlane bench`'s raw-tcp ceiling; the backend's
+//! own non-blocking I/O is in `outq`, `serve` and `stream`, with the same
+//! thresholds from here): headers are batched through a small buffer,
+//! large payloads move between the socket and region memory without an
+//! intermediate copy. Also the socket settings both sides apply.
 
 use crate::memory::{send_vectored, IoPart, Region};
 use std::io::{self, BufRead, BufReader, Read};
@@ -124,10 +127,10 @@ impl<'a> FrameReader<'a> {
 
 /// Payloads shorter than this are copied into the write buffer; longer
 /// ones are sent from region memory by reference (an iovec each).
-const COPY_MAX: u64 = 1024;
+pub(crate) const COPY_MAX: u64 = 1024;
 
 /// Most iovecs gathered before a write (Linux caps a `writev` at 1024).
-const MAX_SEGS: usize = 512;
+pub(crate) const MAX_SEGS: usize = 512;
 
 /// One piece of pending output.
 enum Seg {

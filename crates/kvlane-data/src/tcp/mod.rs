@@ -42,9 +42,11 @@
 //! and authenticating a stream still block, inside
 //! [`Connecting::run`](crate::Connecting), off the backend lock.
 //!
-//! That framed socket I/O, [`FrameReader`] and [`FrameWriter`], is public
-//! so that a baseline can move bytes exactly as the backend does (`kvlane
-//! bench`'s raw-tcp ceiling reads and writes with it).
+//! [`FrameReader`] and [`FrameWriter`] are the blocking form of the same
+//! framed socket I/O (gathered `writev`s, large payloads straight between
+//! the socket and region memory), public so that a baseline can move bytes
+//! as the backend does with a thread always waiting on every socket
+//! (`kvlane bench`'s raw-tcp ceiling reads and writes with them).
 //!
 //! Failures: a broken stream fails every transfer in flight to that peer
 //! with [`DataError::PeerLost`] as soon as the socket reports it; deadlines

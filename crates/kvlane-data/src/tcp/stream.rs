@@ -83,7 +83,7 @@ impl Stream {
             i,
             token,
             backlog: VecDeque::new(),
-            out: Outq::default(),
+            out: Outq::requests(),
             pending: VecDeque::new(),
             tag: 0,
             incoming: Incoming::Header,
