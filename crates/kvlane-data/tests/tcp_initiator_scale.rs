@@ -78,34 +78,28 @@ mod scale {
             })
             .collect();
         let connected = threads();
-        let ids: Vec<_> = peers
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| {
-                let t = transfer(p, Op::Write, &src, remote_ad.key, i as u64 * BLOCK);
-                let id = t.id;
-                init.submit(t).unwrap();
-                id
-            })
-            .collect();
-        for (id, (r, _)) in collect(&mut init, &ids, Duration::from_secs(120)) {
-            r.unwrap_or_else(|e| panic!("{id}: {e}"));
-        }
+        // Every peer moves its own block; `during` is sampled with all of
+        // them in flight.
+        let mut run = |op: Op, local: &Region| {
+            let ids: Vec<_> = peers
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| {
+                    let t = transfer(p, op, local, remote_ad.key, i as u64 * BLOCK);
+                    let id = t.id;
+                    init.submit(t).unwrap();
+                    id
+                })
+                .collect();
+            let during = threads();
+            for (id, (r, _)) in collect(&mut init, &ids, Duration::from_secs(120)) {
+                r.unwrap_or_else(|e| panic!("{op} {id}: {e}"));
+            }
+            during
+        };
+        let writing = run(Op::Write, &src);
         assert!(remote.to_vec().unwrap() == data, "a WRITE landed wrong");
-        let ids: Vec<_> = peers
-            .iter()
-            .enumerate()
-            .map(|(i, &p)| {
-                let t = transfer(p, Op::Read, &back, remote_ad.key, i as u64 * BLOCK);
-                let id = t.id;
-                init.submit(t).unwrap();
-                id
-            })
-            .collect();
-        let busy = threads();
-        for (id, (r, _)) in collect(&mut init, &ids, Duration::from_secs(120)) {
-            r.unwrap_or_else(|e| panic!("{id}: {e}"));
-        }
+        let busy = run(Op::Read, &back).max(writing);
         assert!(back.to_vec().unwrap() == data, "a READ landed wrong");
         let after = threads();
         for (what, n) in [("connected", connected), ("busy", busy), ("after", after)] {
