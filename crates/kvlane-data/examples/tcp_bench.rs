@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p kvlane-data --example tcp_bench -- [--streams N] [--chunk BYTES]
-//!     [--secs S] [--sockbuf BYTES] [--block BYTES] [--op write|read]
+//!     [--secs S] [--sockbuf BYTES] [--block BYTES] [--op write|read] [--io-threads N]
 //! ```
 //!
 //! Baseline: one plain TCP stream between two threads pushing 1 MiB
@@ -179,12 +179,13 @@ fn main() {
                 }]
             }
             "--sockbuf" => config.socket_buffer = Some(v.parse().expect("--sockbuf BYTES")),
+            "--io-threads" => config.io_threads = v.parse().expect("--io-threads N"),
             other => panic!("unknown argument {other}"),
         }
     }
     println!(
-        "streams={} chunk_bytes={} socket_buffer={:?} batch={BATCH} secs={secs}",
-        config.streams, config.chunk_bytes, config.socket_buffer
+        "streams={} chunk_bytes={} socket_buffer={:?} io_threads={} batch={BATCH} secs={secs}",
+        config.streams, config.chunk_bytes, config.socket_buffer, config.io_threads
     );
     // The machine may be shared: raw and backend slices alternate
     // (ROUNDS each per point) and the ratio is of their totals.

@@ -66,8 +66,9 @@
 //! clones of the regions registered with them until `deregister` or drop.
 //! Dropping a [`Transport`] stops its thread and fails transfers still in
 //! flight with [`DataError::Shutdown`]; nothing is left waiting forever.
-//! Dropping a [`TcpBackend`] closes its listener and every connection;
-//! its I/O threads exit as their sockets close.
+//! Dropping a [`TcpBackend`] closes its listener and every connection,
+//! and stops and joins its I/O threads (a fixed number per side,
+//! [`TcpConfig::io_threads`], whatever the number of peers).
 #![deny(missing_docs)]
 // `unsafe` is allowed only where foreign memory is touched: `memory` (raw
 // copies and socket I/O on region memory, registration of foreign

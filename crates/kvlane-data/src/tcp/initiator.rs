@@ -1,7 +1,10 @@
 //! Initiator side: one [`PeerConn`] per connected peer, with several TCP
-//! streams, each driven by a sender thread (requests and WRITE payloads,
-//! coalesced) and a receiver thread (responses and READ payloads, straight
-//! into region memory).
+//! streams. Connecting and authenticating a stream blocks (inside
+//! [`Connecting::run`](crate::Connecting), off the backend lock); then its
+//! socket turns non-blocking and goes to an I/O thread of the backend's
+//! [pool](super::pool), which drives it as a [`Stream`](super::stream::Stream)
+//! state machine: requests and WRITE payloads out (coalesced), responses
+//! and READ payloads in (straight into region memory).
 //!
 //! A transfer is split into chunks striped over the streams. Its
 //! [`XferState`] counts outstanding chunks; when the last one is answered
@@ -9,9 +12,10 @@
 //! every byte has landed on every stream, and the transfer completes when
 //! the notification is acknowledged.
 
-use super::io::{tune_socket, FrameReader, FrameWriter, SocketOptions};
+use super::io::{tune_socket, SocketOptions};
+use super::pool::{Inbox, PoolShared};
 use super::shared::{lock, IdMap, Shared};
-use super::wire::{Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN};
+use super::wire::{Hello, RequestKind, Status, HELLO_ACK};
 use super::TcpEndpoint;
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
@@ -22,9 +26,7 @@ use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::thread;
 use std::time::{Duration, Instant};
 
 /// Progress of one submitted transfer, shared by the streams.
@@ -35,14 +37,14 @@ pub(crate) struct XferState {
     /// Chunks not yet answered, plus one while the transfer is being
     /// submitted (so it cannot finish half-submitted).
     remaining: AtomicUsize,
-    error: Mutex<Option<DataError>>,
-    notify: Option<Bytes>,
+    pub(crate) error: Mutex<Option<DataError>>,
+    pub(crate) notify: Option<Bytes>,
     done: AtomicBool,
     /// Held while READ bytes of this transfer are copied into local
     /// memory (one socket read's worth at a time): whoever finishes the
     /// transfer otherwise (deadline, lost peer) takes it first, so once a
     /// failure is reported no late reply lands in the caller's buffer.
-    landing: Mutex<()>,
+    pub(crate) landing: Mutex<()>,
 }
 
 impl XferState {
@@ -81,7 +83,7 @@ impl XferState {
         Some(self.take_done())
     }
 
-    fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
     }
 }
@@ -98,16 +100,15 @@ pub(crate) struct Job {
     pub(crate) xfer: Arc<XferState>,
 }
 
-enum Msg {
-    Job(Job),
-    Jobs(Vec<Job>),
-    Stop,
-}
-
-/// A sent request waiting for its response.
-struct Pending {
-    tag: u64,
-    job: Job,
+/// Where one stream's requests wait for its I/O thread.
+struct StreamQueue {
+    jobs: Mutex<Vec<Job>>,
+    /// Set while the stream is on its thread's ready list (one wake-up
+    /// per burst of submissions); cleared by the thread when it takes the
+    /// jobs.
+    flagged: AtomicBool,
+    inbox: Arc<Inbox>,
+    token: usize,
 }
 
 #[derive(Default)]
@@ -123,11 +124,18 @@ pub(crate) struct PeerConn {
     peer: PeerId,
     addr: SocketAddr,
     shared: Arc<Shared>,
-    senders: Vec<Sender<Msg>>,
+    /// Non-blocking once connected; driven by the I/O threads through
+    /// shared references, aborted by [`fail`](Self::fail).
     sockets: Vec<TcpStream>,
+    queues: Vec<StreamQueue>,
     transfers: Mutex<Transfers>,
+    /// Mirrors `transfers.dead.is_some()` for the I/O threads' checks.
+    dead: AtomicBool,
     /// Bytes queued so far; picks the stream (see `add_chunk`).
     striped: AtomicU64,
+    /// Tests: driving a stream of this connection panics.
+    #[cfg(test)]
+    pub(crate) panic_in_io: AtomicBool,
 }
 
 pub(crate) struct ConnectConfig {
@@ -178,74 +186,79 @@ fn open_stream(
 }
 
 impl PeerConn {
-    /// Opens `cfg.streams` authenticated connections and starts their
-    /// threads. Blocks up to `cfg.timeout` per stream.
+    /// Opens `cfg.streams` authenticated connections (blocking, up to
+    /// `cfg.timeout` per stream), then hands them to the I/O threads of
+    /// `pool`.
     pub(crate) fn connect(
         peer: PeerId,
         ep: &TcpEndpoint,
         cfg: &ConnectConfig,
         shared: Arc<Shared>,
+        pool: &PoolShared,
     ) -> Result<Arc<Self>, DataError> {
         let addr = ep.addr;
         let mut sockets = Vec::new();
         for i in 0..cfg.streams.max(1) {
-            sockets.push(open_stream(peer, ep, i, cfg)?);
+            let s = open_stream(peer, ep, i, cfg)?;
+            s.set_nonblocking(true).map_err(|e| {
+                io_err(
+                    format!("make tcp stream {i} to {peer} at {addr} non-blocking"),
+                    e,
+                )
+            })?;
+            sockets.push(s);
         }
-        let mut senders = Vec::new();
-        let mut receivers = Vec::new();
-        for _ in &sockets {
-            let (tx, rx) = mpsc::channel();
-            senders.push(tx);
-            receivers.push(rx);
-        }
+        let queues = sockets
+            .iter()
+            .map(|_| {
+                let inbox = pool.pick();
+                StreamQueue {
+                    jobs: Mutex::new(Vec::new()),
+                    flagged: AtomicBool::new(false),
+                    token: inbox.token(),
+                    inbox,
+                }
+            })
+            .collect();
         let conn = Arc::new(Self {
             peer,
             addr,
             shared,
-            senders,
             sockets,
+            queues,
             transfers: Mutex::new(Transfers::default()),
+            dead: AtomicBool::new(false),
             striped: AtomicU64::new(0),
+            #[cfg(test)]
+            panic_in_io: AtomicBool::new(false),
         });
-        for (i, rx) in receivers.into_iter().enumerate() {
-            let pending = Arc::new(Mutex::new(VecDeque::new()));
-            let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-                let c = conn.clone();
-                thread::Builder::new()
-                    .name(name)
-                    .spawn(move || {
-                        // A panicking I/O thread must not leave transfers
-                        // hanging until their deadline.
-                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
-                            tracing::error!(peer = %c.peer, addr = %c.addr, "tcp I/O thread panicked");
-                            c.fail("an I/O thread of the connection panicked", None);
-                        }
-                    })
-                    .map_err(|e| io_err(format!("spawn a tcp stream thread for {peer}"), e))
-            };
-            let (c, p) = (conn.clone(), pending.clone());
-            let started = spawn(
-                format!("kvlane-tcp-tx-{}-{i}", peer.0),
-                Box::new(move || send_loop(&c, i, &rx, &p)),
-            )
-            .and_then(|_| {
-                let c = conn.clone();
-                spawn(
-                    format!("kvlane-tcp-rx-{}-{i}", peer.0),
-                    Box::new(move || receive_loop(&c, i, &pending)),
-                )
-            });
-            if let Err(e) = started {
-                conn.fail("could not start stream threads", None);
+        for (i, q) in conn.queues.iter().enumerate() {
+            if let Err(e) = PoolShared::adopt(&conn, i, &q.inbox) {
+                conn.fail("could not start stream I/O", None);
                 return Err(e);
             }
         }
         Ok(conn)
     }
 
+    /// The peer.
+    pub(crate) fn peer(&self) -> PeerId {
+        self.peer
+    }
+
     /// The target's `host:port`.
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Stream `i`'s socket.
+    pub(crate) fn socket(&self, i: usize) -> &TcpStream {
+        &self.sockets[i]
+    }
+
+    /// Stream `i`'s token on its I/O thread.
+    pub(crate) fn stream_token(&self, i: usize) -> usize {
+        self.queues[i].token
     }
 
     /// Registers a transfer; fails when the connection is dead.
@@ -264,7 +277,7 @@ impl PeerConn {
 
     /// Number of streams.
     pub(crate) fn streams(&self) -> usize {
-        self.senders.len()
+        self.queues.len()
     }
 
     /// Counts one more chunk of `x` and picks its stream. Streams take
@@ -274,15 +287,50 @@ impl PeerConn {
     pub(crate) fn add_chunk(&self, x: &XferState, len: u64, stripe: u64) -> usize {
         x.remaining.fetch_add(1, Ordering::AcqRel);
         let at = self.striped.fetch_add(len.max(1), Ordering::Relaxed);
-        ((at / stripe.max(1)) % self.senders.len() as u64) as usize
+        ((at / stripe.max(1)) % self.queues.len() as u64) as usize
     }
 
-    /// Hands chunks (counted by [`add_chunk`](Self::add_chunk)) to stream
-    /// `i`'s sender.
+    /// Queues chunks (counted by [`add_chunk`](Self::add_chunk)) on
+    /// stream `i` and has its I/O thread drive it.
     pub(crate) fn send_jobs(&self, i: usize, jobs: Vec<Job>) {
-        // A closed channel means the connection failed, which already
-        // failed the transfers.
-        let _ = self.senders[i].send(Msg::Jobs(jobs));
+        let q = &self.queues[i];
+        {
+            let mut queued = lock(&q.jobs);
+            if self.is_dead() {
+                // The connection failed, which already failed the
+                // transfers.
+                return;
+            }
+            if queued.is_empty() {
+                *queued = jobs;
+            } else {
+                queued.extend(jobs);
+            }
+        }
+        self.ready(i);
+    }
+
+    /// Puts stream `i` on its thread's ready list unless it is there.
+    fn ready(&self, i: usize) {
+        let q = &self.queues[i];
+        if !q.flagged.swap(true, Ordering::AcqRel) {
+            q.inbox.ready(q.token);
+        }
+    }
+
+    /// Moves stream `i`'s queued jobs to `into`; false when there were
+    /// none. Called by the stream's I/O thread.
+    pub(crate) fn take_jobs(&self, i: usize, into: &mut VecDeque<Job>) -> bool {
+        let q = &self.queues[i];
+        // Cleared first: jobs queued from now on put the stream on the
+        // ready list again.
+        q.flagged.store(false, Ordering::Release);
+        let mut queued = lock(&q.jobs);
+        if queued.is_empty() {
+            return false;
+        }
+        into.extend(queued.drain(..));
+        true
     }
 
     /// Forgets a transfer that finished elsewhere (deadline).
@@ -302,15 +350,18 @@ impl PeerConn {
         if !was_notify && x.notify.is_some() && !x.is_done() {
             // Every chunk was acknowledged: now the notification.
             x.remaining.store(1, Ordering::Release);
-            let _ = self.senders[0].send(Msg::Job(Job {
-                kind: RequestKind::Notify,
-                key: RemoteKey(0),
-                remote_offset: 0,
-                len: x.notify.as_ref().map_or(0, |n| n.len() as u64),
-                local: None,
-                local_offset: 0,
-                xfer: x.clone(),
-            }));
+            self.send_jobs(
+                0,
+                vec![Job {
+                    kind: RequestKind::Notify,
+                    key: RemoteKey(0),
+                    remote_offset: 0,
+                    len: x.notify.as_ref().map_or(0, |n| n.len() as u64),
+                    local: None,
+                    local_offset: 0,
+                    xfer: x.clone(),
+                }],
+            );
             return;
         }
         self.finish(x, Ok(()));
@@ -329,7 +380,7 @@ impl PeerConn {
     }
 
     /// Fails every transfer in flight with `PeerLost` and closes the
-    /// streams. Idempotent.
+    /// streams (their I/O threads drop them). Idempotent.
     pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
         // The cause always names the target's `host:port`.
         let addr = self.addr;
@@ -346,6 +397,7 @@ impl PeerConn {
                 return;
             }
             t.dead = Some((reason, source.clone()));
+            self.dead.store(true, Ordering::Release);
             std::mem::take(&mut t.map)
         };
         let mut completions = lock(&self.shared.completions);
@@ -381,17 +433,21 @@ impl PeerConn {
             let _ = sock.set_tcp_user_timeout(Some(Duration::from_millis(1)));
             let _ = s.shutdown(Shutdown::Both);
         }
-        for tx in &self.senders {
-            let _ = tx.send(Msg::Stop);
+        for (i, q) in self.queues.iter().enumerate() {
+            // Queued jobs belong to the failed transfers; the thread
+            // drops the stream when it drives it next.
+            lock(&q.jobs).clear();
+            self.ready(i);
         }
     }
 
-    fn is_dead(&self) -> bool {
-        lock(&self.transfers).dead.is_some()
+    /// Whether the connection failed (or was closed).
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
     }
 
     /// A stream broke: log it (unless we closed it) and fail the peer.
-    fn lost(&self, stream: usize, e: io::Error) {
+    pub(crate) fn lost(&self, stream: usize, e: io::Error) {
         if self.is_dead() {
             return;
         }
@@ -405,7 +461,7 @@ impl PeerConn {
     }
 
     /// The error for a refused request; `None` when it succeeded.
-    fn refusal(&self, job: &Job, status: Status) -> Option<DataError> {
+    pub(crate) fn refusal(&self, job: &Job, status: Status) -> Option<DataError> {
         let (peer, key) = (self.peer, job.key);
         Some(match status {
             Status::Ok => return None,
@@ -445,176 +501,4 @@ pub(crate) fn access_from_bits(bits: u8) -> Access {
     .into_iter()
     .filter(|f| bits & f.bits() != 0)
     .fold(Access::NONE, |a, f| a | f)
-}
-
-struct Outbox<'a> {
-    w: FrameWriter<'a>,
-    staged: Vec<Pending>,
-    pending: &'a Mutex<VecDeque<Pending>>,
-}
-
-impl Outbox<'_> {
-    /// Publishes staged requests to the receiver, then writes what was
-    /// gathered (the order matters: a response may arrive at once).
-    fn flush(&mut self) -> io::Result<()> {
-        if !self.staged.is_empty() {
-            lock(self.pending).extend(self.staged.drain(..));
-        }
-        self.w.flush()
-    }
-}
-
-fn send_loop(conn: &PeerConn, i: usize, rx: &Receiver<Msg>, pending: &Mutex<VecDeque<Pending>>) {
-    let span = tracing::debug_span!("tcp-tx", peer = %conn.peer, stream = i);
-    let _g = span.enter();
-    let mut out = Outbox {
-        w: FrameWriter::new(&conn.sockets[i]),
-        staged: Vec::new(),
-        pending,
-    };
-    let mut tag = 0u64;
-    while let Ok(mut msg) = rx.recv() {
-        loop {
-            let r = match msg {
-                Msg::Stop => return,
-                Msg::Job(job) => handle(conn, &mut out, &mut tag, job),
-                Msg::Jobs(jobs) => jobs
-                    .into_iter()
-                    .try_for_each(|job| handle(conn, &mut out, &mut tag, job)),
-            };
-            if let Err(e) = r {
-                return conn.lost(i, e);
-            }
-            match rx.try_recv() {
-                Ok(m) => msg = m,
-                Err(_) => break,
-            }
-        }
-        if let Err(e) = out.flush() {
-            return conn.lost(i, e);
-        }
-    }
-}
-
-/// Stages one job, writing out the buffer when it is full.
-fn handle(conn: &PeerConn, out: &mut Outbox<'_>, tag: &mut u64, job: Job) -> io::Result<()> {
-    if job.xfer.is_done() {
-        // Timed out or failed: nothing left to send for it.
-        conn.release(&job.xfer, job.kind == RequestKind::Notify);
-        return Ok(());
-    }
-    *tag = tag.wrapping_add(1);
-    stage(out, *tag, job)?;
-    if out.w.is_full() {
-        out.flush()?;
-    }
-    Ok(())
-}
-
-/// Adds one request (and its payload) to the outbox.
-fn stage(out: &mut Outbox<'_>, tag: u64, job: Job) -> io::Result<()> {
-    let header = Request {
-        kind: job.kind,
-        key: job.key,
-        tag,
-        offset: job.remote_offset,
-        len: job.len,
-    }
-    .encode();
-    out.w.put(&header);
-    match job.kind {
-        RequestKind::Read => out.staged.push(Pending { tag, job }),
-        RequestKind::Notify => {
-            if let Some(n) = &job.xfer.notify {
-                out.w.put(n);
-            }
-            out.staged.push(Pending { tag, job });
-        }
-        RequestKind::Write => {
-            let Some(region) = &job.local else {
-                return Err(io::Error::other("WRITE without local memory"));
-            };
-            out.w.region(region, job.local_offset, job.len)?;
-            out.staged.push(Pending { tag, job });
-        }
-    }
-    Ok(())
-}
-
-fn receive_loop(conn: &PeerConn, i: usize, pending: &Mutex<VecDeque<Pending>>) {
-    let span = tracing::debug_span!("tcp-rx", peer = %conn.peer, stream = i);
-    let _g = span.enter();
-    let mut rd = FrameReader::new(&conn.sockets[i]);
-    let protocol = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
-    loop {
-        let mut h = [0u8; RESPONSE_LEN];
-        if let Err(e) = rd.header(&mut h) {
-            return conn.lost(i, e);
-        }
-        let resp = match Response::decode(&h) {
-            Ok(r) => r,
-            Err(e) => return conn.lost(i, protocol(&e.to_string())),
-        };
-        let Some(p) = lock(pending).pop_front() else {
-            return conn.lost(i, protocol("response without a request"));
-        };
-        if p.tag != resp.tag {
-            return conn.lost(i, protocol("response out of order"));
-        }
-        let job = p.job;
-        if let Some(e) = conn.refusal(&job, resp.status) {
-            lock(&job.xfer.error).get_or_insert(e);
-        } else if job.kind == RequestKind::Read {
-            if let Err(e) = land(&mut rd, &job) {
-                return conn.lost(i, e);
-            }
-        }
-        conn.release(&job.xfer, job.kind == RequestKind::Notify);
-    }
-}
-
-/// Reads a READ's payload into local memory, one socket read at a time,
-/// each under the transfer's landing lock and only while the transfer is
-/// not finished: the payload of a READ that already timed out (or failed)
-/// is read and discarded, never written.
-fn land(rd: &mut FrameReader<'_>, job: &Job) -> io::Result<()> {
-    let Some(region) = &job.local else {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "READ without local memory",
-        ));
-    };
-    let total = job.len;
-    region
-        .check_range(job.local_offset, total)
-        .map_err(io::Error::other)?;
-    if region.device().is_some() {
-        // GPU memory: the answer is read into a buffer, then staged onto
-        // the device under the landing lock (never after the transfer
-        // ended).
-        let mut buf = vec![0u8; total as usize];
-        rd.payload(&mut buf)?;
-        let _landing = lock(&job.xfer.landing);
-        if job.xfer.is_done() {
-            return Ok(());
-        }
-        return region
-            .copy_in(job.local_offset, &buf)
-            .map_err(io::Error::other);
-    }
-    let mut done = 0u64;
-    while done < total {
-        // Wait for bytes without the lock, so a finisher never waits on
-        // the network.
-        rd.wait_readable()?;
-        let landing = lock(&job.xfer.landing);
-        if job.xfer.is_done() {
-            drop(landing);
-            return rd.skip(total - done);
-        }
-        let n = rd.payload_part_into(region, job.local_offset + done, total - done, total)?;
-        drop(landing);
-        done += n as u64;
-    }
-    Ok(())
 }

@@ -1,6 +1,9 @@
-//! Framed socket I/O shared by both sides: headers are batched through a
-//! small buffer, large payloads move between the socket and region memory
-//! without an intermediate copy.
+//! Framed socket I/O on blocking sockets ([`FrameReader`], [`FrameWriter`],
+//! for baselines such as `kvlane bench`'s raw-tcp ceiling; the backend's
+//! own non-blocking I/O is in `outq`, `serve` and `stream`, with the same
+//! thresholds from here): headers are batched through a small buffer,
+//! large payloads move between the socket and region memory without an
+//! intermediate copy. Also the socket settings both sides apply.
 
 use crate::memory::{send_vectored, IoPart, Region};
 use std::io::{self, BufRead, BufReader, Read};
@@ -111,51 +114,6 @@ impl<'a> FrameReader<'a> {
         Ok(())
     }
 
-    /// Waits until a read would not block (bytes buffered or waiting on
-    /// the socket); `UnexpectedEof` when the peer closed.
-    pub(crate) fn wait_readable(&mut self) -> io::Result<()> {
-        if !self.is_drained() {
-            return Ok(());
-        }
-        let mut probe = [0u8; 1];
-        loop {
-            match self.rd.get_ref().peek(&mut probe) {
-                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(_) => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Reads some of a payload (at most `len` bytes, at least one) into
-    /// `region` at `offset` with one socket read at most, which does not
-    /// block after [`wait_readable`](Self::wait_readable). `total` is the
-    /// whole payload's length (large payloads bypass the buffer, as in
-    /// [`payload_into`](Self::payload_into)).
-    pub(crate) fn payload_part_into(
-        &mut self,
-        region: &Region,
-        offset: u64,
-        len: u64,
-        total: u64,
-    ) -> io::Result<usize> {
-        self.direct = total >= DIRECT_MIN as u64;
-        let n = if self.is_drained() && self.direct {
-            region.recv_from(offset, len, self.rd.get_ref().as_fd())?
-        } else {
-            let b = self.rd.fill_buf()?;
-            let n = b.len().min(usize::try_from(len).unwrap_or(usize::MAX));
-            region.write(offset, &b[..n]).map_err(io::Error::other)?;
-            self.rd.consume(n);
-            n
-        };
-        if n == 0 && len > 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        Ok(n)
-    }
-
     /// Reads and discards `n` bytes.
     pub fn skip(&mut self, n: u64) -> io::Result<()> {
         let skipped = io::copy(&mut (&mut self.rd).take(n), &mut io::sink())?;
@@ -169,10 +127,10 @@ impl<'a> FrameReader<'a> {
 
 /// Payloads shorter than this are copied into the write buffer; longer
 /// ones are sent from region memory by reference (an iovec each).
-const COPY_MAX: u64 = 1024;
+pub(crate) const COPY_MAX: u64 = 1024;
 
 /// Most iovecs gathered before a write (Linux caps a `writev` at 1024).
-const MAX_SEGS: usize = 512;
+pub(crate) const MAX_SEGS: usize = 512;
 
 /// One piece of pending output.
 enum Seg {

@@ -25,20 +25,28 @@
 //!   requests are coalesced into few `write` calls. A notification is sent
 //!   only after every chunk of its transfer was acknowledged.
 //!
-//! The target serves with `mio` (epoll) loops on a fixed set of threads:
-//! a connection is a non-blocking state machine, so silent or slow peers
-//! cost a socket and a few hundred bytes, not a thread. `mio` rather than
-//! io_uring: it is already in the tree (under tokio), needs no kernel
-//! newer than epoll, and the per-request work here is one `read` into a
-//! buffer or region and one `writev` of queued answers, which epoll does
-//! in the same number of syscalls. The initiator still uses plain threads
-//! and blocking sockets (two per stream): every stream is a strictly
-//! ordered pipeline and blocking `read`/`write` move bytes straight
-//! between the socket and region memory.
+//! Both sides run on `mio` (epoll) loops on fixed sets of threads,
+//! [`TcpConfig::io_threads`] each: the target's serve its connections, the
+//! initiator's drive the streams to every peer. A connection (or stream)
+//! is a non-blocking state machine, so silent or slow peers cost a socket
+//! and a few hundred bytes, not a thread, and a backend with 1,000 peers
+//! has as many threads as one with one. `mio` rather than io_uring: it is
+//! already in the tree (under tokio), needs no kernel newer than epoll,
+//! and the per-request work here is one `read` into a buffer or region
+//! and one `writev` of queued requests or answers, which epoll does in the
+//! same number of syscalls. Rather than one thread per stream direction
+//! (blocking `read`/`write`, as the initiator had before): the same
+//! syscalls move bytes straight between the socket and region memory, a
+//! response wakes the thread that sent the request (one context switch,
+//! as before), and 4,000 streams no longer mean 8,000 threads. Connecting
+//! and authenticating a stream still block, inside
+//! [`Connecting::run`](crate::Connecting), off the backend lock.
 //!
-//! That framed socket I/O, [`FrameReader`] and [`FrameWriter`], is public
-//! so that a baseline can move bytes exactly as the backend does (`kvlane
-//! bench`'s raw-tcp ceiling reads and writes with it).
+//! [`FrameReader`] and [`FrameWriter`] are the blocking form of the same
+//! framed socket I/O (gathered `writev`s, large payloads straight between
+//! the socket and region memory), public so that a baseline can move bytes
+//! as the backend does with a thread always waiting on every socket
+//! (`kvlane bench`'s raw-tcp ceiling reads and writes with them).
 //!
 //! Failures: a broken stream fails every transfer in flight to that peer
 //! with [`DataError::PeerLost`] as soon as the socket reports it; deadlines
@@ -77,8 +85,8 @@
 //! # Resource cleanup
 //!
 //! Dropping the backend fails its peers' in-flight transfers, closes every
-//! socket, and stops and joins the target's I/O threads (the listener's
-//! included); the initiator's stream threads exit as their sockets close.
+//! socket, and stops and joins both sides' I/O threads (the listener's
+//! included).
 //! [`remove_peer`](Backend::remove_peer) does the same for one peer, and
 //! also revokes the credential it issued and closes that peer's
 //! connections to this target.
@@ -90,9 +98,12 @@
 
 mod initiator;
 mod io;
+mod outq;
+mod pool;
 mod serve;
 mod server;
 mod shared;
+mod stream;
 #[doc(hidden)]
 pub mod wire;
 
@@ -107,6 +118,7 @@ use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
+use pool::IoPool;
 use serde::{Deserialize, Serialize};
 use server::{Counters, Credentials, RegionTable, Server, ServerConfig};
 use shared::{lock, IdMap, Shared};
@@ -173,8 +185,11 @@ pub struct TcpConfig {
     /// How long an accepted connection has to present its credential,
     /// counted once from the accept. Default 5 s.
     pub auth_timeout: Duration,
-    /// Event-driven I/O threads of the target side (each serves its share
-    /// of the connections). Default: the available parallelism, at most 4.
+    /// Event-driven I/O threads of each side: the target serves its share
+    /// of the connections on each of this many threads, and the initiator
+    /// drives its streams to every peer on as many more (streams go to
+    /// them round-robin). Threads do not grow with peers or connections.
+    /// Default: the available parallelism, at most 4.
     pub io_threads: usize,
 }
 
@@ -366,7 +381,9 @@ pub struct TcpBackend {
     ready: Vec<Completion>,
     next_deadline: Option<Instant>,
     drained: Vec<Completion>,
-    // Last field: dropped after the peers are failed in `Drop`.
+    // Dropped after the peers are failed in `Drop`: the initiator's I/O
+    // threads, then the target's.
+    pool: IoPool,
     server: Server,
 }
 
@@ -403,6 +420,7 @@ impl TcpBackend {
             creds.clone(),
         )?;
         let listen = server.local_addr();
+        let pool = IoPool::start(config.io_threads.max(1), listen.port())?;
         let mut addr = listen;
         if let (true, Some(host)) = (listen.ip().is_unspecified(), config.advertise) {
             addr.set_ip(host);
@@ -426,6 +444,7 @@ impl TcpBackend {
             ready: Vec::new(),
             next_deadline: None,
             drained: Vec::new(),
+            pool,
             server,
         })
     }
@@ -636,10 +655,11 @@ impl Backend for TcpBackend {
             socket: self.config.socket_options(),
         };
         let shared = self.shared.clone();
+        let pool = self.pool.shared();
         let regions: FastMap<RemoteKey, RemoteRegion> =
             regions.iter().map(|r| (r.key, *r)).collect();
         Ok(Connecting::new(move || {
-            let conn = PeerConn::connect(peer, &ep, &cfg, shared)?;
+            let conn = PeerConn::connect(peer, &ep, &cfg, shared, &pool)?;
             Ok(Box::new((conn, regions)))
         }))
     }
@@ -888,6 +908,65 @@ mod tests {
             assert!(msg.contains(&format!("listens on {}", e.listen)), "{msg}");
             assert!(msg.contains(why), "{msg}");
         }
+    }
+
+    /// A panic while an I/O thread drives a stream fails that peer's
+    /// transfers at once (not at their deadline); another peer served by
+    /// the same threads keeps working.
+    #[test]
+    fn a_panic_in_the_initiator_io_fails_only_that_peer_promptly() {
+        use crate::backend::connect_pair;
+        use crate::transfer::{Descriptor, RemoteDescriptor};
+        let config = TcpConfig {
+            io_threads: 1,
+            ..TcpConfig::default()
+        };
+        let mut init = TcpBackend::new(config.clone()).unwrap();
+        let mut target = TcpBackend::new(config).unwrap();
+        let local = Region::alloc(1 << 20, Access::ALL).unwrap();
+        let remote = Region::alloc(1 << 20, Access::ALL).unwrap();
+        let local_ad = init.register(&local).unwrap();
+        let remote_ad = target.register(&remote).unwrap();
+        let (bad, _) = connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).unwrap();
+        let (good, _) = connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).unwrap();
+        let conn = init.peers[&bad].conn.clone().unwrap();
+        conn.panic_in_io
+            .store(true, std::sync::atomic::Ordering::Release);
+        let write = |peer| {
+            Transfer::new(
+                peer,
+                Op::Write,
+                vec![Descriptor {
+                    region: local.id(),
+                    offset: 0,
+                    len: 1 << 20,
+                }],
+                vec![RemoteDescriptor {
+                    key: remote_ad.key,
+                    offset: 0,
+                    len: 1 << 20,
+                }],
+            )
+            .with_deadline(Instant::now() + Duration::from_secs(30))
+        };
+        let (b, g) = (write(bad), write(good));
+        let ids = [b.id, g.id];
+        init.submit(b).unwrap();
+        init.submit(g).unwrap();
+        let start = Instant::now();
+        let got = crate::conformance::collect(&mut init, &ids, Duration::from_secs(20));
+        let (r, at) = &got[&ids[0]];
+        let e = r
+            .as_ref()
+            .expect_err("a panicking stream completed a transfer");
+        assert!(e.is_peer_lost(), "{e}");
+        assert!(e.to_string().contains("panicked"), "{e}");
+        assert!(
+            *at - start < Duration::from_secs(5),
+            "took {:?}",
+            *at - start
+        );
+        assert!(got[&ids[1]].0.is_ok(), "{:?}", got[&ids[1]].0);
     }
 
     #[test]

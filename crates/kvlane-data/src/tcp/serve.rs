@@ -14,26 +14,21 @@
 //! connection stops reading until the peer has taken them.
 
 use super::io::{DIRECT_MIN, IO_BUF};
+use super::outq::{Outq, Sock};
 use super::server::{bump, check_request, Counters, RegionTable};
 use super::shared::Shared;
 use super::wire::{
     FrameError, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
 };
 use crate::ids::PeerId;
-use crate::memory::{send_vectored, IoPart, Region};
+use crate::memory::Region;
 use bytes::Bytes;
-use std::collections::VecDeque;
-use std::io::{self, Read};
-use std::os::fd::AsFd;
+use std::io;
 
 /// Answers queued (headers and READ payloads) before the connection stops
 /// reading requests: bounds the memory one peer can make us hold and keeps
 /// a peer that does not read its answers from growing a queue.
 pub(crate) const OUT_MAX: usize = 4 << 20;
-
-/// Payloads below this are copied into the output buffer with their
-/// header (one `writev` slice); larger ones are sent from region memory.
-const COPY_MAX: u64 = DIRECT_MIN as u64;
 
 /// Answers are flushed at the latest once they acknowledge this many
 /// WRITE payload bytes, even while more requests keep arriving (so acks
@@ -53,35 +48,6 @@ pub(crate) enum Drove {
     /// Used its read budget with input possibly left: drive it again after
     /// the other connections' turns (no event will come for it).
     Yielded,
-}
-
-/// Most slices gathered into one `writev`.
-const MAX_SLICES: usize = 64;
-
-/// What a served connection reads from and writes to: a socket, or the
-/// fuzz target's in-memory stream. Region memory is reached only through
-/// `Region`'s own socket I/O and copies.
-pub(crate) trait Sock {
-    /// Reads into `buf`.
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize>;
-    /// Reads at most `len` bytes into `region` at `offset` (checked).
-    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize>;
-    /// Writes some of `parts` (one `writev`).
-    fn write_parts(&mut self, parts: &[IoPart<'_>]) -> io::Result<usize>;
-}
-
-impl Sock for mio::net::TcpStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        Read::read(self, buf)
-    }
-
-    fn read_into(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<usize> {
-        region.recv_from(offset, len, self.as_fd())
-    }
-
-    fn write_parts(&mut self, parts: &[IoPart<'_>]) -> io::Result<usize> {
-        send_vectored(self.as_fd(), parts)
-    }
 }
 
 /// Why a connection ended.
@@ -136,112 +102,6 @@ enum Incoming {
         tag: u64,
         status: Status,
     },
-}
-
-enum Out {
-    Buf(Vec<u8>),
-    Mem(Region, u64, u64),
-}
-
-/// Answers waiting for the socket.
-#[derive(Default)]
-struct Outq {
-    segs: VecDeque<Out>,
-    /// Bytes of the front segment already written.
-    head: usize,
-    bytes: usize,
-}
-
-impl Outq {
-    fn put(&mut self, b: &[u8]) {
-        self.bytes += b.len();
-        if let Some(Out::Buf(v)) = self.segs.back_mut() {
-            if v.len() + b.len() <= IO_BUF {
-                v.extend_from_slice(b);
-                return;
-            }
-        }
-        let mut v = Vec::with_capacity(b.len().max(4096));
-        v.extend_from_slice(b);
-        self.segs.push_back(Out::Buf(v));
-    }
-
-    fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
-        if region.device().is_some() {
-            // GPU memory: staged out into the output buffer (no socket I/O
-            // straight from device memory).
-            region.check_range(offset, len).map_err(io::Error::other)?;
-            let mut v = vec![0u8; len as usize];
-            region.copy_out(offset, &mut v).map_err(io::Error::other)?;
-            self.bytes = self.bytes.saturating_add(v.len());
-            self.segs.push_back(Out::Buf(v));
-            return Ok(());
-        }
-        if len < COPY_MAX {
-            // `len` < 16 KiB (checked against the region by `read`).
-            let mut tmp = [0u8; COPY_MAX as usize];
-            let tmp = &mut tmp[..len as usize];
-            region.read(offset, tmp).map_err(io::Error::other)?;
-            self.put(tmp);
-            return Ok(());
-        }
-        self.bytes = self
-            .bytes
-            .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
-        self.segs.push_back(Out::Mem(region.clone(), offset, len));
-        Ok(())
-    }
-
-    /// Writes until done or the socket would block; `Ok(true)` when empty.
-    fn flush<S: Sock>(&mut self, s: &mut S) -> io::Result<bool> {
-        while !self.segs.is_empty() {
-            let n = match self.write_some(s) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) => return Err(e),
-            };
-            self.advance(n);
-        }
-        Ok(true)
-    }
-
-    /// One `writev` of the leading segments.
-    fn write_some<S: Sock>(&self, s: &mut S) -> io::Result<usize> {
-        let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(MAX_SLICES);
-        let mut skip = self.head;
-        for seg in self.segs.iter().take(MAX_SLICES) {
-            parts.push(match seg {
-                Out::Buf(v) => IoPart::Bytes(&v[skip..]),
-                Out::Mem(region, off, len) => {
-                    IoPart::Region(region, off + skip as u64, len - skip as u64)
-                }
-            });
-            skip = 0;
-        }
-        s.write_parts(&parts)
-    }
-
-    fn advance(&mut self, mut n: usize) {
-        self.bytes -= n.min(self.bytes);
-        while n > 0 {
-            let Some(front) = self.segs.front() else {
-                return;
-            };
-            let len = match front {
-                Out::Buf(v) => v.len(),
-                Out::Mem(_, _, len) => usize::try_from(*len).unwrap_or(usize::MAX),
-            } - self.head;
-            if n < len {
-                self.head += n;
-                return;
-            }
-            n -= len;
-            self.head = 0;
-            self.segs.pop_front();
-        }
-    }
 }
 
 /// The read buffer of one drive: a per-thread scratch buffer, of which
@@ -574,7 +434,7 @@ impl ServeConn {
 mod tests {
     use super::*;
     use crate::ids::RemoteKey;
-    use crate::memory::Access;
+    use crate::memory::{Access, IoPart};
     use crate::tcp::server::RegionTable;
 
     /// Input all at once, output taken `piece` bytes per round.

@@ -351,7 +351,7 @@ struct FuzzStream<'a> {
     output: usize,
 }
 
-impl super::serve::Sock for FuzzStream<'_> {
+impl super::outq::Sock for FuzzStream<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.blocked {
             return Err(io::ErrorKind::WouldBlock.into());

@@ -1,9 +1,10 @@
 //! The measuring end of the raw-tcp baseline: `groups` x
 //! `TcpConfig::default().streams` streams, and batches of blocks split and
 //! striped over them the way the tcp backend splits and stripes a peer's
-//! transfers. Like the backend's, every stream has a sender thread, which
-//! writes its requests back to back, and a receiver thread, which reads
-//! and times the answers meanwhile.
+//! transfers. Every stream has a sender thread, which writes its requests
+//! back to back, and a receiver thread, which reads and times the answers
+//! meanwhile (the backend's initiator did so before its streams moved to
+//! event-driven I/O threads; blocking threads are the ceiling).
 
 use super::{buffer, header, invalid, read_into, HELLO_TIMEOUT, MAGIC};
 use crate::bench::schedule::{run_for, Slice};

@@ -5,8 +5,10 @@
 //! streams to it as the tcp backend opens to a peer
 //! (`TcpConfig::default().streams` per initiator thread), with a sender
 //! and a receiver thread per stream on its side and one thread per
-//! connection on the server's (as the backend has), and splits and stripes
-//! blocks over them as the backend does. Per stream, once:
+//! connection on the server's (blocking I/O with a thread always waiting
+//! on each socket: a ceiling; the backend drives the same streams from
+//! its event-driven I/O threads), and splits and stripes blocks over them
+//! as the backend does. Per stream, once:
 //!
 //! ```text
 //! client -> server  MAGIC                  (8 bytes)

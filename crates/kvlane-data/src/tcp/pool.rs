@@ -1,0 +1,310 @@
+//! Initiator side: the event-driven I/O threads every stream of every
+//! peer of one backend runs on.
+//!
+//! [`IoPool`] starts [`TcpConfig::io_threads`](super::TcpConfig::io_threads)
+//! threads (O(cores), not O(peers)), each an epoll loop (`mio`) over its
+//! share of the streams; a new stream goes to the threads round-robin.
+//! A thread learns of work through its [`Inbox`]: streams to adopt, and
+//! the tokens of streams that have requests queued (a stream is put there
+//! once until it is driven, so a burst of submissions costs one wake-up).
+//! Readiness is edge-triggered: a drive reads and writes until the socket
+//! would block, or yields after a read budget so that streams sharing a
+//! thread take turns.
+//!
+//! A panic while driving a stream fails that stream's peer (its transfers
+//! complete with [`PeerLost`](crate::DataError::PeerLost)) and drops the
+//! stream; a panic of the loop itself fails every peer with a stream on
+//! that thread. Nothing waits for a deadline because of a panic.
+
+use super::initiator::PeerConn;
+use super::serve::Drove;
+use super::shared::lock;
+use super::stream::Stream;
+use crate::error::DataError;
+use crate::ids::FastMap;
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+
+/// Readiness events taken per `epoll_wait`.
+const EVENTS: usize = 1024;
+
+const WAKE: Token = Token(0);
+
+/// How other threads reach one I/O thread.
+pub(crate) struct Inbox {
+    waker: Waker,
+    /// Streams to adopt: a connection and its stream index.
+    adopt: Mutex<Vec<(Arc<PeerConn>, usize)>>,
+    /// Streams with requests queued (see [`Inbox::ready`]).
+    ready: Mutex<Vec<usize>>,
+    next_token: AtomicUsize,
+    stop: AtomicBool,
+    index: usize,
+}
+
+impl Inbox {
+    /// A token for a stream this thread will adopt.
+    pub(crate) fn token(&self) -> usize {
+        self.next_token.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Asks the thread to drive the stream `token` (requests are queued
+    /// for it, or its connection failed). Wakes the thread only when the
+    /// list was empty: otherwise a wake-up is already on its way.
+    pub(crate) fn ready(&self, token: usize) {
+        let mut r = lock(&self.ready);
+        let was_empty = r.is_empty();
+        r.push(token);
+        drop(r);
+        if was_empty {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            tracing::error!(thread = self.index, error = %e, "could not wake a tcp initiator I/O thread");
+        }
+    }
+}
+
+/// The I/O threads of one backend's initiator side; stopped and joined on
+/// drop (their streams' connections are failed by then: the backend fails
+/// its peers first).
+pub(crate) struct IoPool {
+    shared: Arc<PoolShared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// What connecting needs of the pool (off the backend lock).
+pub(crate) struct PoolShared {
+    inboxes: Vec<Arc<Inbox>>,
+    next: AtomicUsize,
+}
+
+impl PoolShared {
+    /// The thread the next stream goes to (round-robin).
+    pub(crate) fn pick(&self) -> Arc<Inbox> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.inboxes.len();
+        self.inboxes[i].clone()
+    }
+
+    /// Hands stream `i` of `conn` to its thread (picked for it when the
+    /// connection was made). Fails once the pool stopped (the backend is
+    /// being dropped).
+    pub(crate) fn adopt(conn: &Arc<PeerConn>, i: usize, inbox: &Inbox) -> Result<(), DataError> {
+        let mut a = lock(&inbox.adopt);
+        if inbox.stop.load(Ordering::Acquire) {
+            return Err(DataError::PeerLost {
+                peer: conn.peer(),
+                reason: "backend dropped while connecting",
+                source: None,
+            });
+        }
+        a.push((conn.clone(), i));
+        drop(a);
+        inbox.wake();
+        Ok(())
+    }
+}
+
+impl IoPool {
+    /// Starts `threads` I/O threads, named after `port` (the backend's
+    /// listen port, so two backends' threads can be told apart).
+    pub(crate) fn start(threads: usize, port: u16) -> Result<Self, DataError> {
+        let io_err = |op: String| move |source| DataError::Io { op, source };
+        let mut polls = Vec::new();
+        let mut inboxes = Vec::new();
+        for index in 0..threads.max(1) {
+            let poll =
+                Poll::new().map_err(io_err(format!("create tcp initiator poller {index}")))?;
+            let waker = Waker::new(poll.registry(), WAKE)
+                .map_err(io_err(format!("create tcp initiator waker {index}")))?;
+            polls.push(poll);
+            inboxes.push(Arc::new(Inbox {
+                waker,
+                adopt: Mutex::new(Vec::new()),
+                ready: Mutex::new(Vec::new()),
+                next_token: AtomicUsize::new(1),
+                stop: AtomicBool::new(false),
+                index,
+            }));
+        }
+        let mut pool = Self {
+            shared: Arc::new(PoolShared {
+                inboxes: inboxes.clone(),
+                next: AtomicUsize::new(0),
+            }),
+            threads: Vec::new(),
+        };
+        for (index, (poll, inbox)) in polls.into_iter().zip(inboxes).enumerate() {
+            let worker = Worker {
+                poll,
+                inbox,
+                streams: FastMap::default(),
+                scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
+                again: Vec::new(),
+            };
+            let handle = thread::Builder::new()
+                .name(format!("kvlane-tcp-init-{port}-{index}"))
+                .spawn(move || worker.run())
+                .map_err(io_err(format!("spawn tcp initiator I/O thread {index}")))?;
+            // On an error `pool` drops here, which stops the threads
+            // already started.
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// The part connecting needs.
+    pub(crate) fn shared(&self) -> Arc<PoolShared> {
+        self.shared.clone()
+    }
+}
+
+impl Drop for IoPool {
+    fn drop(&mut self) {
+        for inbox in &self.shared.inboxes {
+            // Under the adopt lock: a connect that finishes now either
+            // handed its streams over already or sees the stop.
+            let _a = lock(&inbox.adopt);
+            inbox.stop.store(true, Ordering::Release);
+            drop(_a);
+            inbox.wake();
+        }
+        for h in self.threads.drain(..) {
+            if h.join().is_err() {
+                tracing::error!("a tcp initiator I/O thread panicked");
+            }
+        }
+    }
+}
+
+/// One I/O thread.
+struct Worker {
+    poll: Poll,
+    inbox: Arc<Inbox>,
+    streams: FastMap<usize, Stream>,
+    scratch: Box<[u8]>,
+    /// Streams that yielded (read budget used): driven again after this
+    /// turn's events, before the thread waits.
+    again: Vec<usize>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.event_loop()));
+        if r.is_err() {
+            tracing::error!(
+                thread = self.inbox.index,
+                "a tcp initiator I/O thread panicked; its peers are failed"
+            );
+            for s in self.streams.values() {
+                s.conn()
+                    .fail("an I/O thread of the connection panicked", None);
+            }
+        }
+        // Whatever was handed over and not adopted is let go (no cycle
+        // through the inbox keeps a connection alive).
+        lock(&self.inbox.adopt).clear();
+        lock(&self.inbox.ready).clear();
+        for (_, s) in self.streams.drain() {
+            let fd = s.socket().as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+        }
+    }
+
+    fn event_loop(&mut self) {
+        let mut events = Events::with_capacity(EVENTS);
+        let mut ready = Vec::new();
+        loop {
+            let timeout = (!self.again.is_empty()).then_some(std::time::Duration::ZERO);
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(thread = self.inbox.index, error = %e, "tcp initiator poll failed; the I/O thread stops");
+                    for s in self.streams.values() {
+                        s.conn()
+                            .fail("the I/O thread's poll failed", Some(e.kind().into()));
+                    }
+                    return;
+                }
+            }
+            if self.inbox.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let again = std::mem::take(&mut self.again);
+            for ev in &events {
+                match ev.token() {
+                    WAKE => {}
+                    Token(t) if !again.contains(&t) => self.drive(t),
+                    Token(_) => {}
+                }
+            }
+            for t in again {
+                self.drive(t);
+            }
+            let adopted = std::mem::take(&mut *lock(&self.inbox.adopt));
+            for (conn, i) in adopted {
+                self.adopt(conn, i);
+            }
+            std::mem::swap(&mut ready, &mut *lock(&self.inbox.ready));
+            for t in ready.drain(..) {
+                self.drive(t);
+            }
+        }
+    }
+
+    fn adopt(&mut self, conn: Arc<PeerConn>, i: usize) {
+        let stream = Stream::new(conn, i);
+        let token = stream.token();
+        let fd = stream.socket().as_raw_fd();
+        if let Err(e) = self.poll.registry().register(
+            &mut SourceFd(&fd),
+            Token(token),
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            stream
+                .conn()
+                .fail("could not register a tcp stream for I/O", Some(e));
+            return;
+        }
+        self.streams.insert(token, stream);
+        // Bytes and requests may have arrived before the registration.
+        self.drive(token);
+    }
+
+    fn drive(&mut self, token: usize) {
+        let Some(stream) = self.streams.get_mut(&token) else {
+            return;
+        };
+        let scratch = &mut self.scratch;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stream.drive(scratch)));
+        match r {
+            Ok(Ok(Drove::Blocked)) => return,
+            Ok(Ok(Drove::Yielded)) => {
+                self.again.push(token);
+                return;
+            }
+            Ok(Err(e)) => stream.lost(e),
+            Err(_) => {
+                tracing::error!(peer = %stream.conn().peer(), addr = %stream.conn().addr(), "driving a tcp stream panicked");
+                stream
+                    .conn()
+                    .fail("an I/O thread of the connection panicked", None);
+            }
+        }
+        self.close(token);
+    }
+
+    fn close(&mut self, token: usize) {
+        if let Some(s) = self.streams.remove(&token) {
+            let fd = s.socket().as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+        }
+    }
+}
