@@ -456,7 +456,15 @@ impl PeerConn {
             io::ErrorKind::InvalidData => "the target broke the protocol",
             _ => "the connection to the target failed",
         };
-        tracing::warn!(peer = %self.peer, addr = %self.addr, stream, error = %e, "{reason}");
+        // A target that closes an idle connection is detaching us (its
+        // side of a disconnect, or our credential revoked): said at info.
+        // Transfers in flight failing is worth a warning.
+        let idle = lock(&self.transfers).map.is_empty();
+        if idle && e.kind() == io::ErrorKind::UnexpectedEof {
+            tracing::info!(peer = %self.peer, addr = %self.addr, stream, "{reason} (nothing in flight)");
+        } else {
+            tracing::warn!(peer = %self.peer, addr = %self.addr, stream, error = %e, "{reason}");
+        }
         self.fail(reason, Some(e));
     }
 
