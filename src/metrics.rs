@@ -19,6 +19,8 @@
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
 //! | `kvlane_rail_failures_total` | counter | `rail` (parts that failed on it) |
 //! | `kvlane_rail_reposts_total` | counter | `rail` (failed parts moved to another rail) |
+//! | `kvlane_rail_rejoins_total` | counter | `rail` (times paired again by an endpoint exchange over another rail: verbs) |
+//! | `kvlane_rail_dropped_messages_total` | counter | `rail` (rails messages dropped on it) |
 //! | `kvlane_rail_down_peers` | gauge | `rail` (peers it is set aside for) |
 //!
 //! `rail` on the transfer families is the backend (`tcp`, `loopback`,
@@ -125,7 +127,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
             return Ok(());
         }
         type Pick = fn(&kvlane_data::RailStats) -> u64;
-        let counters: [(&str, &str, Pick); 4] = [
+        let counters: [(&str, &str, Pick); 6] = [
             ("rail_bytes", "Bytes each rail carried", |r| r.bytes),
             ("rail_parts", "Transfer parts completed on each rail", |r| {
                 r.parts
@@ -139,6 +141,16 @@ impl prometheus_client::collector::Collector for RailsCollector {
                 "rail_reposts",
                 "Failed parts moved from each rail to another",
                 |r| r.reposts,
+            ),
+            (
+                "rail_rejoins",
+                "Times each rail was paired again with a peer by an endpoint exchange over another rail",
+                |r| r.rejoins,
+            ),
+            (
+                "rail_dropped_messages",
+                "Rails messages dropped on each rail (malformed, unknown sender, stale)",
+                |r| r.dropped,
             ),
         ];
         for (name, help, pick) in counters {
