@@ -21,13 +21,16 @@
 #            a: kvlane serve --backend verbs (both rails)
 #            b: kvlane soak --backend verbs --block-size $RAILS_BLOCK
 #               --duration $RAILS_SOAK_DURATION --json, and mid-run
-#               `ip link set <rxe1's NIC> down` for $RAILS_DOWN s, then up.
-#               Checked from soak's `rails` and `stats` lines: both rails
-#               carry bytes before; while down rxe1's bytes stay put (after
-#               $RAILS_SETTLE s), rxe0's grow and rounds succeed; after up
-#               rxe1 is paired again (rejoins >= 1, an endpoint exchange
-#               over rxe0) and its bytes grow; soak's summary is healthy
-#               with no mismatch and no failed transfer.
+#               `ip link set <rxe1's NIC> down` for $RAILS_DOWN s, then up:
+#               first on b (its port leaves ACTIVE), then on a (b's port
+#               stays ACTIVE: its parts on rxe1 time out, the QPs fail).
+#               Checked each time from soak's `rails` and `stats` lines:
+#               both rails carry bytes before; while down rxe1's bytes stay
+#               put (after $RAILS_SETTLE / $RAILS_SETTLE_PEER s), rxe0's grow
+#               and rounds succeed; after up rxe1 is paired again (rejoins
+#               1, then 2: an endpoint exchange over rxe0) and its bytes
+#               grow; soak's summary is healthy with no mismatch and no
+#               failed transfer.
 #   restart  a: kvlane serve --backend verbs --listen 0.0.0.0:5555 --insecure --block-size 64K ...
 #            b: kvlane soak --backend verbs --connect 10.232.0.1:5555 --block-size 64K --json
 #            (both with short liveness knobs: keep-alive 500 ms, budget 4,
@@ -80,9 +83,12 @@
 #        RAILS_SIZE (64K: at 1M x 16 a 2-rail transfer's 8 MiB parts miss
 #        Rails' part timeout, 2 s + bytes at 256 MB/s, as rxe under TCG
 #        moves ~5 MB/s: they are moved between the rails until the deadline),
-#        RAILS_BLOCK (64K), RAILS_SOAK_DURATION (40s),
+#        RAILS_BLOCK (64K), RAILS_SOAK_DURATION (45s),
 #        RAILS_DOWN (6: seconds rxe1's link stays down), RAILS_SETTLE (2:
-#        seconds after the down before rxe1's bytes must stop growing),
+#        seconds after b's own down before rxe1's bytes must stop growing),
+#        RAILS_SETTLE_PEER (4: the same after a's down; b's parts on rxe1
+#        end by Rails' part timeout, 2 s, then), RAILS_RECOVER (6: seconds
+#        between the first up and the second down),
 #        KVLANE_BIN (a prebuilt kvlane with --features verbs: skips the build),
 #        plus everything ci/softroce-2host.sh reads (SOFTROCE_LINK_MTU: this
 #        script defaults it to 9000, i.e. RoCE MTU 4096, as RoCE fabrics run).
@@ -126,9 +132,11 @@ fi
   RESTART_WARM=${RESTART_WARM:-2}
   RAILS_SIZE=${RAILS_SIZE:-64K}
   RAILS_BLOCK=${RAILS_BLOCK:-64K}
-  RAILS_SOAK_DURATION=${RAILS_SOAK_DURATION:-40s}
+  RAILS_SOAK_DURATION=${RAILS_SOAK_DURATION:-45s}
   RAILS_DOWN=${RAILS_DOWN:-6}
   RAILS_SETTLE=${RAILS_SETTLE:-2}
+  RAILS_SETTLE_PEER=${RAILS_SETTLE_PEER:-4}
+  RAILS_RECOVER=${RAILS_RECOVER:-6}
 }
 
 # ------------------------------------------------------------ build
@@ -155,7 +163,7 @@ for s in ${SIZES//,/ }; do SIZES_B+="$(bytes "$s") "; done
 # what both guests get, then each guest's script (quoted: runs in the guest)
 PRE=$(for v in KV PHASES SIZES SIZES_B OPS BATCH POOL PORT PERF_MB PERF_QPS PERF_ARGS EXTRA_ENV MIN_RATIO IB_TIMEOUT \
                RESTART_BLOCK RESTART_LIVENESS RESTART_SLACK RESTART_DURATION RESTART_WARM \
-               RAILS_SIZE RAILS_BLOCK RAILS_SOAK_DURATION RAILS_DOWN RAILS_SETTLE; do printf 'export %s=%q\n' "$v" "${!v}"; done)
+               RAILS_SIZE RAILS_BLOCK RAILS_SOAK_DURATION RAILS_DOWN RAILS_SETTLE RAILS_SETTLE_PEER RAILS_RECOVER; do printf 'export %s=%q\n' "$v" "${!v}"; done)
 COMMON=$(cat <<'EOF'
 set -u
 rc=0
@@ -219,6 +227,18 @@ if has rails; then
   tp=$!
   if softroce_wait_listen "$PORT" 120 "$tp"; then
     softroce_mark rails-up
+    # b asks for rxe1's link here to go down and up (case 2), or is done
+    asked() { [ -e "$SOFTROCE_SHARE/marks/$1" ] || [ -e "$SOFTROCE_SHARE/marks/rails-a-done" ]; }
+    if softroce_poll 300 "mark rails-a-down" asked rails-a-down && [ -e "$SOFTROCE_SHARE/marks/rails-a-down" ]; then
+      ip link set "$SOFTROCE_NETDEV2" down
+      echo "$SOFTROCE_NETDEV2 (rxe1's link) down at guest uptime $(cut -d' ' -f1 /proc/uptime)s; rxe1 port: $(cat /sys/class/infiniband/rxe1/ports/1/state)"
+      softroce_mark rails-a-isdown
+      softroce_poll 300 "mark rails-a-up" asked rails-a-up || rc=1
+      ip link set "$SOFTROCE_NETDEV2" up
+      softroce_poll 30 "rxe1's port to be ACTIVE again" grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state || rc=1
+      echo "$SOFTROCE_NETDEV2 up at guest uptime $(cut -d' ' -f1 /proc/uptime)s; rxe1 port: $(cat /sys/class/infiniband/rxe1/ports/1/state)"
+      softroce_mark rails-a-isup
+    fi
     softroce_await rails-done 600 || rc=1
   else
     rc=1
@@ -365,60 +385,89 @@ if has rails; then
       t = substr($0, RSTART + 10, RLENGTH - 10) + 0
       if (t >= a && (b == "" || t < b)) { l = $0; if (b == "") { print; exit } } } END { if (b != "" && l != "") print l }' "$S"
   }
-  both() { local l; l=$(rails_at 0); [ -n "$l" ] || return 1; l=$(tail -n1 <<<"$(grep '"event":"rails"' "$S")")
+  both() { local l; l=$(grep '"event":"rails"' "$S" | tail -n1); [ -n "$l" ] &&
            [ "$(rail "$l" $R0 bytes)" -gt 0 ] && [ "$(rail "$l" $R1 bytes)" -gt 0 ]; }
   ok=1
   softroce_poll 120 "soak's rails to both carry bytes" both || ok=
-  if [ -n "$ok" ] && ! gone "$sp"; then
-    sleep 1
-    t_down=$(now_ms)
-    ip link set "$SOFTROCE_NETDEV2" down
-    echo "$SOFTROCE_NETDEV2 (rxe1's link) down at unix_ms $t_down; $R1 port: $(cat /sys/class/infiniband/$R1/ports/1/state)"
+  # flip N WHO: rxe1's link down on guest WHO (b: here; a: asked by mark)
+  # for RAILS_DOWN s, then up; only the times are taken now (T_DOWN[N],
+  # T_UP[N], b's clock): the checks read soak's lines after it ended (each
+  # fork costs under TCG, and soak's clock runs on)
+  declare -A T_DOWN=() T_UP=()
+  flip() {
+    local n=$1 who=$2
+    T_DOWN[$n]=$(now_ms)
+    if [ "$who" = b ]; then
+      ip link set "$SOFTROCE_NETDEV2" down
+    else
+      softroce_mark rails-a-down; softroce_await rails-a-isdown 60 || rc=1
+    fi
     sleep "$RAILS_DOWN"
-    t_up=$(now_ms)
-    ip link set "$SOFTROCE_NETDEV2" up
-    softroce_poll 30 "$R1's port to be ACTIVE again" grep -q ACTIVE "/sys/class/infiniband/$R1/ports/1/state" || ok=
-    echo "$SOFTROCE_NETDEV2 up at unix_ms $t_up ($(( t_up - t_down )) ms down); $R1 port: $(cat /sys/class/infiniband/$R1/ports/1/state)"
-    before=$(rails_at 0 "$t_down")
-    settled=$(rails_at $(( t_down + RAILS_SETTLE * 1000 )))
-    last_down=$(rails_at $(( t_down + RAILS_SETTLE * 1000 )) "$t_up")
-    echo "rails before the down:      $before"
-    echo "rails ${RAILS_SETTLE}s after the down:  $settled"
+    T_UP[$n]=$(now_ms)
+    if [ "$who" = b ]; then
+      ip link set "$SOFTROCE_NETDEV2" up
+      softroce_poll 30 "$R1's port to be ACTIVE again" grep -q ACTIVE "/sys/class/infiniband/$R1/ports/1/state" || rc=1
+    else
+      softroce_mark rails-a-up; softroce_await rails-a-isup 60 || rc=1
+    fi
+    echo "case $n: $R1's link down on $who at unix_ms ${T_DOWN[$n]}, up at ${T_UP[$n]} (b's clock)"
+  }
+  # check N WHO SETTLE REJOINS: rxe1 carried nothing from SETTLE s after
+  # the down until the up while rxe0 carried the rounds, and carried bytes
+  # again after the up, paired again (its rejoin count reaching REJOINS)
+  check() {
+    local n=$1 who=$2 settle=$3 want=$4 t_down=${T_DOWN[$1]} t_up=${T_UP[$1]} settled last_down ok_down x1 l
+    echo "--- case $n: $R1's link down on $who for $(( t_up - t_down )) ms"
+    settled=$(rails_at $(( t_down + settle * 1000 )))
+    last_down=$(rails_at $(( t_down + settle * 1000 )) "$t_up")
+    echo "rails before the down:      $(rails_at 0 "$t_down")"
+    echo "rails ${settle}s after the down:  $settled"
     echo "rails last while down:      $last_down"
-    ok_down=$(awk -v a="$(( t_down + RAILS_SETTLE * 1000 ))" -v b="$t_up" 'index($0, "\"event\":\"stats\"") && match($0, /"unix_ms":[0-9]+/) {
+    ok_down=$(awk -v a="$(( t_down + settle * 1000 ))" -v b="$t_up" 'index($0, "\"event\":\"stats\"") && match($0, /"unix_ms":[0-9]+/) {
       t = substr($0, RSTART + 10, RLENGTH - 10) + 0; if (t >= a && t < b && match($0, /"interval_ok":[0-9]+/)) s += substr($0, RSTART + 14, RLENGTH - 14) } END { print s + 0 }' "$S")
     if [ -z "$settled" ] || [ -z "$last_down" ] || [ "$settled" = "$last_down" ]; then
-      echo "FAIL: no two rails lines while $R1 was down (from +${RAILS_SETTLE}s): cannot tell who carried what"; rc=1
+      echo "FAIL: no two rails lines while $R1 was down on $who (from +${settle}s): cannot tell who carried what"; rc=1
     elif [ "$(rail "$last_down" $R1 bytes)" != "$(rail "$settled" $R1 bytes)" ]; then
-      echo "FAIL: $R1 carried bytes while its link was down ($(rail "$settled" $R1 bytes) -> $(rail "$last_down" $R1 bytes))"; rc=1
+      echo "FAIL: $R1 carried bytes while its link was down on $who ($(rail "$settled" $R1 bytes) -> $(rail "$last_down" $R1 bytes))"; rc=1
     elif ! [ "$(rail "$last_down" $R0 bytes)" -gt "$(rail "$settled" $R0 bytes)" ] || [ "$ok_down" -eq 0 ]; then
-      echo "FAIL: transfers did not go on over $R0 while $R1 was down ($ok_down rounds ok)"; rc=1
+      echo "FAIL: transfers did not go on over $R0 while $R1 was down on $who ($ok_down rounds ok)"; rc=1
     elif [ "$(rail "$last_down" $R1 down_peers)" != 1 ]; then
-      echo "FAIL: $R1 is not set aside for the peer while down: $last_down"; rc=1
+      echo "FAIL: $R1 is not set aside for the peer while down on $who: $last_down"; rc=1
     else
-      echo "PASS: while $R1 was down $R0 carried $(( $(rail "$last_down" $R0 bytes) - $(rail "$settled" $R0 bytes) )) B in $ok_down successful rounds, $R1 nothing ($(rail "$last_down" $R1 reposts) parts moved off it)"
+      echo "PASS: while $R1 was down on $who, $R0 carried $(( $(rail "$last_down" $R0 bytes) - $(rail "$settled" $R0 bytes) )) B in $ok_down successful rounds, $R1 nothing ($(rail "$last_down" $R1 reposts) parts moved off it so far)"
     fi
-    # back: rxe1 paired again (rejoin over rxe0) and carrying bytes
+    # back: the first rails line after the up in which rxe1 carried more
     x1=$(rail "$last_down" $R1 bytes)
-    # the first rails line after the up in which rxe1 carried more
-    back_line() {
-      awk -v a="$t_up" -v x="${x1:-0}" -v r="\"rail\":\"$R1\",\"bytes\":" 'index($0, "\"event\":\"rails\"") && match($0, /"unix_ms":[0-9]+/) &&
-        substr($0, RSTART + 10, RLENGTH - 10) + 0 >= a && (i = index($0, r)) && substr($0, i + length(r)) + 0 > x { print; exit }' "$S"
-    }
-    back() { [ -n "$(back_line)" ]; }
-    if [ -n "$x1" ] && softroce_poll 30 "$R1 to carry bytes again" back; then
-      l=$(back_line)
-      echo "PASS: $R1 carried bytes again $(( $(sed -n 's/.*"unix_ms":\([0-9]*\).*/\1/p' <<<"$l") - t_up )) ms after its link came up (rejoins=$(rail "$l" $R1 rejoins)): $l"
-      [ "$(rail "$l" $R1 rejoins)" -ge 1 ] || { echo "FAIL: $R1 carries bytes but was not paired again (rejoins=0)"; rc=1; }
+    l=$(awk -v a="$t_up" -v x="${x1:-0}" -v r="\"rail\":\"$R1\",\"bytes\":" 'index($0, "\"event\":\"rails\"") && match($0, /"unix_ms":[0-9]+/) &&
+      substr($0, RSTART + 10, RLENGTH - 10) + 0 >= a && (i = index($0, r)) && substr($0, i + length(r)) + 0 > x { print; exit }' "$S")
+    if [ -n "$x1" ] && [ -n "$l" ]; then
+      echo "PASS: $R1 carried bytes again $(( $(sed -n 's/.*"unix_ms":\([0-9]*\).*/\1/p' <<<"$l") - t_up )) ms after its link came up on $who (rejoins=$(rail "$l" $R1 rejoins)): $l"
+      [ "$(rail "$l" $R1 rejoins)" -ge "$want" ] || { echo "FAIL: $R1 carries bytes but was not paired again (rejoins < $want)"; rc=1; }
     else
-      echo "FAIL: $R1 did not carry bytes again after its link came up: $(grep '"event":"rails"' "$S" | tail -n1)"; rc=1
+      echo "FAIL: $R1 did not carry bytes again after its link came up on $who: $(grep '"event":"rails"' "$S" | tail -n1)"; rc=1
     fi
+  }
+  cases=
+  if [ -n "$ok" ] && ! gone "$sp"; then
+    sleep 1
+    # 1: b's own port leaves ACTIVE: b moves the work at once
+    flip 1 b
+    sleep "$RAILS_RECOVER"
+    # 2: b's port stays ACTIVE: b's parts there time out, the QPs fail,
+    #    its offers go unanswered until a's link is up
+    flip 2 a
+    cases=1
   else
     echo "FAIL: soak's rails never both carried bytes before the down"; rc=1
   fi
+  softroce_mark rails-a-done
   softroce_poll 120 "soak to finish (--duration $RAILS_SOAK_DURATION)" gone "$sp" || kill -INT "$sp"
   wait "$sp"; src=$?
   sum=$(grep '"event":"summary"' "$S" | head -n1)
+  if [ -n "$cases" ]; then
+    check 1 b "$RAILS_SETTLE" 1
+    check 2 a "$RAILS_SETTLE_PEER" 2
+  fi
   echo "soak exited rc=$src; summary: ${sum:-none}"
   if [ "$src" = 0 ] && [ -n "$sum" ] && [[ $sum == *'"healthy":true'* ]] && [[ $sum == *'"mismatches":0'* ]] && [[ $sum == *'"failed":0,'* ]]; then
     echo "PASS: soak healthy through the rail down and up: no mismatch, no failed transfer"

@@ -13,7 +13,8 @@
 //!   cut into one contiguous byte range per usable rail. Its completion is
 //!   reported once every part landed.
 //! - **Failure.** A part that fails on a rail with the peer lost, an I/O
-//!   error or a part timeout is posted again on another rail of that peer
+//!   error, an RDMA work completion error (its queue pair is in ERROR) or
+//!   a part timeout is posted again on another rail of that peer
 //!   (READ and WRITE of the same bytes are idempotent), until its deadline.
 //!   The rail's connection to that peer is dropped at once, so that bytes
 //!   it still holds never land after the part was posted elsewhere. With
@@ -30,7 +31,11 @@
 //!   works, without the control plane (`rails/rejoin.rs` describes the
 //!   protocol and what it checks). Either way a rail is back in use
 //!   once it is connected again ([`RailStats::rejoins`] counts the
-//!   exchanges).
+//!   exchanges). An exchange needs another rail to that peer that works
+//!   and a peer of this version (its endpoint carries a token): a verbs
+//!   rail to a peer reached over that rail alone, or to an older peer,
+//!   stays set aside until the peer is connected again through the
+//!   control plane.
 //!
 //! Per-rail counters: [`Backend::rail_stats`].
 
@@ -508,15 +513,19 @@ impl Rails {
                 let e = in_caller_terms(e, peer, part.parent, keys);
                 self.rails[rail].stats.failures += 1;
                 // A part timeout before the transfer's deadline is the rail
-                // going silent, not the transfer running out of time.
-                let moves = matches!(
-                    e,
-                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
-                ) && now < part.transfer.deadline;
+                // going silent, not the transfer running out of time. A
+                // work completion error leaves the rail's queue pair in
+                // ERROR (a port that just went down fails the send queue
+                // with "local queue pair operation error" before its state
+                // is read): the rail is broken, the part moves.
                 let broken = matches!(
                     e,
-                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
+                    DataError::PeerLost { .. }
+                        | DataError::Io { .. }
+                        | DataError::Timeout { .. }
+                        | DataError::Rdma { .. }
                 );
+                let moves = broken && now < part.transfer.deadline;
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)

@@ -50,11 +50,14 @@ kvlane_data::conformance_tests!(TwoRails);
 
 /// A rail whose completions fail with `PeerLost` while `broken` is set:
 /// the NIC port going down, as the initiator sees it. With `link_down`
-/// set its link reads down as well (a port that left ACTIVE).
+/// set its link reads down as well (a port that left ACTIVE). With `rdma`
+/// set they fail as a work completion error instead (a queue pair in
+/// ERROR).
 struct Flaky {
     inner: Box<dyn Backend>,
     broken: Arc<AtomicBool>,
     link_down: Arc<AtomicBool>,
+    rdma: bool,
 }
 
 impl Backend for Flaky {
@@ -100,10 +103,21 @@ impl Backend for Flaky {
         let n = self.inner.poll(out);
         if self.broken.load(Ordering::Relaxed) || self.link_down.load(Ordering::Relaxed) {
             for c in &mut out[start..] {
-                c.result = Err(DataError::PeerLost {
-                    peer: c.peer,
-                    reason: "rail down (test)",
-                    source: None,
+                c.result = Err(if self.rdma {
+                    DataError::Rdma {
+                        peer: c.peer,
+                        op: Op::Write,
+                        device: "rxe1".into(),
+                        qpn: 17,
+                        status: "local queue pair operation error",
+                        vendor_err: 0,
+                    }
+                } else {
+                    DataError::PeerLost {
+                        peer: c.peer,
+                        reason: "rail down (test)",
+                        source: None,
+                    }
                 });
             }
         }
@@ -249,6 +263,7 @@ fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
                     inner: tcp(),
                     broken: broken.clone(),
                     link_down: Arc::default(),
+                    rdma: false,
                 }),
             ),
         ],
@@ -288,6 +303,7 @@ fn with_every_rail_failing_the_transfer_fails_typed() {
             inner: tcp(),
             broken: b.clone(),
             link_down: Arc::default(),
+            rdma: false,
         })
     };
     let init = Rails::new(
@@ -354,8 +370,9 @@ fn per_peer() -> Box<dyn Backend> {
     }))
 }
 
-/// Two verbs-like rails here (the second one switchable), two there.
-fn per_peer_pair(cfg: &RailsConfig) -> (Pair, Arc<AtomicBool>, Arc<AtomicBool>) {
+/// Two verbs-like rails here (the second one switchable, failing its
+/// parts as `rdma` says), two there.
+fn per_peer_pair(cfg: &RailsConfig, rdma: bool) -> (Pair, Arc<AtomicBool>, Arc<AtomicBool>) {
     let (broken, link_down) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicBool::new(false)),
@@ -364,6 +381,7 @@ fn per_peer_pair(cfg: &RailsConfig) -> (Pair, Arc<AtomicBool>, Arc<AtomicBool>) 
         inner: per_peer(),
         broken: broken.clone(),
         link_down: link_down.clone(),
+        rdma,
     };
     let init = Rails::new(
         vec![("lo0".into(), per_peer()), ("lo1".into(), Box::new(flaky))],
@@ -423,7 +441,7 @@ fn cfg_fast() -> RailsConfig {
 
 #[test]
 fn a_verbs_like_rail_whose_link_goes_down_hands_its_work_over_and_is_paired_again_when_up() {
-    let (mut p, _, link_down) = per_peer_pair(&cfg_fast());
+    let (mut p, _, link_down) = per_peer_pair(&cfg_fast(), false);
     run(&mut p, Op::Write, 0, LEN as u64).unwrap();
     assert_eq!(bytes(&p.init.rail_stats()), [LEN as u64 / 2; 2]);
 
@@ -461,9 +479,16 @@ fn a_verbs_like_rail_whose_link_goes_down_hands_its_work_over_and_is_paired_agai
 
 #[test]
 fn a_verbs_like_rail_that_failed_with_its_link_up_is_paired_again() {
-    // A queue pair in error, the port still ACTIVE: the part moves, the
-    // rail is paired again after retry_after, and it is used again.
-    let (mut p, broken, _) = per_peer_pair(&cfg_fast());
+    // The peer lost on a rail, then a queue pair in error (a work
+    // completion error), the port still ACTIVE: the part moves, the rail
+    // is paired again after retry_after, and it is used again.
+    for rdma in [false, true] {
+        rail_failure_is_repaired(rdma);
+    }
+}
+
+fn rail_failure_is_repaired(rdma: bool) {
+    let (mut p, broken, _) = per_peer_pair(&cfg_fast(), rdma);
     broken.store(true, Ordering::Relaxed);
     run(&mut p, Op::Write, 0, LEN as u64).unwrap();
     assert!(same(&p, 0, LEN as u64));
@@ -497,6 +522,7 @@ fn with_every_verbs_like_rail_down_the_transfer_fails_typed() {
             inner: per_peer(),
             broken: Arc::default(),
             link_down: link_down.clone(),
+            rdma: false,
         })
     };
     let init = Rails::new(
