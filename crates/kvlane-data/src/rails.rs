@@ -496,10 +496,13 @@ impl Rails {
                 let s = &mut self.rails[rail].stats;
                 s.bytes += part.bytes;
                 s.parts += 1;
+                // A part that had landed before its rail peer was dropped
+                // says nothing of the rail now.
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
                     .and_then(|p| p.rails.get_mut(rail))
+                    .filter(|rp| rail_peer_is(rp, c.peer))
                 {
                     rp.down_since = None;
                 }

@@ -493,7 +493,7 @@ mod tests {
     use crate::loopback::{LoopbackBackend, LoopbackConfig};
     use crate::memory::{Access, Region};
     use crate::transfer::{Completion, Descriptor, Notification, RemoteDescriptor};
-    use crate::{RailsConfig, RemoteKey};
+    use crate::{RailsConfig, RemoteKey, TransferId};
     use std::time::Duration;
 
     /// A loopback backend that behaves like verbs: one endpoint per peer.
@@ -673,6 +673,34 @@ mod tests {
         write(&mut b, &mut a);
         assert_eq!(a.rails.rail_stats()[1].bytes, LEN as u64 / 2);
         assert_eq!(b.rails.rail_stats()[1].bytes, LEN as u64 / 2);
+    }
+
+    #[test]
+    fn a_part_that_landed_before_its_rail_was_dropped_does_not_take_it_back() {
+        let (mut a, _b) = pair(&RailsConfig::default());
+        let old = rail1(&a).id.unwrap();
+        lose_rail1(&mut a);
+        let now = Instant::now();
+        a.rails.peers.get_mut(&a.peer).unwrap().rails[1].down_since = Some(now);
+        // Its completion comes out of the rail after the drop.
+        let id = TransferId::next();
+        let t = Transfer::new(a.peer, Op::Write, vec![], vec![]);
+        let part = super::super::Part {
+            parent: t.id,
+            transfer: t,
+            bytes: 4096,
+            tried: 0,
+        };
+        a.rails.parts.insert((1, id), part);
+        let done = Completion {
+            id,
+            peer: old,
+            result: Ok(()),
+        };
+        a.rails.on_part_done(1, done, now);
+        assert_eq!(a.rails.rail_stats()[1].bytes, 4096);
+        assert_eq!(rail1(&a).down_since, Some(now));
+        assert_eq!(a.rails.rail_stats()[1].down_peers, 1);
     }
 
     #[test]
