@@ -18,11 +18,16 @@
 # between two QEMU processes.  It opens no IP socket on the host and the
 # guests have no other NIC: nothing leaves this machine.  Addresses:
 # $SOFTROCE_SUBNET.1/24 on a, .2/24 on b; rxe0 is bound to that NIC.
+# SOFTROCE_LINKS=2 adds a second link the same way (its own socket, its own
+# NIC in each guest, $SOFTROCE_SUBNET2.1/24 and .2/24) with rxe1 bound to
+# it: two rails per guest.
 #
 # Guest environment (besides what ci/softroce.sh's guests get):
 #   SOFTROCE_NAME (a|b), SOFTROCE_PEER (b|a), SOFTROCE_IP (own address),
 #   SOFTROCE_PEER_IP, SOFTROCE_IP_A, SOFTROCE_IP_B, and SOFTROCE_SHARE: one
-#   directory both guests mount read-write (marks, each guest's rc file).
+#   directory both guests mount read-write (marks, each guest's rc file);
+#   with two links also SOFTROCE_IP2, SOFTROCE_NETDEV2 (the second NIC),
+#   SOFTROCE_PEER_IP2, SOFTROCE_IP2_A, SOFTROCE_IP2_B.
 # Synchronisation: the helpers of ci/softroce-guest.sh, sourced before each
 # command: softroce_mark / softroce_await (one guest tells the other),
 # softroce_serve / softroce_client (one-shot servers such as perftest),
@@ -35,6 +40,8 @@
 # per guest; SOFTROCE_NETDEV does not apply), and
 #   SOFTROCE_SMP          vCPUs per guest (default: host CPUs / 2, 1..4)
 #   SOFTROCE_SUBNET       first three octets of the link (default 10.232.0)
+#   SOFTROCE_LINKS        links between the guests, 1 or 2 (default 1)
+#   SOFTROCE_SUBNET2      the second link's (default 10.233.0)
 #   SOFTROCE_LINK_MTU     MTU of the link NICs (default 1500; rxe's RoCE MTU
 #                         follows it: 1500 -> 1024, 4200 and up -> 4096)
 #   SOFTROCE_PEER_GRACE   seconds (default 30)
@@ -45,6 +52,8 @@ SOFTROCE_LOG_TAG=softroce-2host
 NCPU=$(( $(nproc) / 2 )); [ "$NCPU" -lt 1 ] && NCPU=1; [ "$NCPU" -gt 4 ] && NCPU=4
 SMP=${SOFTROCE_SMP:-$NCPU}
 SUBNET=${SOFTROCE_SUBNET:-10.232.0}
+LINKS=${SOFTROCE_LINKS:-1}
+SUBNET2=${SOFTROCE_SUBNET2:-10.233.0}
 LINK_MTU=${SOFTROCE_LINK_MTU:-1500}
 GRACE=${SOFTROCE_PEER_GRACE:-30}
 
@@ -76,36 +85,46 @@ case $# in
   *) echo "usage: $0 [CMD_A CMD_B]" >&2; exit 125 ;;
 esac
 
+case $LINKS in 1|2) ;; *) die "SOFTROCE_LINKS must be 1 or 2, not '$LINKS'" ;; esac
 softroce_prepare
-SOCK=$RUN/link.sock
+SOCK=$RUN/link.sock SOCK2=$RUN/link2.sock
 [ ${#SOCK} -lt 100 ] || die "link socket path too long for a unix socket ($SOCK): set SOFTROCE_WORKDIR shorter"
 
 ip_of() { case $1 in a) echo "$SUBNET.1" ;; b) echo "$SUBNET.2" ;; esac; }
+ip2_of() { case $1 in a) echo "$SUBNET2.1" ;; b) echo "$SUBNET2.2" ;; esac; }
 peer_of() { case $1 in a) echo b ;; b) echo a ;; esac; }
 
 # start_guest NAME CODE SERVER(on|off) MAC: boots guest NAME in the
 # background; its console goes to stdout prefixed "[NAME] " and to
 # $RUN/console-NAME.log; sets PID[NAME] (the `timeout` wrapping QEMU).
 start_guest() {
-  local n=$1 code=$2 server=$3 mac=$4 p
+  local n=$1 code=$2 server=$3 mac=$4 p env append net2=()
   p=$(peer_of "$n")
-  softroce_cmd_file "$SHARE/cmd-$n.sh" "$(printf 'export SOFTROCE_PEER=%s SOFTROCE_PEER_IP=%s SOFTROCE_IP_A=%s SOFTROCE_IP_B=%s' \
-    "$p" "$(ip_of "$p")" "$(ip_of a)" "$(ip_of b)")" -c "$code"
-  softroce_qemu_cmd "$n" "softroce.ip=$(ip_of "$n")/24 softroce.mtu=$LINK_MTU" \
+  env=$(printf 'export SOFTROCE_PEER=%s SOFTROCE_PEER_IP=%s SOFTROCE_IP_A=%s SOFTROCE_IP_B=%s' \
+    "$p" "$(ip_of "$p")" "$(ip_of a)" "$(ip_of b)")
+  append="softroce.ip=$(ip_of "$n")/24 softroce.mtu=$LINK_MTU"
+  if [ "$LINKS" = 2 ]; then
+    env+=$(printf ' SOFTROCE_PEER_IP2=%s SOFTROCE_IP2_A=%s SOFTROCE_IP2_B=%s' "$(ip2_of "$p")" "$(ip2_of a)" "$(ip2_of b)")
+    append+=" softroce.ip2=$(ip2_of "$n")/24"
+    net2=(-netdev "stream,id=n1,server=$server,addr.type=unix,addr.path=$SOCK2"
+          -device "virtio-net-pci,netdev=n1,mac=${mac%:*}:1${mac##*:0}")
+  fi
+  softroce_cmd_file "$SHARE/cmd-$n.sh" "$env" -c "$code"
+  softroce_qemu_cmd "$n" "$append" \
     -netdev "stream,id=n0,server=$server,addr.type=unix,addr.path=$SOCK" \
-    -device "virtio-net-pci,netdev=n0,mac=$mac"
+    -device "virtio-net-pci,netdev=n0,mac=$mac" "${net2[@]}"
   timeout "$TIMEOUT" "${QEMU_CMD[@]}" </dev/null > >(tee "$RUN/console-$n.log" | sed -u "s/^/[$n] /") 2>&1 &
   PID[$n]=$!
   SOFTROCE_PIDS+=($!)
 }
 
 declare -A PID=() QRC=() GRC=() TOOK=()
-log "booting two guests: ${ACCEL_ARGS[*]} -smp $SMP -m $MEM each, link $SUBNET.0/24 mtu $LINK_MTU over $SOCK"
+log "booting two guests: ${ACCEL_ARGS[*]} -smp $SMP -m $MEM each, link $SUBNET.0/24 mtu $LINK_MTU over $SOCK${SOCK2:+$([ "$LINKS" = 2 ] && echo ", link $SUBNET2.0/24 over $SOCK2")}"
 start=$(now)
 start_guest a "$CMD_A" on 52:54:00:e8:00:01
 # b's QEMU connects once: wait until a's QEMU listens on the link socket
 i=0
-until [ -n "$(ss -Hxl src "$SOCK" 2>/dev/null)" ]; do
+until [ -n "$(ss -Hxl src "$SOCK" 2>/dev/null)" ] && { [ "$LINKS" = 1 ] || [ -n "$(ss -Hxl src "$SOCK2" 2>/dev/null)" ]; }; do
   kill -0 "${PID[a]}" 2>/dev/null || die "guest a's QEMU exited before it listened on $SOCK"
   i=$((i + 1)); [ $i -gt 100 ] && die "guest a's QEMU does not listen on $SOCK after 10s"
   sleep 0.1

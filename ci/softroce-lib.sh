@@ -135,7 +135,8 @@ softroce_initramfs() {
   # Per-guest settings come on the kernel command line: softroce.share (the
   # shared dir), softroce.netdev (virtio|dummy), softroce.name (guest name:
   # cmd-NAME.sh / rc-NAME in the share; none = cmd.sh / rc), softroce.ip
-  # (ADDR/PREFIX of the NIC rxe0 is bound to), softroce.mtu.
+  # (ADDR/PREFIX of the NIC rxe0 is bound to), softroce.mtu, softroce.ip2
+  # (ADDR/PREFIX of a second NIC, which gets rxe1; absent: one NIC).
   cat > "$stage/init" <<'INIT'
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -145,13 +146,14 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 T0=$(cut -d' ' -f1 /proc/uptime)
 say() { echo "softroce-init: $*"; }
-NAME= IPNET=10.77.0.1/24 MTU=
+NAME= IPNET=10.77.0.1/24 MTU= IPNET2=
 for a in $(cat /proc/cmdline); do
   case "$a" in
     softroce.share=*)  SHARE=${a#*=} ;;
     softroce.netdev=*) NETDEV=${a#*=} ;;
     softroce.name=*)   NAME=${a#*=} ;;
     softroce.ip=*)     IPNET=${a#*=} ;;
+    softroce.ip2=*)    IPNET2=${a#*=} ;;
     softroce.mtu=*)    MTU=${a#*=} ;;
   esac
 done
@@ -192,35 +194,45 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 share "/newroot$SHARE"
 # hostname / resolver noise: keep it local
 hostname "softroce$SUFFIX"
 ip link set lo up
+IF= IF2=
 case "$NETDEV" in
   dummy) ip link add rxenet0 type dummy; IF=rxenet0 ;;
-  *)     IF=; for n in /sys/class/net/*; do   # first NIC backed by a (virtio) device
-           [ -e "$n/device" ] && { IF=${n##*/}; break; }; done ;;
+  *)     for n in /sys/class/net/*; do   # the NICs backed by a (virtio) device, in order
+           [ -e "$n/device" ] || continue
+           if [ -z "$IF" ]; then IF=${n##*/}; elif [ -z "$IF2" ]; then IF2=${n##*/}; fi
+         done ;;
 esac
 [ -n "$IF" ] || { say "no network device"; finish 126; }
-IP=${IPNET%/*}
-ip addr add "$IPNET" dev "$IF"
-[ -n "$MTU" ] && { ip link set "$IF" mtu "$MTU" || { say "cannot set mtu $MTU on $IF"; finish 126; }; }
-ip link set "$IF" up
-chroot /newroot rdma link add rxe0 type rxe netdev "$IF" || { say "rdma link add failed"; finish 126; }
-i=0
-while [ "$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)" != "4: ACTIVE" ]; do
-  i=$((i+1)); [ $i -gt 100 ] && { say "rxe0 port not ACTIVE"; finish 126; }
-  sleep 0.1
-done
-# wait for the IPv4-mapped GID to show up (needs the address to be registered)
-i=0
-while ! grep -q '0000:0000:0000:0000:0000:ffff:' /sys/class/infiniband/rxe0/ports/1/gids/* 2>/dev/null; do
-  i=$((i+1)); [ $i -gt 100 ] && break
-  sleep 0.1
-done
+[ -z "$IPNET2" ] || [ -n "$IF2" ] || { say "softroce.ip2 given but no second network device"; finish 126; }
+IP=${IPNET%/*} IP2=${IPNET2%/*}
+# rxe DEV IF ADDR/PREFIX: address, MTU, link up, an rxe device on it, its
+# port ACTIVE and its IPv4-mapped GID registered
+rxe() {
+  ip addr add "$3" dev "$2"
+  [ -n "$MTU" ] && { ip link set "$2" mtu "$MTU" || { say "cannot set mtu $MTU on $2"; finish 126; }; }
+  ip link set "$2" up
+  chroot /newroot rdma link add "$1" type rxe netdev "$2" || { say "rdma link add $1 failed"; finish 126; }
+  i=0
+  while [ "$(cat /sys/class/infiniband/$1/ports/1/state 2>/dev/null)" != "4: ACTIVE" ]; do
+    i=$((i+1)); [ $i -gt 100 ] && { say "$1 port not ACTIVE"; finish 126; }
+    sleep 0.1
+  done
+  i=0
+  while ! grep -q '0000:0000:0000:0000:0000:ffff:' /sys/class/infiniband/$1/ports/1/gids/* 2>/dev/null; do
+    i=$((i+1)); [ $i -gt 100 ] && break
+    sleep 0.1
+  done
+}
+rxe rxe0 "$IF" "$IPNET"
+[ -n "$IPNET2" ] && rxe rxe1 "$IF2" "$IPNET2"
 T1=$(cut -d' ' -f1 /proc/uptime)
-say "rxe0 on $IF ($IPNET, mtu $(cat /sys/class/net/$IF/mtu)) ready, guest uptime ${T1}s (init took $(echo "$T0 $T1" | awk '{printf "%.2f", $2-$1}')s)"
+say "rxe0 on $IF ($IPNET, mtu $(cat /sys/class/net/$IF/mtu))${IPNET2:+, rxe1 on $IF2 ($IPNET2)} ready, guest uptime ${T1}s (init took $(echo "$T0 $T1" | awk '{printf "%.2f", $2-$1}')s)"
 echo "SOFTROCE_READY uptime=$T1"
 CWD=$(cat "/newroot$SHARE/cwd" 2>/dev/null || echo /)
 chroot /newroot /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   SOFTROCE_SHARE="$SHARE" SOFTROCE_IP="$IP" SOFTROCE_NETDEV="$IF" SOFTROCE_CWD="$CWD" \
+  SOFTROCE_IP2="$IP2" SOFTROCE_NETDEV2="$IF2" \
   SOFTROCE_NAME="$NAME" SOFTROCE_CMD="$SHARE/cmd$SUFFIX.sh" \
   /bin/bash -c 'cd "$SOFTROCE_CWD" 2>/dev/null || cd /; exec /bin/bash "$SOFTROCE_CMD"'
 rc=$?

@@ -1,14 +1,36 @@
 #!/usr/bin/env bash
 # ci/verbs-2host.sh -- kvlane over verbs between two hosts: two Soft-RoCE
-# guests on one private link (ci/softroce-2host.sh), guest a = 10.232.0.1
-# (target, servers), guest b = 10.232.0.2 (initiator, clients).  In ONE pair
-# of VMs:
+# guests on two private links (ci/softroce-2host.sh, SOFTROCE_LINKS=2):
+# guest a = 10.232.0.1 (target, servers), guest b = 10.232.0.2 (initiator,
+# clients); rxe0 on that link, rxe1 on the second one (10.233.0.1 / .2).
+# The bench and restart phases use rxe0 only (KVLANE_IB_DEVICES=rxe0), the
+# rails phase both.  In ONE pair of VMs:
 #   bench    a: kvlane bench --role target --listen 0.0.0.0:5555 --pool 256M --backend verbs
 #            b: kvlane bench --role initiator --connect 10.232.0.1:5555 --backend verbs \
 #                 --block-sizes 64K,1M --batch 16 --json
 #            then ib_write_bw / ib_read_bw (server in a, client in b) at the
 #            same message sizes, tx depth = the batch; prints both in GB/s
 #            (1e9 B/s) and the ratio kvlane / perftest.
+#   rails    (KVLANE_IB_DEVICES=rxe0,rxe1 in both guests)
+#            a: kvlane bench --role target --rails 2 ...
+#            b: kvlane bench --role initiator --rails 1, then --rails 2, one
+#               WRITE point ($RAILS_SIZE blocks, batch $BATCH) each: GB/s,
+#               the bytes each rail carried (kvlane's rail counters) and
+#               each rxe device's sent packets.  Checked: the 1-rail run
+#               leaves rxe1 idle, the 2-rail run carries bytes on both.
+#            a: kvlane serve --backend verbs (both rails)
+#            b: kvlane soak --backend verbs --block-size $RAILS_BLOCK
+#               --duration $RAILS_SOAK_DURATION --json, and mid-run
+#               `ip link set <rxe1's NIC> down` for $RAILS_DOWN s, then up:
+#               first on b (its port leaves ACTIVE), then on a (b's port
+#               stays ACTIVE: its parts on rxe1 time out, the QPs fail).
+#               Checked each time from soak's `rails` and `stats` lines:
+#               both rails carry bytes before; while down rxe1's bytes stay
+#               put (after $RAILS_SETTLE / $RAILS_SETTLE_PEER s), rxe0's grow
+#               and rounds succeed; after up rxe1 is paired again (rejoins
+#               1, then 2: an endpoint exchange over rxe0) and its bytes
+#               grow; soak's summary is healthy with no mismatch and no
+#               failed transfer.
 #   restart  a: kvlane serve --backend verbs --listen 0.0.0.0:5555 --insecure --block-size 64K ...
 #            b: kvlane soak --backend verbs --connect 10.232.0.1:5555 --block-size 64K --json
 #            (both with short liveness knobs: keep-alive 500 ms, budget 4,
@@ -38,7 +60,7 @@
 # because of that (a KVM or hardware run needs no knob).  The rxe counters of
 # both guests are printed after each phase for this reason.
 #
-# Usage: ci/verbs-2host.sh [bench|restart|all]   (default all)
+# Usage: ci/verbs-2host.sh [bench|rails|restart|all]   (default all)
 # Exit code: non-zero when the build, a transfer, a wait or a check fails.
 # Bandwidth is reported, not asserted (TCG timing is noisy); set
 # VERBS2_MIN_RATIO=0.5 to enforce kvlane >= 0.5 x perftest.
@@ -58,6 +80,15 @@
 #        RESTART_DURATION (25s: soak's --duration, it ends then and its
 #        summary is checked; under TCG the checks are done after about 10 s),
 #        RESTART_WARM (2: seconds of successful rounds before the kill),
+#        RAILS_SIZE (64K: at 1M x 16 a 2-rail transfer's 8 MiB parts miss
+#        Rails' part timeout, 2 s + bytes at 256 MB/s, as rxe under TCG
+#        moves ~5 MB/s: they are moved between the rails until the deadline),
+#        RAILS_BLOCK (64K), RAILS_SOAK_DURATION (45s),
+#        RAILS_DOWN (6: seconds rxe1's link stays down), RAILS_SETTLE (2:
+#        seconds after b's own down before rxe1's bytes must stop growing),
+#        RAILS_SETTLE_PEER (4: the same after a's down; b's parts on rxe1
+#        end by Rails' part timeout, 2 s, then), RAILS_RECOVER (6: seconds
+#        between the first up and the second down),
 #        KVLANE_BIN (a prebuilt kvlane with --features verbs: skips the build),
 #        plus everything ci/softroce-2host.sh reads (SOFTROCE_LINK_MTU: this
 #        script defaults it to 9000, i.e. RoCE MTU 4096, as RoCE fabrics run).
@@ -69,7 +100,7 @@ SOFTROCE_LOG_TAG=verbs-2host
 . ci/softroce-lib.sh
 
 PHASES=${1:-all}
-case $PHASES in all) PHASES="bench restart" ;; bench|restart) ;; *) die "usage: $0 [bench|restart|all]" ;; esac
+case $PHASES in all) PHASES="bench rails restart" ;; bench|rails|restart) ;; *) die "usage: $0 [bench|rails|restart|all]" ;; esac
 # (the guests read these: they are passed on by name in $PRE)
 # shellcheck disable=SC2034
 {
@@ -85,6 +116,7 @@ case $PHASES in all) PHASES="bench restart" ;; bench|restart) ;; *) die "usage: 
   PERF_ARGS=${VERBS2_PERF_ARGS:-}
 }
 export SOFTROCE_LINK_MTU=${SOFTROCE_LINK_MTU:-9000}
+export SOFTROCE_LINKS=2
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
 IB_TIMEOUT=${VERBS2_IB_TIMEOUT-18}
 if [ -n "$IB_TIMEOUT" ] && ! { [[ $IB_TIMEOUT =~ ^[0-9]+$ ]] && [ "$IB_TIMEOUT" -ge 1 ] && [ "$IB_TIMEOUT" -le 31 ]; }; then
@@ -98,6 +130,13 @@ fi
   RESTART_SLACK=${RESTART_SLACK:-1.5}
   RESTART_DURATION=${RESTART_DURATION:-25s}
   RESTART_WARM=${RESTART_WARM:-2}
+  RAILS_SIZE=${RAILS_SIZE:-64K}
+  RAILS_BLOCK=${RAILS_BLOCK:-64K}
+  RAILS_SOAK_DURATION=${RAILS_SOAK_DURATION:-45s}
+  RAILS_DOWN=${RAILS_DOWN:-6}
+  RAILS_SETTLE=${RAILS_SETTLE:-2}
+  RAILS_SETTLE_PEER=${RAILS_SETTLE_PEER:-4}
+  RAILS_RECOVER=${RAILS_RECOVER:-6}
 }
 
 # ------------------------------------------------------------ build
@@ -123,11 +162,14 @@ for s in ${SIZES//,/ }; do SIZES_B+="$(bytes "$s") "; done
 
 # what both guests get, then each guest's script (quoted: runs in the guest)
 PRE=$(for v in KV PHASES SIZES SIZES_B OPS BATCH POOL PORT PERF_MB PERF_QPS PERF_ARGS EXTRA_ENV MIN_RATIO IB_TIMEOUT \
-               RESTART_BLOCK RESTART_LIVENESS RESTART_SLACK RESTART_DURATION RESTART_WARM; do printf 'export %s=%q\n' "$v" "${!v}"; done)
+               RESTART_BLOCK RESTART_LIVENESS RESTART_SLACK RESTART_DURATION RESTART_WARM \
+               RAILS_SIZE RAILS_BLOCK RAILS_SOAK_DURATION RAILS_DOWN RAILS_SETTLE RAILS_SETTLE_PEER RAILS_RECOVER; do printf 'export %s=%q\n' "$v" "${!v}"; done)
 COMMON=$(cat <<'EOF'
 set -u
 rc=0
 export KVLANE_IB_DEVICE=rxe0
+# one rail (rxe0) unless a phase says otherwise (the rails phase)
+export KVLANE_IB_DEVICES=rxe0
 # the same RC ACK timeout for kvlane and perftest (like for like)
 if [ -n "$IB_TIMEOUT" ]; then export KVLANE_IB_TIMEOUT=$IB_TIMEOUT; PERF_ARGS="-u $IB_TIMEOUT $PERF_ARGS"; fi
 ack_timeout() {
@@ -171,6 +213,39 @@ if has bench; then
     done
   done
   echo "rxe0 counters after perftest: $(softroce_rxe_counters)"
+fi
+if has rails; then
+  echo "===== [a] rails: kvlane bench target on rxe0 + rxe1 (--rails 2), then serve for the rail-down soak"
+  KVLANE_IB_DEVICES=rxe0,rxe1 "$KV" bench --role target --listen "0.0.0.0:$PORT" --pool "$POOL" --backend verbs --rails 2 > /tmp/rails-target.log 2>&1 &
+  tp=$!
+  softroce_wait_listen "$PORT" 120 "$tp" || rc=1
+  softroce_await rails-bench-done 600 || rc=1
+  stop "$tp" /tmp/rails-target.log
+  # shellcheck disable=SC2086 # RESTART_LIVENESS is a list of options
+  KVLANE_IB_DEVICES=rxe0,rxe1 "$KV" serve --backend verbs --listen "0.0.0.0:$PORT" --insecure --layers 1 --blocks 16 \
+    --block-size "$RAILS_BLOCK" $RESTART_LIVENESS > /tmp/rails-serve.log 2>&1 &
+  tp=$!
+  if softroce_wait_listen "$PORT" 120 "$tp"; then
+    softroce_mark rails-up
+    # b asks for rxe1's link here to go down and up (case 2), or is done
+    asked() { [ -e "$SOFTROCE_SHARE/marks/$1" ] || [ -e "$SOFTROCE_SHARE/marks/rails-a-done" ]; }
+    if softroce_poll 300 "mark rails-a-down" asked rails-a-down && [ -e "$SOFTROCE_SHARE/marks/rails-a-down" ]; then
+      ip link set "$SOFTROCE_NETDEV2" down
+      echo "$SOFTROCE_NETDEV2 (rxe1's link) down at guest uptime $(cut -d' ' -f1 /proc/uptime)s; rxe1 port: $(cat /sys/class/infiniband/rxe1/ports/1/state)"
+      softroce_mark rails-a-isdown
+      softroce_poll 300 "mark rails-a-up" asked rails-a-up || rc=1
+      ip link set "$SOFTROCE_NETDEV2" up
+      softroce_poll 30 "rxe1's port to be ACTIVE again" grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state || rc=1
+      echo "$SOFTROCE_NETDEV2 up at guest uptime $(cut -d' ' -f1 /proc/uptime)s; rxe1 port: $(cat /sys/class/infiniband/rxe1/ports/1/state)"
+      softroce_mark rails-a-isup
+    fi
+    softroce_await rails-done 600 || rc=1
+  else
+    rc=1
+  fi
+  stop "$tp" /tmp/rails-serve.log
+  echo "rxe0 counters after the rails phase: $(softroce_rxe_counters rxe0)"
+  echo "rxe1 counters after the rails phase: $(softroce_rxe_counters rxe1)"
 fi
 if has restart; then
   # shellcheck disable=SC2086 # RESTART_LIVENESS is a list of options
@@ -256,6 +331,154 @@ if has bench; then
   echo " $(ack_timeout): like for like)"
   echo "rxe0 counters after perftest: $(softroce_rxe_counters)"
   [ $bad = 0 ] || { echo "kvlane is below VERBS2_MIN_RATIO=$MIN_RATIO x perftest"; rc=1; }
+fi
+if has rails; then
+  R0=rxe0 R1=rxe1
+  # sent TX packets of an rxe device
+  sent() { local v; read -r v < "/sys/class/infiniband/$1/ports/1/hw_counters/sent_pkts" || v=0; echo "$v"; }
+  echo "===== [b] rails: kvlane bench initiator --rails 1, then --rails 2 -> $A:$PORT ($RAILS_SIZE WRITE, batch $BATCH; $(ack_timeout))"
+  softroce_wait_port "$A" "$PORT" 120 || exit 1
+  declare -A RG=() RB=() P0=() P1=()
+  for n in 1 2; do
+    s0=$(sent $R0) s1=$(sent $R1)
+    set -- "$KV" bench --role initiator --connect "$A:$PORT" --backend verbs --rails "$n" --block-sizes "$RAILS_SIZE" --op write --batch "$BATCH" --duration 3s --no-baseline --json
+    echo "+ KVLANE_IB_DEVICES=$R0,$R1 $*"
+    KVLANE_IB_DEVICES=$R0,$R1 timeout 300 "$@" > "/tmp/rails-$n.json" 2> "/tmp/rails-$n.err" || { echo "FAIL: the --rails $n initiator failed (rc=$?)"; rc=1; }
+    cat "/tmp/rails-$n.json" "/tmp/rails-$n.err"
+    P0[$n]=$(( $(sent $R0) - s0 )) P1[$n]=$(( $(sent $R1) - s1 ))
+    row=$(grep '"backend":"verbs"' "/tmp/rails-$n.json" | grep '"op":"write"' | head -n1)
+    RG[$n]=$(jnum "$row" gbps)
+    RB[$n]=$(sed -n 's/.*rails carried: //p' "/tmp/rails-$n.err")
+    [ "$(jnum "$row" rails)" = "$n" ] || { echo "FAIL: the --rails $n row says rails=$(jnum "$row" rails)"; rc=1; }
+  done
+  softroce_mark rails-bench-done
+  echo
+  echo "===== rails: b -> a, WRITE $RAILS_SIZE x batch $BATCH, GB/s = 1e9 B/s (rxe under TCG is CPU-bound: reported, not tuned)"
+  printf '%-6s %12s %14s %14s  %s\n' rails "kvlane GB/s" "$R0 sent pkts" "$R1 sent pkts" "bytes per rail (kvlane's rail counters)"
+  for n in 1 2; do
+    printf '%-6s %12s %14s %14s  %s\n' "$n" "${RG[$n]:-none}" "${P0[$n]}" "${P1[$n]}" "${RB[$n]:-(one rail: all on $R0)}"
+  done
+  awk -v a="${RG[1]:-0}" -v b="${RG[2]:-0}" 'BEGIN { if (a > 0) printf "2 rails / 1 rail: %.2fx\n", b / a }'
+  if [ "${P1[1]}" -gt 50 ]; then echo "FAIL: the 1-rail run sent ${P1[1]} packets on $R1"; rc=1; fi
+  b0=$(sed -n "s/.*$R0 \([0-9]*\) B.*/\1/p" <<<"${RB[2]}") b1=$(sed -n "s/.*$R1 \([0-9]*\) B.*/\1/p" <<<"${RB[2]}")
+  if [ "${b0:-0}" -gt 0 ] && [ "${b1:-0}" -gt 0 ] && [ "${P1[2]}" -gt 0 ]; then
+    echo "PASS: with 2 rails both carried bytes ($R0 $b0 B, $R1 $b1 B); with 1 rail $R1 stayed idle (${P1[1]} packets)"
+  else
+    echo "FAIL: with 2 rails want bytes on both: '${RB[2]}', $R1 sent ${P1[2]} packets"; rc=1
+  fi
+
+  S=/tmp/rails-soak.json
+  # shellcheck disable=SC2086 # RESTART_LIVENESS is a list of options
+  set -- "$KV" soak --backend verbs --connect "$A:$PORT" --block-size "$RAILS_BLOCK" --duration "$RAILS_SOAK_DURATION" \
+    --stats-interval 1s --json $RESTART_LIVENESS
+  echo "===== [b] rails: rail down mid-run: KVLANE_IB_DEVICES=$R0,$R1 $*"
+  softroce_await rails-up 300 && softroce_wait_port "$A" "$PORT" 60 || exit 1
+  KVLANE_IB_DEVICES=$R0,$R1 "$@" > "$S" 2> /tmp/rails-soak.err &
+  sp=$!
+  now_ms() { echo $(( ${EPOCHREALTIME/./} / 1000 )); }
+  # rail LINE NAME KEY: a number of one rail in a `rails` line
+  rail() { sed -n "s/.*\"rail\":\"$2\",\([^}]*\)}.*/\1/p" <<<"$1" | sed -n "s/.*\"$3\":\([0-9]*\).*/\1/p"; }
+  # rails_at FROM_MS [TO_MS]: the first (or, with TO_MS, the last) `rails`
+  # line stamped in [FROM_MS, TO_MS)
+  rails_at() {
+    awk -v a="$1" -v b="${2:-}" 'index($0, "\"event\":\"rails\"") && match($0, /"unix_ms":[0-9]+/) {
+      t = substr($0, RSTART + 10, RLENGTH - 10) + 0
+      if (t >= a && (b == "" || t < b)) { l = $0; if (b == "") { print; exit } } } END { if (b != "" && l != "") print l }' "$S"
+  }
+  both() { local l; l=$(grep '"event":"rails"' "$S" | tail -n1); [ -n "$l" ] &&
+           [ "$(rail "$l" $R0 bytes)" -gt 0 ] && [ "$(rail "$l" $R1 bytes)" -gt 0 ]; }
+  ok=1
+  softroce_poll 120 "soak's rails to both carry bytes" both || ok=
+  # flip N WHO: rxe1's link down on guest WHO (b: here; a: asked by mark)
+  # for RAILS_DOWN s, then up; only the times are taken now (T_DOWN[N],
+  # T_UP[N], b's clock): the checks read soak's lines after it ended (each
+  # fork costs under TCG, and soak's clock runs on)
+  declare -A T_DOWN=() T_UP=()
+  flip() {
+    local n=$1 who=$2
+    T_DOWN[$n]=$(now_ms)
+    if [ "$who" = b ]; then
+      ip link set "$SOFTROCE_NETDEV2" down
+    else
+      softroce_mark rails-a-down; softroce_await rails-a-isdown 60 || rc=1
+    fi
+    sleep "$RAILS_DOWN"
+    T_UP[$n]=$(now_ms)
+    if [ "$who" = b ]; then
+      ip link set "$SOFTROCE_NETDEV2" up
+      softroce_poll 30 "$R1's port to be ACTIVE again" grep -q ACTIVE "/sys/class/infiniband/$R1/ports/1/state" || rc=1
+    else
+      softroce_mark rails-a-up; softroce_await rails-a-isup 60 || rc=1
+    fi
+    echo "case $n: $R1's link down on $who at unix_ms ${T_DOWN[$n]}, up at ${T_UP[$n]} (b's clock)"
+  }
+  # check N WHO SETTLE REJOINS: rxe1 carried nothing from SETTLE s after
+  # the down until the up while rxe0 carried the rounds, and carried bytes
+  # again after the up, paired again (its rejoin count reaching REJOINS)
+  check() {
+    local n=$1 who=$2 settle=$3 want=$4 t_down=${T_DOWN[$1]} t_up=${T_UP[$1]} settled last_down ok_down x1 l
+    echo "--- case $n: $R1's link down on $who for $(( t_up - t_down )) ms"
+    settled=$(rails_at $(( t_down + settle * 1000 )))
+    last_down=$(rails_at $(( t_down + settle * 1000 )) "$t_up")
+    echo "rails before the down:      $(rails_at 0 "$t_down")"
+    echo "rails ${settle}s after the down:  $settled"
+    echo "rails last while down:      $last_down"
+    ok_down=$(awk -v a="$(( t_down + settle * 1000 ))" -v b="$t_up" 'index($0, "\"event\":\"stats\"") && match($0, /"unix_ms":[0-9]+/) {
+      t = substr($0, RSTART + 10, RLENGTH - 10) + 0; if (t >= a && t < b && match($0, /"interval_ok":[0-9]+/)) s += substr($0, RSTART + 14, RLENGTH - 14) } END { print s + 0 }' "$S")
+    if [ -z "$settled" ] || [ -z "$last_down" ] || [ "$settled" = "$last_down" ]; then
+      echo "FAIL: no two rails lines while $R1 was down on $who (from +${settle}s): cannot tell who carried what"; rc=1
+    elif [ "$(rail "$last_down" $R1 bytes)" != "$(rail "$settled" $R1 bytes)" ]; then
+      echo "FAIL: $R1 carried bytes while its link was down on $who ($(rail "$settled" $R1 bytes) -> $(rail "$last_down" $R1 bytes))"; rc=1
+    elif ! [ "$(rail "$last_down" $R0 bytes)" -gt "$(rail "$settled" $R0 bytes)" ] || [ "$ok_down" -eq 0 ]; then
+      echo "FAIL: transfers did not go on over $R0 while $R1 was down on $who ($ok_down rounds ok)"; rc=1
+    elif [ "$(rail "$last_down" $R1 down_peers)" != 1 ]; then
+      echo "FAIL: $R1 is not set aside for the peer while down on $who: $last_down"; rc=1
+    else
+      echo "PASS: while $R1 was down on $who, $R0 carried $(( $(rail "$last_down" $R0 bytes) - $(rail "$settled" $R0 bytes) )) B in $ok_down successful rounds, $R1 nothing ($(rail "$last_down" $R1 reposts) parts moved off it so far)"
+    fi
+    # back: the first rails line after the up in which rxe1 carried more
+    x1=$(rail "$last_down" $R1 bytes)
+    l=$(awk -v a="$t_up" -v x="${x1:-0}" -v r="\"rail\":\"$R1\",\"bytes\":" 'index($0, "\"event\":\"rails\"") && match($0, /"unix_ms":[0-9]+/) &&
+      substr($0, RSTART + 10, RLENGTH - 10) + 0 >= a && (i = index($0, r)) && substr($0, i + length(r)) + 0 > x { print; exit }' "$S")
+    if [ -n "$x1" ] && [ -n "$l" ]; then
+      echo "PASS: $R1 carried bytes again $(( $(sed -n 's/.*"unix_ms":\([0-9]*\).*/\1/p' <<<"$l") - t_up )) ms after its link came up on $who (rejoins=$(rail "$l" $R1 rejoins)): $l"
+      [ "$(rail "$l" $R1 rejoins)" -ge "$want" ] || { echo "FAIL: $R1 carries bytes but was not paired again (rejoins < $want)"; rc=1; }
+    else
+      echo "FAIL: $R1 did not carry bytes again after its link came up on $who: $(grep '"event":"rails"' "$S" | tail -n1)"; rc=1
+    fi
+  }
+  cases=
+  if [ -n "$ok" ] && ! gone "$sp"; then
+    sleep 1
+    # 1: b's own port leaves ACTIVE: b moves the work at once
+    flip 1 b
+    sleep "$RAILS_RECOVER"
+    # 2: b's port stays ACTIVE: b's parts there time out, the QPs fail,
+    #    its offers go unanswered until a's link is up
+    flip 2 a
+    cases=1
+  else
+    echo "FAIL: soak's rails never both carried bytes before the down"; rc=1
+  fi
+  softroce_mark rails-a-done
+  softroce_poll 120 "soak to finish (--duration $RAILS_SOAK_DURATION)" gone "$sp" || kill -INT "$sp"
+  wait "$sp"; src=$?
+  sum=$(grep '"event":"summary"' "$S" | head -n1)
+  if [ -n "$cases" ]; then
+    check 1 b "$RAILS_SETTLE" 1
+    check 2 a "$RAILS_SETTLE_PEER" 2
+  fi
+  echo "soak exited rc=$src; summary: ${sum:-none}"
+  if [ "$src" = 0 ] && [ -n "$sum" ] && [[ $sum == *'"healthy":true'* ]] && [[ $sum == *'"mismatches":0'* ]] && [[ $sum == *'"failed":0,'* ]]; then
+    echo "PASS: soak healthy through the rail down and up: no mismatch, no failed transfer"
+  else
+    echo "FAIL: soak's summary (want rc 0, healthy, mismatches 0, failed 0)"; rc=1
+  fi
+  echo "rxe0 counters after the rails phase: $(softroce_rxe_counters rxe0)"
+  echo "rxe1 counters after the rails phase: $(softroce_rxe_counters rxe1)"
+  echo "--- soak's events (stats lines left out):"; grep -v '"event":"stats"' "$S"
+  echo "--- soak's stderr:"; cat /tmp/rails-soak.err
+  softroce_mark rails-done
 fi
 if has restart; then
   S=/tmp/soak.json

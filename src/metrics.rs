@@ -19,6 +19,8 @@
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
 //! | `kvlane_rail_failures_total` | counter | `rail` (parts that failed on it) |
 //! | `kvlane_rail_reposts_total` | counter | `rail` (failed parts moved to another rail) |
+//! | `kvlane_rail_rejoins_total` | counter | `rail` (times paired again by an endpoint exchange over another rail: verbs) |
+//! | `kvlane_rail_dropped_messages_total` | counter | `rail` (rails messages dropped on it) |
 //! | `kvlane_rail_down_peers` | gauge | `rail` (peers it is set aside for) |
 //!
 //! | `kvlane_control_refused_total` | counter | `reason`: `unauthenticated` (inbound peers refused before they proved the key: peer cap, failed or incompatible handshake), `handshake_evicted` (handshakes dropped for newer ones at the handshake cap) |
@@ -222,7 +224,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
             return Ok(());
         }
         type Pick = fn(&kvlane_data::RailStats) -> u64;
-        let counters: [(&str, &str, Pick); 4] = [
+        let counters: [(&str, &str, Pick); 6] = [
             ("rail_bytes", "Bytes each rail carried", |r| r.bytes),
             ("rail_parts", "Transfer parts completed on each rail", |r| {
                 r.parts
@@ -236,6 +238,16 @@ impl prometheus_client::collector::Collector for RailsCollector {
                 "rail_reposts",
                 "Failed parts moved from each rail to another",
                 |r| r.reposts,
+            ),
+            (
+                "rail_rejoins",
+                "Times each rail was paired again with a peer by an endpoint exchange over another rail",
+                |r| r.rejoins,
+            ),
+            (
+                "rail_dropped_messages",
+                "Rails messages dropped on each rail (malformed, unknown sender, stale)",
+                |r| r.dropped,
             ),
         ];
         for (name, help, pick) in counters {

@@ -485,6 +485,9 @@ impl Ctx {
                 parts: r.parts,
                 failures: r.failures,
                 reposts: r.reposts,
+                down_peers: r.down_peers,
+                rejoins: r.rejoins,
+                dropped: r.dropped,
             })
             .collect()
     }

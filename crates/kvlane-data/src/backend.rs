@@ -199,6 +199,16 @@ pub trait Backend: Send + 'static {
     fn rail_stats(&self) -> Vec<crate::RailStats> {
         Vec::new()
     }
+
+    /// Whether the device's link is up now (verbs: its port is ACTIVE).
+    /// [`Rails`](crate::Rails) reads it about every 100 ms: a rail whose
+    /// link is down gets no new work, its connections are dropped (work in
+    /// flight moves to the other rails) and it is paired again once the
+    /// link is up. A wrapper backend must forward it. Default `true`: a
+    /// backend with no link state of its own.
+    fn link_up(&self) -> bool {
+        true
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -265,6 +275,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn rail_stats(&self) -> Vec<crate::RailStats> {
         (**self).rail_stats()
+    }
+    fn link_up(&self) -> bool {
+        (**self).link_up()
     }
 }
 

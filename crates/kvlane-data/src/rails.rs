@@ -12,12 +12,30 @@
 //!   with a notification, goes whole on one rail, rotating; a larger one is
 //!   cut into one contiguous byte range per usable rail. Its completion is
 //!   reported once every part landed.
-//! - **Failure.** A part that fails on a rail with the peer lost or an I/O
-//!   error is posted again on another rail of that peer (READ and WRITE of
-//!   the same bytes are idempotent), until its deadline; the rail is set
-//!   aside for that peer and tried again, with one part, after
-//!   [`RailsConfig::retry_after`]: a success takes it back into use. With
+//! - **Failure.** A part that fails on a rail with the peer lost, an I/O
+//!   error, an RDMA work completion error (its queue pair is in ERROR) or
+//!   a part timeout is posted again on another rail of that peer
+//!   (READ and WRITE of the same bytes are idempotent), until its deadline.
+//!   The rail's connection to that peer is dropped at once, so that bytes
+//!   it still holds never land after the part was posted elsewhere. With
 //!   no rail left the transfer fails with the last error.
+//! - **Link state.** Each rail's [`Backend::link_up`] (verbs: the port is
+//!   ACTIVE) is read about every [`LINK_POLL`]. A rail whose link goes down
+//!   gets no new work and drops its connections at once (their parts move
+//!   to the other rails); it is paired again only once its link is up.
+//! - **Recovery.** After [`RailsConfig::retry_after`] a lost rail is paired
+//!   again. A rail whose endpoint is reusable (tcp) dials the peer's
+//!   endpoint again; a rail whose endpoints are per peer (verbs: a queue
+//!   pair in error needs a new queue pair, and the peer a new one too)
+//!   exchanges new endpoints with the peer over another rail that still
+//!   works, without the control plane (`rails/rejoin.rs` describes the
+//!   protocol and what it checks). Either way a rail is back in use
+//!   once it is connected again ([`RailStats::rejoins`] counts the
+//!   exchanges). An exchange needs another rail to that peer that works
+//!   and a peer of this version (its endpoint carries a token): a verbs
+//!   rail to a peer reached over that rail alone, or to an older peer,
+//!   stays set aside until the peer is connected again through the
+//!   control plane.
 //!
 //! - **Nearest rails.** A region can be given the rails nearest to its
 //!   memory ([`Rails::prefer`]; the agent does it for GPU regions from the
@@ -36,6 +54,9 @@ use crate::transfer::{
     BackendKind, Completion, Descriptor, Descriptors, Endpoint, Notification, RemoteDescriptor,
     RemoteDescriptors, Transfer,
 };
+
+mod rejoin;
+use rejoin::{Rejoin, Token};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +79,10 @@ pub struct RailsConfig {
     pub part_timeout: Duration,
     /// See `part_timeout`.
     pub part_min_rate: u64,
+    /// A re-pairing of a verbs rail by endpoint exchange (module docs)
+    /// that is not done within this long is given up and started again
+    /// after `retry_after`.
+    pub rejoin_timeout: Duration,
 }
 
 impl Default for RailsConfig {
@@ -68,6 +93,7 @@ impl Default for RailsConfig {
             retry_after: Duration::from_secs(1),
             part_timeout: Duration::from_secs(2),
             part_min_rate: 256 << 20,
+            rejoin_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -87,6 +113,12 @@ pub struct RailStats {
     pub reposts: u64,
     /// Peers for which it is set aside now.
     pub down_peers: u64,
+    /// Times it was paired again with a peer by an endpoint exchange over
+    /// another rail (verbs; see the module docs), on either side.
+    pub rejoins: u64,
+    /// Rails messages that arrived on it and were dropped: malformed, from
+    /// no known peer, or not matching where that rail's re-pairing stands.
+    pub dropped: u64,
 }
 
 /// The endpoint of a multi-rail backend: rail 0's bytes first, so a
@@ -96,6 +128,10 @@ struct RailsWire {
     /// `"kvlane-rails"`: tells a rails endpoint from a plain one.
     magic: String,
     rails: Vec<RailWire>,
+    /// What the peer names us by in a rejoin message: random, per peer
+    /// (absent: an older peer, or rails whose endpoints are reusable).
+    #[serde(default)]
+    token: Option<Token>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -157,6 +193,8 @@ fn decode_rails(e: &Endpoint) -> Option<RailsWire> {
 struct Rail {
     name: String,
     backend: Box<dyn Backend>,
+    /// Its link, as last read (see [`LINK_POLL`]).
+    up: bool,
     stats: RailStats,
     /// Rail 0 key -> this rail's key, for this side's registrations.
     local_keys: HashMap<RemoteKey, RemoteKey>,
@@ -176,6 +214,11 @@ struct RailPeer {
     redialing: bool,
     /// What this rail was connected with, to dial it again.
     remote: Option<(Endpoint, Vec<RemoteRegion>)>,
+    /// Where its re-pairing by endpoint exchange stands.
+    rejoin: Rejoin,
+    /// The epoch of our last offer that was answered and connected (a
+    /// repeated answer to it gets Ready again, nothing else).
+    joined: Option<u64>,
 }
 
 impl RailPeer {
@@ -187,6 +230,8 @@ impl RailPeer {
             lost: false,
             redialing: false,
             remote: None,
+            rejoin: Rejoin::Idle,
+            joined: None,
         }
     }
 }
@@ -196,6 +241,10 @@ type Redialed = (PeerId, usize, PeerId, Result<Connected, DataError>);
 
 struct PeerState {
     rails: Vec<RailPeer>,
+    /// Our token for this peer (what its rejoin messages name), and its
+    /// token for us; both set when the rails' endpoints are per peer.
+    token: Option<Token>,
+    their_token: Option<Token>,
 }
 
 struct Parent {
@@ -248,7 +297,22 @@ pub struct Rails {
     waker: Option<Waker>,
     /// Local region -> the rails preferred for it (bit i: rail i).
     prefer: HashMap<RegionId, u64>,
+    /// Our tokens -> the peer each was issued to.
+    by_token: HashMap<Token, PeerId>,
+    /// Application notifications taken from the rails, in arrival order.
+    notes: VecDeque<Notification>,
+    /// Scratch for draining the rails' notifications.
+    inbox: Vec<Notification>,
+    /// When the links were read last.
+    links_read: Option<Instant>,
+    /// Epoch of our next rejoin offer.
+    epoch: u64,
 }
+
+/// How often [`Rails`] reads its rails' link state (one `ibv_query_port`
+/// per verbs rail): a link that goes down moves work within about this
+/// long, rather than after a part timeout.
+pub const LINK_POLL: Duration = Duration::from_millis(100);
 
 impl std::fmt::Debug for Rails {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -296,6 +360,7 @@ impl Rails {
                     },
                     name,
                     backend,
+                    up: true,
                     local_keys: HashMap::new(),
                 })
                 .collect(),
@@ -310,6 +375,11 @@ impl Rails {
             redials: std::sync::mpsc::channel(),
             waker: None,
             prefer: HashMap::new(),
+            by_token: HashMap::new(),
+            notes: VecDeque::new(),
+            inbox: Vec::new(),
+            links_read: None,
+            epoch: 1,
         })
     }
 
@@ -363,6 +433,7 @@ impl Rails {
             .filter(|(i, rp)| {
                 rp.id.is_some()
                     && !rp.lost
+                    && self.rails[*i].up
                     && tried & (1 << i) == 0
                     && rp
                         .down_since
@@ -476,10 +547,13 @@ impl Rails {
                 let s = &mut self.rails[rail].stats;
                 s.bytes += part.bytes;
                 s.parts += 1;
+                // A part that had landed before its rail peer was dropped
+                // says nothing of the rail now.
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
                     .and_then(|p| p.rails.get_mut(rail))
+                    .filter(|rp| rail_peer_is(rp, c.peer))
                 {
                     rp.down_since = None;
                 }
@@ -492,27 +566,32 @@ impl Rails {
                     .map(|rp| &rp.keys);
                 let e = in_caller_terms(e, peer, part.parent, keys);
                 self.rails[rail].stats.failures += 1;
-                let lost = matches!(e, DataError::PeerLost { .. });
                 // A part timeout before the transfer's deadline is the rail
-                // going silent, not the transfer running out of time.
-                let moves = matches!(
-                    e,
-                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
-                ) && now < part.transfer.deadline;
+                // going silent, not the transfer running out of time. A
+                // work completion error leaves the rail's queue pair in
+                // ERROR (a port that just went down fails the send queue
+                // with "local queue pair operation error" before its state
+                // is read): the rail is broken, the part moves.
                 let broken = matches!(
                     e,
-                    DataError::PeerLost { .. } | DataError::Io { .. } | DataError::Timeout { .. }
+                    DataError::PeerLost { .. }
+                        | DataError::Io { .. }
+                        | DataError::Timeout { .. }
+                        | DataError::Rdma { .. }
                 );
+                let moves = broken && now < part.transfer.deadline;
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
                     .and_then(|p| p.rails.get_mut(rail))
                 {
+                    // A part of a rail peer that was replaced since (dropped,
+                    // dialed or paired again) says nothing of the current one.
                     if broken && rail_peer_is(rp, c.peer) {
                         // The rail's connection is dropped at once: bytes it
                         // still holds (a WRITE queued behind a silent link)
                         // must never land after the part was posted again
-                        // elsewhere, or after newer data. It is dialed again
+                        // elsewhere, or after newer data. It is paired again
                         // after `retry_after`.
                         // A backend that can keeps the rail peer (and what
                         // it issued: the remote's way in to us) to dial it
@@ -523,9 +602,6 @@ impl Rails {
                         }
                         rp.lost = true;
                         rp.down_since = Some(now);
-                    } else if moves {
-                        rp.down_since = Some(now);
-                        rp.lost |= lost;
                     }
                 }
                 part.tried |= 1 << rail;
@@ -610,7 +686,14 @@ impl Rails {
         let retry = self.cfg.retry_after;
         for (peer, state) in &mut self.peers {
             for (i, rp) in state.rails.iter_mut().enumerate() {
-                let due = rp.lost
+                // A rail peer kept in place (`disconnect_peer`) is dialed
+                // again on its endpoint; a removed one with per-peer
+                // endpoints cannot be: `rejoin` pairs it anew.
+                let reusable = (rp.id.is_some() || !self.rails[i].backend.endpoint_per_peer())
+                    && matches!(rp.rejoin, Rejoin::Idle)
+                    && self.rails[i].up;
+                let due = reusable
+                    && rp.lost
                     && !rp.redialing
                     && rp.down_since.is_none_or(|t| now.duration_since(t) >= retry);
                 let Some((ep, regs)) = rp.remote.as_ref().filter(|_| due) else {
@@ -860,16 +943,29 @@ impl Backend for Rails {
                 }
             }
         }
+        // A token only where a lost rail is paired again by exchange.
+        let token = (self.rails.len() > 1 && self.endpoint_per_peer()).then(rand::random::<Token>);
         let data = rmp_serde::to_vec_named(&RailsWire {
             magic: MAGIC.into(),
             rails: wires,
+            token,
         })
         .map_err(|e| DataError::BadEndpoint {
             backend: "rails",
             reason: e.to_string(),
         })?;
         let id = PeerId(NEXT_PEER.fetch_add(1, Ordering::Relaxed));
-        self.peers.insert(id, PeerState { rails });
+        if let Some(t) = token {
+            self.by_token.insert(t, id);
+        }
+        self.peers.insert(
+            id,
+            PeerState {
+                rails,
+                token,
+                their_token: None,
+            },
+        );
         Ok((
             id,
             Endpoint {
@@ -897,7 +993,9 @@ impl Backend for Rails {
         regions: &[RemoteRegion],
     ) -> Result<Connecting, DataError> {
         let kind = self.kind();
-        let theirs: Vec<(Endpoint, HashMap<RemoteKey, RemoteKey>)> = match decode_rails(remote) {
+        let wire = decode_rails(remote);
+        let their_token = wire.as_ref().and_then(|w| w.token);
+        let theirs: Vec<(Endpoint, HashMap<RemoteKey, RemoteKey>)> = match wire {
             Some(w) => w
                 .rails
                 .into_iter()
@@ -917,6 +1015,7 @@ impl Backend for Rails {
             .peers
             .get_mut(&peer)
             .ok_or(DataError::UnknownPeer(peer))?;
+        state.their_token = their_token.filter(|_| state.token.is_some());
         let mut work = Vec::new();
         for (i, rp) in state.rails.iter_mut().enumerate() {
             let Some(id) = rp.id else { continue };
@@ -1018,6 +1117,12 @@ impl Backend for Rails {
                 if let Some(id) = rp.id {
                     self.rails[i].backend.remove_peer(id);
                 }
+                if let Rejoin::Offered { id, .. } = rp.rejoin {
+                    self.rails[i].backend.remove_peer(id);
+                }
+            }
+            if let Some(t) = state.token {
+                self.by_token.remove(&t);
             }
         }
         // Parts still queued here fail now; parts on the rails fail through
@@ -1046,6 +1151,12 @@ impl Backend for Rails {
             return Err(SubmitError::Rejected(DataError::DuplicateTransfer(
                 transfer.id,
             )));
+        }
+        if rejoin::is_reserved(transfer.notify.as_deref()) {
+            return Err(SubmitError::Rejected(DataError::Unsupported {
+                backend: "rails",
+                what: "a notification that begins with the reserved rails prefix (0xc1 \"kvlane-rails\" 0x00)",
+            }));
         }
         let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
         let rails = self.usable(state, &keys, 0, now);
@@ -1138,6 +1249,7 @@ impl Backend for Rails {
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
         let now = Instant::now();
+        self.read_links(now);
         for i in 0..self.rails.len() {
             let mut got = std::mem::take(&mut self.scratch);
             self.rails[i].backend.poll(&mut got);
@@ -1146,20 +1258,22 @@ impl Backend for Rails {
             }
             self.scratch = got;
         }
+        self.take_notes(now);
         if !self.pending.is_empty() {
             self.retry_pending(now);
         }
         self.redial(now);
+        self.rejoin_tick(now);
         let n = self.done.len();
         completions.append(&mut self.done);
         n
     }
 
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
-        self.rails
-            .iter_mut()
-            .map(|r| r.backend.poll_notifications(out))
-            .sum()
+        self.take_notes(Instant::now());
+        let n = self.notes.len();
+        out.extend(self.notes.drain(..));
+        n
     }
 
     fn in_flight(&self) -> usize {
@@ -1189,6 +1303,10 @@ impl Backend for Rails {
                 sum.merge(&c);
                 sum
             })
+    }
+
+    fn link_up(&self) -> bool {
+        self.rails.iter().any(|r| r.backend.link_up())
     }
 
     fn rail_stats(&self) -> Vec<RailStats> {

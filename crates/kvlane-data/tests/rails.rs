@@ -1,12 +1,17 @@
 //! Rails: several tcp backends used as one. The conformance suite over two
 //! rails, then striping, rotation, a rail failing and coming back, and a
-//! peer with fewer rails.
+//! peer with fewer rails. Then rails whose endpoints are per peer (loopback
+//! with `endpoint_per_peer`, standing in for verbs): a link that goes down
+//! and up, and a queue-pair-like failure, both repaired by an endpoint
+//! exchange over the other rail.
 
 use kvlane_data::conformance::Fixture;
+use kvlane_data::rails::LINK_POLL;
 use kvlane_data::{
     connect_pair, Access, Backend, BackendKind, Completion, Connected, Connecting, DataError,
-    Descriptor, Endpoint, Notification, Op, PeerId, RailStats, Rails, RailsConfig, Region,
-    RegionId, RemoteDescriptor, RemoteRegion, SubmitError, TcpBackend, TcpConfig, Transfer,
+    Descriptor, Endpoint, LoopbackBackend, LoopbackConfig, Notification, Op, PeerId, RailStats,
+    Rails, RailsConfig, Region, RegionId, RemoteDescriptor, RemoteRegion, SubmitError, TcpBackend,
+    TcpConfig, Transfer,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -44,10 +49,15 @@ impl Fixture for TwoRails {
 kvlane_data::conformance_tests!(TwoRails);
 
 /// A rail whose completions fail with `PeerLost` while `broken` is set:
-/// the NIC port going down, as the initiator sees it.
+/// the NIC port going down, as the initiator sees it. With `link_down`
+/// set its link reads down as well (a port that left ACTIVE). With `rdma`
+/// set they fail as a work completion error instead (a queue pair in
+/// ERROR).
 struct Flaky {
     inner: Box<dyn Backend>,
     broken: Arc<AtomicBool>,
+    link_down: Arc<AtomicBool>,
+    rdma: bool,
 }
 
 impl Backend for Flaky {
@@ -94,12 +104,23 @@ impl Backend for Flaky {
     fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
         let start = out.len();
         let n = self.inner.poll(out);
-        if self.broken.load(Ordering::Relaxed) {
+        if self.broken.load(Ordering::Relaxed) || self.link_down.load(Ordering::Relaxed) {
             for c in &mut out[start..] {
-                c.result = Err(DataError::PeerLost {
-                    peer: c.peer,
-                    reason: "rail down (test)",
-                    source: None,
+                c.result = Err(if self.rdma {
+                    DataError::Rdma {
+                        peer: c.peer,
+                        op: Op::Write,
+                        device: "rxe1".into(),
+                        qpn: 17,
+                        status: "local queue pair operation error",
+                        vendor_err: 0,
+                    }
+                } else {
+                    DataError::PeerLost {
+                        peer: c.peer,
+                        reason: "rail down (test)",
+                        source: None,
+                    }
                 });
             }
         }
@@ -110,6 +131,12 @@ impl Backend for Flaky {
     }
     fn in_flight(&self) -> usize {
         self.inner.in_flight()
+    }
+    fn endpoint_per_peer(&self) -> bool {
+        self.inner.endpoint_per_peer()
+    }
+    fn link_up(&self) -> bool {
+        !self.link_down.load(Ordering::Relaxed)
     }
 }
 
@@ -142,8 +169,9 @@ fn pair(init: Rails, mut target: Box<dyn Backend>) -> Pair {
     }
 }
 
-fn run(p: &mut Pair, op: Op, offset: u64, len: u64) -> Result<(), DataError> {
-    let t = Transfer::new(
+/// `len` bytes at `offset` of the source, to or from the same offset there.
+fn transfer(p: &Pair, op: Op, offset: u64, len: u64) -> Transfer {
+    Transfer::new(
         p.peer,
         op,
         vec![Descriptor {
@@ -156,7 +184,11 @@ fn run(p: &mut Pair, op: Op, offset: u64, len: u64) -> Result<(), DataError> {
             offset,
             len,
         }],
-    );
+    )
+}
+
+fn run(p: &mut Pair, op: Op, offset: u64, len: u64) -> Result<(), DataError> {
+    let t = transfer(p, op, offset, len);
     let id = t.id;
     p.init.submit(t).map_err(|e| match e {
         SubmitError::Rejected(e) => e,
@@ -264,6 +296,8 @@ fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
                 Box::new(Flaky {
                     inner: tcp(),
                     broken: broken.clone(),
+                    link_down: Arc::default(),
+                    rdma: false,
                 }),
             ),
         ],
@@ -302,6 +336,8 @@ fn with_every_rail_failing_the_transfer_fails_typed() {
         Box::new(Flaky {
             inner: tcp(),
             broken: b.clone(),
+            link_down: Arc::default(),
+            rdma: false,
         })
     };
     let init = Rails::new(
@@ -357,4 +393,190 @@ fn a_peer_with_one_rail_pairs_the_first_rail_only() {
     let mut got = [0u8; 4096];
     dst.read(0, &mut got).unwrap();
     assert_eq!(got, [9u8; 4096]);
+}
+
+/// A loopback backend that pairs like verbs: every endpoint serves one
+/// peer once, so a lost rail cannot be dialed again with the handshake's.
+fn per_peer() -> Box<dyn Backend> {
+    Box::new(LoopbackBackend::new(LoopbackConfig {
+        endpoint_per_peer: true,
+        ..LoopbackConfig::default()
+    }))
+}
+
+/// Two verbs-like rails here (the second one switchable, failing its
+/// parts as `rdma` says), two there.
+fn per_peer_pair(cfg: &RailsConfig, rdma: bool) -> (Pair, Arc<AtomicBool>, Arc<AtomicBool>) {
+    let (broken, link_down) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let flaky = Flaky {
+        inner: per_peer(),
+        broken: broken.clone(),
+        link_down: link_down.clone(),
+        rdma,
+    };
+    let init = Rails::new(
+        vec![("lo0".into(), per_peer()), ("lo1".into(), Box::new(flaky))],
+        cfg.clone(),
+    )
+    .unwrap();
+    let target = Rails::new(
+        vec![("lo0".into(), per_peer()), ("lo1".into(), per_peer())],
+        cfg.clone(),
+    )
+    .unwrap();
+    (pair(init, Box::new(target)), broken, link_down)
+}
+
+/// Polls both sides until rail 1 was paired again on both (`n` times).
+fn await_rejoin(p: &mut Pair, n: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while p.init.rail_stats()[1].rejoins < n || p.target.rail_stats()[1].rejoins < n {
+        p.init.poll(&mut Vec::new());
+        p.target.poll(&mut Vec::new());
+        assert!(
+            Instant::now() < end,
+            "rail 1 not paired again: {:?} / {:?}",
+            p.init.rail_stats(),
+            p.target.rail_stats()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Submits a WRITE of the whole source, then the link goes down before it
+/// runs; the transfer's outcome.
+fn write_as_the_link_goes_down(p: &mut Pair, link_down: &AtomicBool) -> Result<(), DataError> {
+    let t = transfer(p, Op::Write, 0, LEN as u64);
+    let id = t.id;
+    p.init.submit(t).unwrap();
+    link_down.store(true, Ordering::Relaxed);
+    std::thread::sleep(LINK_POLL);
+    let mut out = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        p.init.poll(&mut out);
+        p.target.poll(&mut Vec::new());
+        if let Some(c) = out.iter().position(|c| c.id == id) {
+            return out.swap_remove(c).result;
+        }
+        assert!(Instant::now() < end, "the transfer never completed");
+    }
+}
+
+fn cfg_fast() -> RailsConfig {
+    RailsConfig {
+        retry_after: Duration::from_millis(100),
+        ..RailsConfig::default()
+    }
+}
+
+#[test]
+fn a_verbs_like_rail_whose_link_goes_down_hands_its_work_over_and_is_paired_again_when_up() {
+    let (mut p, _, link_down) = per_peer_pair(&cfg_fast(), false);
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert_eq!(bytes(&p.init.rail_stats()), [LEN as u64 / 2; 2]);
+
+    // The link goes down with a striped WRITE queued on both rails: the
+    // part on rail 1 is posted again on rail 0 and the transfer lands.
+    p.src.fill(0, LEN as u64, 0x5a).unwrap();
+    write_as_the_link_goes_down(&mut p, &link_down).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert_eq!(s[1].reposts, 1, "{s:?}");
+    assert_eq!(s[1].down_peers, 1, "{s:?}");
+
+    // While it is down, rail 0 carries everything (and nothing is offered).
+    for op in [Op::Read, Op::Write, Op::Read] {
+        run(&mut p, op, 0, LEN as u64).unwrap();
+        assert!(same(&p, 0, LEN as u64));
+    }
+    std::thread::sleep(cfg_fast().retry_after * 2);
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    let s = p.init.rail_stats();
+    assert_eq!(s[1].bytes, LEN as u64 / 2, "{s:?}");
+    assert_eq!(s[1].rejoins, 0, "{s:?}");
+
+    // Up again: paired anew over rail 0, both rails carry bytes.
+    link_down.store(false, Ordering::Relaxed);
+    await_rejoin(&mut p, 1);
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert_eq!(s[1].bytes, LEN as u64, "{s:?}");
+    assert_eq!(s[1].down_peers, 0, "{s:?}");
+    assert_eq!(p.target.rail_stats()[1].down_peers, 0);
+    assert!(s.iter().all(|r| r.dropped == 0), "{s:?}");
+}
+
+#[test]
+fn a_verbs_like_rail_that_failed_with_its_link_up_is_paired_again() {
+    // The peer lost on a rail, then a queue pair in error (a work
+    // completion error), the port still ACTIVE: the part moves, the rail
+    // is paired again after retry_after, and it is used again.
+    for rdma in [false, true] {
+        rail_failure_is_repaired(rdma);
+    }
+}
+
+fn rail_failure_is_repaired(rdma: bool) {
+    let (mut p, broken, _) = per_peer_pair(&cfg_fast(), rdma);
+    broken.store(true, Ordering::Relaxed);
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert!(same(&p, 0, LEN as u64));
+    let s = p.init.rail_stats();
+    assert_eq!(
+        (s[1].failures, s[1].reposts, s[1].bytes),
+        (1, 1, 0),
+        "{s:?}"
+    );
+    broken.store(false, Ordering::Relaxed);
+    await_rejoin(&mut p, 1);
+    for op in [Op::Write, Op::Read] {
+        run(&mut p, op, 0, LEN as u64).unwrap();
+        assert!(same(&p, 0, LEN as u64));
+    }
+    assert_eq!(p.init.rail_stats()[1].bytes, LEN as u64);
+    // A second failure is repaired the same way.
+    broken.store(true, Ordering::Relaxed);
+    run(&mut p, Op::Read, 0, LEN as u64).unwrap();
+    broken.store(false, Ordering::Relaxed);
+    await_rejoin(&mut p, 2);
+    run(&mut p, Op::Write, 0, LEN as u64).unwrap();
+    assert_eq!(p.init.rail_stats()[1].bytes, LEN as u64 * 3 / 2);
+}
+
+#[test]
+fn with_every_verbs_like_rail_down_the_transfer_fails_typed() {
+    let link_down = Arc::new(AtomicBool::new(false));
+    let flaky = || -> Box<dyn Backend> {
+        Box::new(Flaky {
+            inner: per_peer(),
+            broken: Arc::default(),
+            link_down: link_down.clone(),
+            rdma: false,
+        })
+    };
+    let init = Rails::new(
+        vec![("lo0".into(), flaky()), ("lo1".into(), flaky())],
+        cfg_fast(),
+    )
+    .unwrap();
+    let target = Rails::new(
+        vec![("lo0".into(), per_peer()), ("lo1".into(), per_peer())],
+        cfg_fast(),
+    )
+    .unwrap();
+    let mut p = pair(init, Box::new(target));
+    // In flight when both links go down: fails PeerLost (no rail left).
+    let e = write_as_the_link_goes_down(&mut p, &link_down).unwrap_err();
+    assert!(
+        matches!(e, DataError::PeerLost { peer, .. } if peer == p.peer),
+        "{e}"
+    );
+    // Submitted while both are down: refused the same way.
+    let e = run(&mut p, Op::Read, 0, 4096).unwrap_err();
+    assert!(matches!(e, DataError::PeerLost { .. }), "{e}");
 }

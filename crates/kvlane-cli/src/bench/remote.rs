@@ -273,6 +273,20 @@ fn against(
             emit(&row).map_err(BenchError::Output)?;
         }
     }
+    let carried: Vec<String> = agent
+        .agent()
+        .rail_stats()
+        .iter()
+        .map(|r| {
+            format!(
+                "{} {} B in {} parts ({} moved off)",
+                r.name, r.bytes, r.parts, r.reposts
+            )
+        })
+        .collect();
+    if !carried.is_empty() {
+        eprintln!("kvlane bench: rails carried: {}", carried.join(", "));
+    }
     Ok(())
 }
 

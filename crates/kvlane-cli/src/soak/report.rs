@@ -113,6 +113,12 @@ pub(crate) struct RailSummary {
     pub(crate) parts: u64,
     pub(crate) failures: u64,
     pub(crate) reposts: u64,
+    /// Peers it is set aside for now (lost, or its link down).
+    pub(crate) down_peers: u64,
+    /// Times it was paired again by an endpoint exchange (verbs).
+    pub(crate) rejoins: u64,
+    /// Rails messages dropped on it.
+    pub(crate) dropped: u64,
 }
 
 /// The control-plane liveness settings in effect.

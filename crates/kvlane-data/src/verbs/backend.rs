@@ -13,6 +13,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::config::VerbsConfig;
+use super::device::PortStatus;
 use super::error::VerbsError;
 use super::qp::{QpBuilder, QpEndpoint};
 use super::resources::{Context, MemoryRegistration, MrAccess};
@@ -556,5 +557,13 @@ impl Backend for VerbsBackend {
     /// A queue pair pairs with exactly one remote queue pair.
     fn endpoint_per_peer(&self) -> bool {
         true
+    }
+
+    /// The port is ACTIVE (a port that cannot be queried counts as down).
+    fn link_up(&self) -> bool {
+        matches!(
+            self.ctx.port_state(),
+            Ok(PortStatus::Active | PortStatus::ActiveDefer)
+        )
     }
 }

@@ -480,7 +480,7 @@ pub(crate) fn describe(name: &str, ctx: &Arc<DeviceContext>) -> Result<DeviceInf
     })
 }
 
-fn port_status(raw: u32) -> PortStatus {
+pub(crate) fn port_status(raw: u32) -> PortStatus {
     match raw {
         1 => PortStatus::Down,
         2 => PortStatus::Init,

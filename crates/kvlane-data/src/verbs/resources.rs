@@ -12,7 +12,10 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain as SwPd;
 use sideway::ibverbs::AccessFlags;
 
-use super::device::{describe, device_list, select, DeviceConfig, GidInfo, PortInfo, Selection};
+use super::device::{
+    describe, device_list, port_status, select, DeviceConfig, GidInfo, PortInfo, PortStatus,
+    Selection,
+};
 use super::device::{DeviceInfo, DeviceLimits};
 use super::error::{io_cause, is_unsupported, Unsupported, VerbsError};
 
@@ -75,9 +78,23 @@ impl Context {
         &self.info.limits
     }
 
-    /// The port this context uses.
+    /// The port this context uses, as it was when the context was opened.
     pub fn port(&self) -> &PortInfo {
         &self.port
+    }
+
+    /// The port's logical state now (one `ibv_query_port`): a port whose
+    /// link went down reads `Down` until it is ACTIVE again.
+    pub fn port_state(&self) -> Result<PortStatus, VerbsError> {
+        let attr = self
+            .ctx
+            .query_port(self.port.port)
+            .map_err(|e| VerbsError::Query {
+                device: self.info.name.clone(),
+                what: format!("port {}", self.port.port),
+                source: io_cause(&e),
+            })?;
+        Ok(port_status(attr.attr.state))
     }
 
     /// The GID this context uses.
