@@ -487,6 +487,10 @@ impl Agent {
             tcp: self.inner.transport.with_backend(|b| b.tcp_counters()),
             control: *lock(&self.inner.control_stats),
             notifications_dropped: self.notifications_dropped(),
+            notifications_queued: i64::try_from(
+                self.inner.note_tx.max_capacity() - self.inner.note_tx.capacity(),
+            )
+            .unwrap_or(i64::MAX),
             ..Default::default()
         };
         for e in lock(&self.inner.peers).values() {

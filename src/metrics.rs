@@ -14,6 +14,7 @@
 //! | `kvlane_peers` | gauge | `state` (`up`, `attaching`, `down`) |
 //! | `kvlane_transfers_in_flight` | gauge | |
 //! | `kvlane_notifications_dropped_total` | counter | (unread queue full) |
+//! | `kvlane_notifications_queued` | gauge | (delivered, not yet read by the application) |
 //!
 //! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
@@ -102,6 +103,7 @@ pub(crate) struct Snapshot {
     pub(crate) in_flight: i64,
     pub(crate) rails: Vec<kvlane_data::RailStats>,
     pub(crate) notifications_dropped: u64,
+    pub(crate) notifications_queued: i64,
     pub(crate) control: kvlane_control::Stats,
     pub(crate) tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -111,6 +113,7 @@ pub(crate) struct Snapshot {
 struct Scraped {
     rails: Vec<kvlane_data::RailStats>,
     notifications_dropped: u64,
+    notifications_queued: i64,
     control: kvlane_control::Stats,
     tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -171,6 +174,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
         )?;
         let scraped = self.0.lock().unwrap_or_else(|e| e.into_inner());
         ConstCounter::new(scraped.notifications_dropped).encode(dropped)?;
+        let queued = encoder.encode_descriptor(
+            "notifications_queued",
+            "Notifications delivered and not yet read by the application",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        ConstGauge::new(scraped.notifications_queued).encode(queued)?;
         let (c, t) = (&scraped.control, scraped.tcp);
         let mut families: Vec<ReasonFamily> = vec![
             (
@@ -428,6 +438,7 @@ impl Metrics {
         *m.rails.0.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
             rails: snap.rails,
             notifications_dropped: snap.notifications_dropped,
+            notifications_queued: snap.notifications_queued,
             control: snap.control,
             tcp: snap.tcp,
         };
@@ -580,6 +591,7 @@ mod tests {
         assert!(has(r#"kvlane_peers{state="up"} 3"#), "{text}");
         assert!(has("kvlane_transfers_in_flight 2"), "{text}");
         assert!(has("kvlane_notifications_dropped_total 0"), "{text}");
+        assert!(has("kvlane_notifications_queued 0"), "{text}");
         assert!(text.contains("# TYPE kvlane_transfer_duration_seconds histogram"));
     }
 

@@ -46,6 +46,17 @@ async fn unread_notifications_are_bounded_and_drops_counted() {
         waited += Duration::from_millis(10);
     }
     assert_eq!(decode.notifications_dropped(), 16);
+    // The metrics say the same: 4 waiting, 16 dropped.
+    let m = decode.metrics();
+    assert!(
+        m.lines().any(|l| l == "kvlane_notifications_queued 4"),
+        "{m}"
+    );
+    assert!(
+        m.lines()
+            .any(|l| l == "kvlane_notifications_dropped_total 16"),
+        "{m}"
+    );
     let mut got = Vec::new();
     while let Ok(n) = notes.try_recv() {
         got.push(n.payload.to_vec());
@@ -66,6 +77,11 @@ async fn unread_notifications_are_bounded_and_drops_counted() {
         .expect("a notification after draining")
         .unwrap();
     assert_eq!(&n.payload[..], b"after");
+    let m = decode.metrics();
+    assert!(
+        m.lines().any(|l| l == "kvlane_notifications_queued 0"),
+        "{m}"
+    );
     prefill.close().await;
     decode.close().await;
 }
