@@ -28,6 +28,8 @@
 //! | `kvlane_control_frames_dropped_total` | counter | `reason`: `oversized`, `malformed`, `unknown_type`, `unexpected` |
 //! | `kvlane_data_connections_refused_total` | counter | `reason`: `auth_failed` (wrong or revoked credential), `auth_timeout`, `unauthenticated_evicted`, `cap` (connection cap), `revoked` (open connections closed when their peer was removed), `framing`, `panic` (tcp target) |
 //! | `kvlane_data_requests_refused_total` | counter | `reason`: `unknown_key`, `out_of_bounds`, `access` (tcp target) |
+//! | `kvlane_data_served_requests_total` | counter | `op` (`read`, `write`): requests the tcp target served for peers |
+//! | `kvlane_data_served_bytes_total` | counter | `op`: bytes peers read from or wrote into this side's memory (tcp target) |
 //!
 //! The control counters are read from the control driver about once a
 //! second, so a scrape may lag them by that much.
@@ -121,6 +123,11 @@ struct Scraped {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServedLabels {
+    op: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -228,6 +235,32 @@ impl prometheus_client::collector::Collector for RailsCollector {
         }
         for (name, help, values) in &families {
             reasons(&mut encoder, name, help, values)?;
+        }
+        if let Some(t) = t {
+            // What peers moved through this side's memory (tcp target).
+            let served: [(&str, &str, [(&'static str, u64); 2]); 2] = [
+                (
+                    "data_served_requests",
+                    "Requests the tcp target served for peers",
+                    [("read", t.reads_served), ("write", t.writes_served)],
+                ),
+                (
+                    "data_served_bytes",
+                    "Bytes peers read from or wrote into this side's memory (tcp target)",
+                    [("read", t.bytes_read), ("write", t.bytes_written)],
+                ),
+            ];
+            for (name, help, values) in served {
+                let mut family = encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    prometheus_client::metrics::MetricType::Counter,
+                )?;
+                for (op, v) in values {
+                    ConstCounter::new(v).encode(family.encode_family(&ServedLabels { op })?)?;
+                }
+            }
         }
         let rails = &scraped.rails;
         if rails.is_empty() {

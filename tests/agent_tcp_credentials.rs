@@ -105,6 +105,14 @@ async fn detaching_a_peer_revokes_its_credential_and_spares_the_others() {
         .await
         .unwrap();
     assert_eq!(block(&b_kv, 4), block(&a_kv, 4));
+    // `b` served four WRITEs of one block id over 2 layers x K/V.
+    let served = r#"kvlane_data_served_bytes_total{op="write"}"#;
+    assert_eq!(
+        sample(&b.metrics(), served),
+        Some((4 * 2 * 2 * layout().block_bytes) as f64),
+        "{}",
+        b.metrics()
+    );
     // Nobody ever presented a wrong or revoked credential to `b`.
     assert_eq!(
         sample(&b.metrics(), AUTH_FAILED),

@@ -118,6 +118,11 @@ pub(crate) struct BenchArgs {
     /// most that many of theirs. Rows carry `rails`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
     rails: u64,
+    /// With `--role target`: serve the target agent's Prometheus metrics at
+    /// `http://ADDR/metrics` (the address is printed on stderr) while it
+    /// runs.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 /// `--memory`: host or a GPU.
@@ -300,7 +305,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         dial_any_data_host: args.dial_any_data_host,
         memory: args.memory.0,
         rails: args.rails as usize,
+        metrics: args.metrics.clone(),
     };
+    if args.metrics.is_some() && args.role != Role::Target {
+        return Err("--metrics serves the target agent's metrics: it needs --role target".into());
+    }
     if args.peers_worker {
         let addr = args
             .connect

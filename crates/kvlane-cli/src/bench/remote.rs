@@ -59,6 +59,8 @@ pub(crate) struct RemoteOpts {
     pub(crate) memory: Option<kvlane_data::GpuDevice>,
     /// Use at most this many rails.
     pub(crate) rails: usize,
+    /// Target role: serve the agent's metrics at this address.
+    pub(crate) metrics: Option<String>,
 }
 
 pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
@@ -109,11 +111,22 @@ pub(crate) async fn target(
         fmt_size(pool),
         raw_port.map_or(String::new(), |p| format!(" raw-tcp={p}"))
     );
+    let metrics = match &opts.metrics {
+        Some(addr) => {
+            let (task, bound) = crate::serve::serve_metrics(&agent, addr).await?;
+            eprintln!("kvlane bench: metrics http://{bound}/metrics");
+            Some(task)
+        }
+        None => None,
+    };
     eprintln!(
         "kvlane bench: target ready; run `kvlane bench --role initiator --connect {}`",
         dialable(agent.local_addr())
     );
     let stopped = tokio::signal::ctrl_c().await;
+    if let Some(t) = metrics {
+        t.abort();
+    }
     agent.close().await;
     drop(raw);
     stopped?;
