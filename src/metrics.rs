@@ -238,7 +238,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
         }
         if let Some(t) = t {
             // What peers moved through this side's memory (tcp target).
-            let served: [(&str, &str, [(&'static str, u64); 2]); 2] = [
+            let served = [
                 (
                     "data_served_requests",
                     "Requests the tcp target served for peers",
