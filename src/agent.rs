@@ -309,6 +309,7 @@ impl AgentBuilder {
             notifications: Mutex::new(Some(note_rx)),
             note_tx,
             notes_dropped: Default::default(),
+            notes_refused: Default::default(),
             dial_any_data_host: self.dial_any_data_host,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
@@ -341,8 +342,7 @@ impl AgentBuilder {
             let Some(mut rx) = data_notes else { return };
             while let Some(n) = rx.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
-                let note = frames::notification(n.payload.to_vec(), || "a data-plane peer".into());
-                inner.deliver(note);
+                inner.deliver_data(n);
             }
         });
         let weak = Arc::downgrade(&inner);
@@ -487,6 +487,7 @@ impl Agent {
             tcp: self.inner.transport.with_backend(|b| b.tcp_counters()),
             control: *lock(&self.inner.control_stats),
             notifications_dropped: self.notifications_dropped(),
+            notifications_refused: self.notifications_refused(),
             notifications_queued: i64::try_from(
                 self.inner.note_tx.max_capacity() - self.inner.note_tx.capacity(),
             )
@@ -612,6 +613,14 @@ impl Agent {
     /// [`AgentBuilder::notification_capacity`].
     pub fn notifications(&self) -> Option<mpsc::Receiver<Notification>> {
         lock(&self.inner.notifications).take()
+    }
+
+    /// Data-plane notifications refused because they named another sender
+    /// than the peer they came from (see [`Notification::from`]).
+    pub fn notifications_refused(&self) -> u64 {
+        self.inner
+            .notes_refused
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Notifications dropped because the queue of unread ones was full.

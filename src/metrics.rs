@@ -15,6 +15,7 @@
 //! | `kvlane_transfers_in_flight` | gauge | |
 //! | `kvlane_notifications_dropped_total` | counter | (unread queue full) |
 //! | `kvlane_notifications_queued` | gauge | (delivered, not yet read by the application) |
+//! | `kvlane_notifications_refused_total` | counter | (data-plane notifications naming another sender than the peer they came from) |
 //!
 //! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
@@ -106,6 +107,7 @@ pub(crate) struct Snapshot {
     pub(crate) rails: Vec<kvlane_data::RailStats>,
     pub(crate) notifications_dropped: u64,
     pub(crate) notifications_queued: i64,
+    pub(crate) notifications_refused: u64,
     pub(crate) control: kvlane_control::Stats,
     pub(crate) tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -116,6 +118,7 @@ struct Scraped {
     rails: Vec<kvlane_data::RailStats>,
     notifications_dropped: u64,
     notifications_queued: i64,
+    notifications_refused: u64,
     control: kvlane_control::Stats,
     tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -188,6 +191,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
             prometheus_client::metrics::MetricType::Gauge,
         )?;
         ConstGauge::new(scraped.notifications_queued).encode(queued)?;
+        let refused = encoder.encode_descriptor(
+            "notifications_refused",
+            "Data-plane notifications refused: they named another sender than the peer they came from",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        ConstCounter::new(scraped.notifications_refused).encode(refused)?;
         let (c, t) = (&scraped.control, scraped.tcp);
         let mut families: Vec<ReasonFamily> = vec![
             (
@@ -472,6 +482,7 @@ impl Metrics {
             rails: snap.rails,
             notifications_dropped: snap.notifications_dropped,
             notifications_queued: snap.notifications_queued,
+            notifications_refused: snap.notifications_refused,
             control: snap.control,
             tcp: snap.tcp,
         };

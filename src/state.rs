@@ -112,6 +112,9 @@ pub(crate) struct Inner {
     /// a notification that finds the queue full is dropped and counted.
     pub(crate) note_tx: mpsc::Sender<Notification>,
     pub(crate) notes_dropped: AtomicU64,
+    /// Data-plane notifications refused because their frame named another
+    /// sender than the peer they came from.
+    pub(crate) notes_refused: AtomicU64,
     /// Dial data endpoints on any host, not only on the host of the
     /// control connection (see the `dial` module).
     pub(crate) dial_any_data_host: bool,
@@ -153,6 +156,31 @@ impl Inner {
     /// queue is full (the user is not reading): never waits, so neither the
     /// control loop nor the data plane's completion path is held up. The
     /// first drop and every 1,000th after it are logged.
+    /// A notification that came over the data plane. When the backend
+    /// names the data-plane peer it came from, that peer's engine is the
+    /// sender, and a frame that names another is refused (a peer cannot
+    /// speak for another engine): counted, logged at debug.
+    pub(crate) fn deliver_data(&self, n: kvlane_data::Notification) {
+        let engine = n.from.and_then(|pid| {
+            lock(&self.peers)
+                .values()
+                .find(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
+                .map(|e| e.engine_id.clone())
+        });
+        let note = crate::frames::notification(n.payload.to_vec(), || {
+            engine
+                .clone()
+                .unwrap_or_else(|| "a data-plane peer".to_owned())
+        });
+        if let Some(engine) = engine.filter(|e| *e != note.from) {
+            let refused = self.notes_refused.fetch_add(1, Ordering::AcqRel) + 1;
+            debug!(claimed = %note.from, sender = %engine, refused,
+                "refused a data-plane notification that names another sender");
+            return;
+        }
+        self.deliver(note);
+    }
+
     pub(crate) fn deliver(&self, note: Notification) {
         if let Err(mpsc::error::TrySendError::Full(n)) = self.note_tx.try_send(note) {
             let dropped = self.notes_dropped.fetch_add(1, Ordering::AcqRel) + 1;

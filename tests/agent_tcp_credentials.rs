@@ -1,11 +1,15 @@
 //! tcp agents exchange data-plane endpoints per connection: every peer is
 //! issued a credential of its own, and detaching the peer revokes it (its
 //! connections to this agent are closed) without touching other peers.
-//! What the tcp target refuses shows in the agent's metrics.
+//! What the tcp target refuses shows in the agent's metrics, and a
+//! notification must name the peer whose connection it came on.
 
-use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
+use kvlane::data::intercept::Intercept;
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region, TcpBackend, TcpConfig};
 use kvlane::{Agent, BackendChoice};
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn layout() -> KvLayout {
@@ -168,5 +172,78 @@ async fn a_peer_with_the_wrong_key_is_counted_as_refused() {
     let v = wait_for(&b, series, 1.0).await;
     assert!(v >= 1.0, "{}", b.metrics());
     m.close().await;
+    b.close().await;
+}
+
+#[derive(serde::Serialize)]
+struct Frame {
+    from: String,
+    #[serde(with = "serde_bytes")]
+    payload: Vec<u8>,
+}
+
+/// A tcp backend whose arriving notifications are rewritten (while
+/// `forge` is set) to name "mallory" as their sender: what a peer holding
+/// a valid credential would send to speak for another engine.
+fn forger(forge: Arc<AtomicBool>) -> Intercept {
+    Intercept::new(TcpBackend::new(TcpConfig::default()).unwrap()).on_notifications(move |notes| {
+        if !forge.load(Ordering::Relaxed) {
+            return;
+        }
+        for n in notes {
+            n.payload = rmp_serde::to_vec_named(&Frame {
+                from: "mallory".into(),
+                payload: b"forged".to_vec(),
+            })
+            .unwrap()
+            .into();
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_notification_naming_another_sender_is_refused() {
+    let forge = Arc::new(AtomicBool::new(false));
+    let len = layout().required_len().unwrap() as usize;
+    let b = Agent::builder()
+        .engine_id("b")
+        .backend_instance(forger(forge.clone()))
+        .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+        .build()
+        .await
+        .unwrap();
+    let mut notes = b.notifications().unwrap();
+    let (a, _) = agent("a", None).await;
+    let pa = a.connect(b.local_addr()).await.unwrap();
+    // As sent: the frame names `a`, the connection is `a`'s.
+    pa.write_blocks(0..2, &[1], &[1], Some(b"real"))
+        .unwrap()
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((n.from.as_str(), &n.payload[..]), ("a", &b"real"[..]));
+    // Arriving on `a`'s connection but naming "mallory": refused.
+    forge.store(true, Ordering::Relaxed);
+    pa.write_blocks(0..2, &[2], &[2], Some(b"second"))
+        .unwrap()
+        .await
+        .unwrap();
+    let start = Instant::now();
+    while b.notifications_refused() < 1 && start.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.notifications_refused(), 1);
+    assert_eq!(
+        sample(&b.metrics(), "kvlane_notifications_refused_total"),
+        Some(1.0)
+    );
+    assert!(
+        notes.try_recv().is_err(),
+        "the forged notification was delivered"
+    );
+    a.close().await;
     b.close().await;
 }

@@ -83,6 +83,7 @@ mod gpu;
 mod handle;
 mod host_registry;
 mod ids;
+pub mod intercept;
 pub mod layout;
 pub mod loopback;
 #[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness

@@ -412,7 +412,10 @@ impl Backend for LoopbackBackend {
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
         let mut q = lock(&self.node.notifications);
         let n = q.len();
-        out.extend(q.drain(..).map(|payload| Notification { payload }));
+        out.extend(q.drain(..).map(|payload| Notification {
+            payload,
+            from: None,
+        }));
         n
     }
 

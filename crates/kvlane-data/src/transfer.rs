@@ -236,6 +236,10 @@ pub struct Completion {
 pub struct Notification {
     /// The payload the initiator attached to its transfer.
     pub payload: Bytes,
+    /// The peer it came from as this side knows it: the peer whose
+    /// credential the connection presented (tcp) or whose queue pair it
+    /// arrived on (verbs). `None` where the backend cannot tell (loopback).
+    pub from: Option<PeerId>,
 }
 
 /// Which backend an endpoint or region belongs to.

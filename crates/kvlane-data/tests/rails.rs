@@ -6,12 +6,12 @@
 //! exchange over the other rail.
 
 use kvlane_data::conformance::Fixture;
+use kvlane_data::intercept::Intercept;
 use kvlane_data::rails::LINK_POLL;
 use kvlane_data::{
-    connect_pair, Access, Backend, BackendKind, Completion, Connected, Connecting, DataError,
-    Descriptor, Endpoint, LoopbackBackend, LoopbackConfig, Notification, Op, PeerId, RailStats,
-    Rails, RailsConfig, Region, RegionId, RemoteDescriptor, RemoteRegion, SubmitError, TcpBackend,
-    TcpConfig, Transfer,
+    connect_pair, Access, Backend, Completion, DataError, Descriptor, LoopbackBackend,
+    LoopbackConfig, Op, PeerId, RailStats, Rails, RailsConfig, Region, RemoteDescriptor,
+    SubmitError, TcpBackend, TcpConfig, Transfer,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -60,84 +60,42 @@ struct Flaky {
     rdma: bool,
 }
 
-impl Backend for Flaky {
-    fn kind(&self) -> BackendKind {
-        self.inner.kind()
-    }
-    fn register(&mut self, r: &Region) -> Result<RemoteRegion, DataError> {
-        self.inner.register(r)
-    }
-    fn deregister(&mut self, r: RegionId) -> Result<(), DataError> {
-        self.inner.deregister(r)
-    }
-    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
-        self.inner.prepare_peer()
-    }
-    fn connect_peer(
-        &mut self,
-        p: PeerId,
-        e: &Endpoint,
-        r: &[RemoteRegion],
-    ) -> Result<(), DataError> {
-        self.inner.connect_peer(p, e, r)
-    }
-    fn start_connect(
-        &mut self,
-        p: PeerId,
-        e: &Endpoint,
-        r: &[RemoteRegion],
-    ) -> Result<Connecting, DataError> {
-        self.inner.start_connect(p, e, r)
-    }
-    fn finish_connect(&mut self, p: PeerId, c: Connected) -> Result<(), DataError> {
-        self.inner.finish_connect(p, c)
-    }
-    fn remove_peer(&mut self, p: PeerId) {
-        self.inner.remove_peer(p)
-    }
-    fn disconnect_peer(&mut self, p: PeerId) -> bool {
-        self.inner.disconnect_peer(p)
-    }
-    fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
-        self.inner.submit(t)
-    }
-    fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
-        let start = out.len();
-        let n = self.inner.poll(out);
-        if self.broken.load(Ordering::Relaxed) || self.link_down.load(Ordering::Relaxed) {
-            for c in &mut out[start..] {
-                c.result = Err(if self.rdma {
-                    DataError::Rdma {
-                        peer: c.peer,
-                        op: Op::Write,
-                        device: "rxe1".into(),
-                        qpn: 17,
-                        status: "local queue pair operation error",
-                        vendor_err: 0,
-                    }
-                } else {
-                    DataError::PeerLost {
-                        peer: c.peer,
-                        reason: "rail down (test)",
-                        source: None,
-                    }
-                });
-            }
-        }
-        n
-    }
-    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
-        self.inner.poll_notifications(out)
-    }
-    fn in_flight(&self) -> usize {
-        self.inner.in_flight()
-    }
-    fn endpoint_per_peer(&self) -> bool {
-        self.inner.endpoint_per_peer()
-    }
-    fn link_up(&self) -> bool {
-        !self.link_down.load(Ordering::Relaxed)
-    }
+/// `f` as a backend: its hooks on a real one.
+fn faulty(f: Flaky) -> Box<dyn Backend> {
+    let Flaky {
+        inner,
+        broken,
+        link_down,
+        rdma,
+    } = f;
+    let down = link_down.clone();
+    Box::new(
+        Intercept::new(inner)
+            .on_completions(move |out| {
+                if !broken.load(Ordering::Relaxed) && !link_down.load(Ordering::Relaxed) {
+                    return;
+                }
+                for c in out {
+                    c.result = Err(if rdma {
+                        DataError::Rdma {
+                            peer: c.peer,
+                            op: Op::Write,
+                            device: "rxe1".into(),
+                            qpn: 17,
+                            status: "local queue pair operation error",
+                            vendor_err: 0,
+                        }
+                    } else {
+                        DataError::PeerLost {
+                            peer: c.peer,
+                            reason: "rail down (test)",
+                            source: None,
+                        }
+                    });
+                }
+            })
+            .link_down_when(move || down.load(Ordering::Relaxed)),
+    )
 }
 
 struct Pair {
@@ -293,7 +251,7 @@ fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
             ("tcp0".into(), tcp()),
             (
                 "tcp1".into(),
-                Box::new(Flaky {
+                faulty(Flaky {
                     inner: tcp(),
                     broken: broken.clone(),
                     link_down: Arc::default(),
@@ -333,7 +291,7 @@ fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
 fn with_every_rail_failing_the_transfer_fails_typed() {
     let broken = Arc::new(AtomicBool::new(true));
     let flaky = |b: &Arc<AtomicBool>| -> Box<dyn Backend> {
-        Box::new(Flaky {
+        faulty(Flaky {
             inner: tcp(),
             broken: b.clone(),
             link_down: Arc::default(),
@@ -418,7 +376,7 @@ fn per_peer_pair(cfg: &RailsConfig, rdma: bool) -> (Pair, Arc<AtomicBool>, Arc<A
         rdma,
     };
     let init = Rails::new(
-        vec![("lo0".into(), per_peer()), ("lo1".into(), Box::new(flaky))],
+        vec![("lo0".into(), per_peer()), ("lo1".into(), faulty(flaky))],
         cfg.clone(),
     )
     .unwrap();
@@ -552,7 +510,7 @@ fn rail_failure_is_repaired(rdma: bool) {
 fn with_every_verbs_like_rail_down_the_transfer_fails_typed() {
     let link_down = Arc::new(AtomicBool::new(false));
     let flaky = || -> Box<dyn Backend> {
-        Box::new(Flaky {
+        faulty(Flaky {
             inner: per_peer(),
             broken: Arc::default(),
             link_down: link_down.clone(),

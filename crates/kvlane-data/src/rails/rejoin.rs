@@ -214,8 +214,11 @@ impl Rails {
         let mut got = std::mem::take(&mut self.inbox);
         for i in 0..self.rails.len() {
             self.rails[i].backend.poll_notifications(&mut got);
-            for n in got.drain(..) {
+            for mut n in got.drain(..) {
                 if !n.payload.starts_with(PREFIX) {
+                    // The rail's peer id means nothing above: name the
+                    // peer it is a rail of (or none).
+                    n.from = n.from.and_then(|sub| self.parent_of(i, sub));
                     self.notes.push_back(n);
                 } else if !self.on_message(&n.payload, now) {
                     self.rails[i].stats.dropped += 1;
@@ -224,6 +227,14 @@ impl Rails {
             }
         }
         self.inbox = got;
+    }
+
+    /// The peer whose rail `rail` is the rail peer `sub`.
+    fn parent_of(&self, rail: usize, sub: PeerId) -> Option<PeerId> {
+        self.peers
+            .iter()
+            .find(|(_, s)| s.rails.get(rail).is_some_and(|rp| rp.id == Some(sub)))
+            .map(|(&p, _)| p)
     }
 
     /// Gives up re-pairings past `rejoin_timeout` and offers the lost

@@ -786,7 +786,10 @@ impl Backend for TcpBackend {
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
         let mut q = lock(&self.shared.notifications);
         let n = q.len();
-        out.extend(q.drain(..).map(|payload| Notification { payload }));
+        out.extend(
+            q.drain(..)
+                .map(|(from, payload)| Notification { payload, from }),
+        );
         n
     }
 

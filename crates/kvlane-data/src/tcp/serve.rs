@@ -354,7 +354,7 @@ impl ServeConn {
                     }
                     let tag = *tag;
                     let payload = std::mem::take(buf);
-                    ctx.shared.notify(Bytes::from(payload));
+                    ctx.shared.notify(self.peer, Bytes::from(payload));
                     bump(&ctx.counters.notifications, 1);
                     self.answer(Status::Ok, tag);
                 }

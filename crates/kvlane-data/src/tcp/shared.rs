@@ -1,7 +1,7 @@
 //! State shared by the backend and its I/O threads: the completion and
 //! notification queues, the waker, and the lock helper they all use.
 
-use crate::ids::{FastMap, TransferId};
+use crate::ids::{FastMap, PeerId, TransferId};
 use crate::transfer::Completion;
 use bytes::Bytes;
 use std::collections::VecDeque;
@@ -20,7 +20,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Default)]
 pub(crate) struct Shared {
     pub(crate) completions: Mutex<Vec<Completion>>,
-    pub(crate) notifications: Mutex<VecDeque<Bytes>>,
+    pub(crate) notifications: Mutex<VecDeque<(Option<PeerId>, Bytes)>>,
     pub(crate) waker: Mutex<Option<Waker>>,
 }
 
@@ -39,10 +39,10 @@ impl Shared {
     }
 
     /// Queues a notification that arrived; wakes like [`complete`](Self::complete).
-    pub(crate) fn notify(&self, payload: Bytes) {
+    pub(crate) fn notify(&self, from: Option<PeerId>, payload: Bytes) {
         let mut q = lock(&self.notifications);
         let was_empty = q.is_empty();
-        q.push_back(payload);
+        q.push_back((from, payload));
         drop(q);
         if was_empty {
             self.wake();

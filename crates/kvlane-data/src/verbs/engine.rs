@@ -374,6 +374,7 @@ impl VerbsBackend {
             {
                 self.notes.push_back(Notification {
                     payload: buf.into(),
+                    from: Some(peer),
                 });
             }
         } else {
