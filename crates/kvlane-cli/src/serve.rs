@@ -189,14 +189,10 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
         );
         let _ = out.flush();
     }
-    let metrics = match &args.metrics {
-        Some(addr) => {
-            let (task, bound) = serve_metrics(&agent, addr).await?;
-            println!("metrics http://{bound}/metrics");
-            Some(task)
-        }
-        None => None,
-    };
+    let metrics = metrics_if(&agent, args.metrics.as_deref(), |url| {
+        println!("metrics {url}")
+    })
+    .await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| {
             Error::from(kvlane::data::DataError::Io {
@@ -231,6 +227,19 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
     }
     out.drain_for(Duration::from_millis(50));
     Ok(())
+}
+
+/// With an address, [`serve_metrics`] there and hand its URL to `announce`
+/// (`--metrics` of serve, soak and bench); `None` without one.
+pub(crate) async fn metrics_if(
+    agent: &Agent,
+    addr: Option<&str>,
+    announce: impl FnOnce(&str),
+) -> Result<Option<tokio::task::JoinHandle<()>>, Error> {
+    let Some(addr) = addr else { return Ok(None) };
+    let (task, bound) = serve_metrics(agent, addr).await?;
+    announce(&format!("http://{bound}/metrics"));
+    Ok(Some(task))
 }
 
 /// Binds `addr` and answers `GET /metrics` with the agent's metrics until

@@ -604,14 +604,10 @@ pub(crate) async fn run(args: SoakArgs) -> Result<bool, BoxError> {
         .dial_any_data_host(args.dial_any_data_host)
         .build()
         .await?;
-    let metrics = match &args.metrics {
-        Some(addr) => {
-            let (task, bound) = crate::serve::serve_metrics(&agent, addr).await?;
-            eprintln!("kvlane soak: metrics http://{bound}/metrics");
-            Some(task)
-        }
-        None => None,
-    };
+    let metrics = crate::serve::metrics_if(&agent, args.metrics.as_deref(), |url| {
+        eprintln!("kvlane soak: metrics {url}");
+    })
+    .await?;
     let liveness = Liveness {
         keepalive_interval_ms: ms(control.keepalive_interval),
         liveness_budget: control.liveness_budget,

@@ -111,14 +111,10 @@ pub(crate) async fn target(
         fmt_size(pool),
         raw_port.map_or(String::new(), |p| format!(" raw-tcp={p}"))
     );
-    let metrics = match &opts.metrics {
-        Some(addr) => {
-            let (task, bound) = crate::serve::serve_metrics(&agent, addr).await?;
-            eprintln!("kvlane bench: metrics http://{bound}/metrics");
-            Some(task)
-        }
-        None => None,
-    };
+    let metrics = crate::serve::metrics_if(&agent, opts.metrics.as_deref(), |url| {
+        eprintln!("kvlane bench: metrics {url}");
+    })
+    .await?;
     eprintln!(
         "kvlane bench: target ready; run `kvlane bench --role initiator --connect {}`",
         dialable(agent.local_addr())
