@@ -187,6 +187,15 @@ pub trait Backend: Send + 'static {
         false
     }
 
+    /// For a backend that announces completions through the waker: the
+    /// latest instant by which `poll` must run again even if nothing wakes
+    /// the caller (its earliest deadline: only `poll` notices a transfer
+    /// that timed out). `None` (the default): unknown, so a driver re-polls
+    /// about every millisecond while work is in flight.
+    fn poll_by(&self) -> Option<std::time::Instant> {
+        None
+    }
+
     /// Counters of the tcp target side (connections refused, requests
     /// served and refused), summed over the rails of a multi-rail tcp
     /// backend; `None` for other backends.
@@ -263,6 +272,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn needs_busy_poll(&self) -> bool {
         (**self).needs_busy_poll()
+    }
+    fn poll_by(&self) -> Option<std::time::Instant> {
+        (**self).poll_by()
     }
     fn endpoint_per_peer(&self) -> bool {
         (**self).endpoint_per_peer()

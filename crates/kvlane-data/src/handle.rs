@@ -1,4 +1,5 @@
-//! [`Transport`]: a [`Backend`] driven by a progress thread, handing out
+//! [`Transport`]: a [`Backend`] driven by a progress thread (shared by the
+//! process's transports, see `progress.rs`, or its own), handing out
 //! [`TransferHandle`]s that can be polled, awaited or waited on.
 
 use crate::backend::Backend;
@@ -6,6 +7,7 @@ use crate::error::{DataError, SubmitError};
 use crate::ids::RegionId;
 use crate::ids::{PeerId, TransferId};
 use crate::memory::{Region, RemoteRegion};
+use crate::progress::{Member, ProgressPool};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 use std::collections::HashMap;
 use std::future::Future;
@@ -148,11 +150,115 @@ impl Future for TransferHandle {
     }
 }
 
-struct Shared {
+pub(crate) struct Shared {
     backend: Mutex<Box<dyn Backend>>,
     slots: Mutex<HashMap<TransferId, Arc<Slot>>>,
     notifications: mpsc::UnboundedSender<Notification>,
     stop: AtomicBool,
+}
+
+/// What one poll of a backend found.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PollResult {
+    /// Completions and notifications taken.
+    pub(crate) results: usize,
+    pub(crate) in_flight: usize,
+    pub(crate) busy: bool,
+    pub(crate) poll_by: Option<Instant>,
+}
+
+/// Buffers a driver reuses from poll to poll.
+#[derive(Default)]
+pub(crate) struct Polled {
+    completions: Vec<Completion>,
+    notes: Vec<Notification>,
+}
+
+impl Shared {
+    pub(crate) fn set_waker(&self, waker: Waker) {
+        lock(&self.backend).set_waker(waker);
+    }
+
+    /// Polls the backend (the caller holds its lock).
+    fn poll_backend(b: &mut dyn Backend, polled: &mut Polled) -> PollResult {
+        let results = b.poll(&mut polled.completions) + b.poll_notifications(&mut polled.notes);
+        PollResult {
+            results,
+            in_flight: b.in_flight(),
+            busy: b.needs_busy_poll(),
+            poll_by: b.poll_by(),
+        }
+    }
+
+    /// Resolves the handles of what a poll found and passes its
+    /// notifications on (off the backend lock).
+    fn resolve(&self, polled: &mut Polled) {
+        if !polled.completions.is_empty() {
+            let mut slots = lock(&self.slots);
+            let ready: Vec<_> = polled
+                .completions
+                .drain(..)
+                .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result)))
+                .collect();
+            drop(slots);
+            for (slot, result) in ready {
+                slot.complete(result);
+            }
+        }
+        for note in polled.notes.drain(..) {
+            // Nobody listening is fine: the notification is dropped.
+            let _ = self.notifications.send(note);
+        }
+    }
+
+    /// After a panic while polling: take no more work and fail everything
+    /// in flight.
+    pub(crate) fn fail_all_panicked(&self) {
+        self.stop.store(true, Ordering::Release);
+        let slots: Vec<_> = lock(&self.slots).drain().collect();
+        for (id, slot) in slots {
+            slot.complete(Err(DataError::Shutdown(id)));
+        }
+    }
+}
+
+/// Polls `shared`'s backend once unless its lock is taken (then `None`:
+/// the holder wakes the driver when it lets go).
+pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResult> {
+    let r = match shared.backend.try_lock() {
+        Ok(mut b) => Shared::poll_backend(&mut **b, polled),
+        Err(std::sync::TryLockError::Poisoned(e)) => {
+            Shared::poll_backend(&mut **e.into_inner(), polled)
+        }
+        Err(std::sync::TryLockError::WouldBlock) => return None,
+    };
+    shared.resolve(polled);
+    Some(r)
+}
+
+/// What drives a transport's backend.
+enum Driver {
+    /// A thread of its own (backends that need busy polling).
+    Own {
+        thread: Mutex<Option<JoinHandle<()>>>,
+        progress: Thread,
+    },
+    /// A member slot on the process's shared progress threads.
+    Pooled {
+        member: Arc<Member>,
+        // Held for as long as the member.
+        _pool: Arc<ProgressPool>,
+    },
+}
+
+impl Driver {
+    /// Asks the driver to poll soon.
+    fn kick(&self) {
+        match self {
+            Self::Own { progress, .. } => progress.unpark(),
+            Self::Pooled { member, .. } => member.wake(),
+        }
+    }
 }
 
 struct ThreadWaker(Thread);
@@ -168,14 +274,15 @@ impl Wake for ThreadWaker {
 
 /// A backend plus the thread that drives it.
 ///
-/// `submit` from any thread; the progress thread polls the backend and
+/// `submit` from any thread; the progress thread (one of the process's
+/// shared ones, or its own for a backend that needs busy polling) polls
+/// the backend and
 /// resolves [`TransferHandle`]s. Dropping the transport (or
 /// [`shutdown`](Self::shutdown)) stops the thread and fails every transfer
 /// still in flight with [`DataError::Shutdown`].
 pub struct Transport {
     shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
-    progress: Thread,
+    driver: Driver,
     notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
 }
 
@@ -188,42 +295,56 @@ impl std::fmt::Debug for Transport {
 }
 
 impl Transport {
-    /// Starts the progress thread for `backend`.
+    /// Starts driving `backend`: on the process's shared progress threads
+    /// when it announces completions through its waker, else (it needs
+    /// busy polling) on a progress thread of its own.
     pub fn new(backend: impl Backend) -> Result<Self, DataError> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let busy = backend.needs_busy_poll();
         let shared = Arc::new(Shared {
             backend: Mutex::new(Box::new(backend)),
             slots: Mutex::new(HashMap::new()),
             notifications: tx,
             stop: AtomicBool::new(false),
         });
-        let thread_shared = shared.clone();
-        let handle = thread::Builder::new()
-            .name("kvlane-progress".into())
-            .spawn(move || {
-                let shared = &thread_shared;
-                // A panicking backend must not leave handles waiting forever:
-                // stop taking work and fail everything in flight.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| progress_loop(shared)))
+        let spawn_err = |source| DataError::Io {
+            op: "spawn progress thread".into(),
+            source,
+        };
+        let driver = if busy {
+            let thread_shared = shared.clone();
+            let handle = thread::Builder::new()
+                .name("kvlane-progress".into())
+                .spawn(move || {
+                    let shared = &thread_shared;
+                    // A panicking backend must not leave handles waiting
+                    // forever: stop taking work and fail everything in flight.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        progress_loop(shared)
+                    }))
                     .is_err()
-                {
-                    tracing::error!("kvlane progress thread panicked; failing in-flight transfers");
-                    shared.stop.store(true, Ordering::Release);
-                    let slots: Vec<_> = lock(&shared.slots).drain().collect();
-                    for (id, slot) in slots {
-                        slot.complete(Err(DataError::Shutdown(id)));
+                    {
+                        tracing::error!(
+                            "kvlane progress thread panicked; failing in-flight transfers"
+                        );
+                        shared.fail_all_panicked();
                     }
-                }
-            })
-            .map_err(|source| DataError::Io {
-                op: "spawn progress thread".into(),
-                source,
-            })?;
-        let progress = handle.thread().clone();
+                })
+                .map_err(spawn_err)?;
+            Driver::Own {
+                progress: handle.thread().clone(),
+                thread: Mutex::new(Some(handle)),
+            }
+        } else {
+            let pool = ProgressPool::for_process().map_err(spawn_err)?;
+            Driver::Pooled {
+                member: pool.join(shared.clone()),
+                _pool: pool,
+            }
+        };
         Ok(Self {
             shared,
-            thread: Mutex::new(Some(handle)),
-            progress,
+            driver,
             notifications: Mutex::new(Some(rx)),
         })
     }
@@ -234,7 +355,7 @@ impl Transport {
         let mut b = lock(&self.shared.backend);
         let r = f(&mut **b);
         drop(b);
-        self.progress.unpark();
+        self.driver.kick();
         r
     }
 
@@ -306,11 +427,13 @@ impl Transport {
             slots.insert(id, slot.clone());
         }
         let r = lock(&self.shared.backend).submit(transfer);
+        // Also after a refusal: a shared driver skipped the backend while
+        // it was locked here.
+        self.driver.kick();
         if let Err(e) = r {
             lock(&self.shared.slots).remove(&id);
             return Err(e);
         }
-        self.progress.unpark();
         Ok(TransferHandle { id, peer, slot })
     }
 
@@ -353,11 +476,16 @@ impl Transport {
     /// fail with [`DataError::Shutdown`]. Idempotent.
     pub fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.progress.unpark();
-        if let Some(h) = lock(&self.thread).take() {
-            if h.join().is_err() {
-                tracing::error!("kvlane progress thread panicked");
+        match &self.driver {
+            Driver::Own { thread, progress } => {
+                progress.unpark();
+                if let Some(h) = lock(thread).take() {
+                    if h.join().is_err() {
+                        tracing::error!("kvlane progress thread panicked");
+                    }
+                }
             }
+            Driver::Pooled { member, .. } => member.retire(),
         }
         let kind = lock(&self.shared.backend).kind();
         drop(std::mem::replace(
@@ -425,38 +553,32 @@ impl Backend for Closed {
     }
 }
 
+/// How long the progress thread parks while work is in flight on a
+/// backend that announces completions: until the backend's
+/// [`poll_by`](Backend::poll_by) (at most [`IDLE_PARK`]), or
+/// [`BUSY_PARK`] when it does not say. A thousand agents in one process
+/// re-polling every millisecond cost a million wake-ups a second: on 2
+/// cores that alone kept ~700 threads runnable and starved the I/O.
+fn busy_park(poll_by: Option<Instant>) -> Duration {
+    match poll_by {
+        None => BUSY_PARK,
+        Some(at) => at.saturating_duration_since(Instant::now()).min(IDLE_PARK),
+    }
+}
+
 fn progress_loop(shared: &Shared) {
     let waker = Waker::from(Arc::new(ThreadWaker(thread::current())));
-    lock(&shared.backend).set_waker(waker);
-    let mut completions: Vec<Completion> = Vec::new();
-    let mut notes: Vec<Notification> = Vec::new();
+    shared.set_waker(waker);
+    let mut polled = Polled::default();
     while !shared.stop.load(Ordering::Acquire) {
-        let (n, in_flight, busy) = {
-            let mut b = lock(&shared.backend);
-            let n = b.poll(&mut completions) + b.poll_notifications(&mut notes);
-            (n, b.in_flight(), b.needs_busy_poll())
-        };
-        if !completions.is_empty() {
-            let mut slots = lock(&shared.slots);
-            let ready: Vec<_> = completions
-                .drain(..)
-                .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result)))
-                .collect();
-            drop(slots);
-            for (slot, result) in ready {
-                slot.complete(result);
-            }
-        }
-        for note in notes.drain(..) {
-            // Nobody listening is fine: the notification is dropped.
-            let _ = shared.notifications.send(note);
-        }
-        if n > 0 {
+        let p = Shared::poll_backend(&mut **lock(&shared.backend), &mut polled);
+        shared.resolve(&mut polled);
+        if p.results > 0 {
             continue;
         }
-        match (in_flight > 0, busy) {
+        match (p.in_flight > 0, p.busy) {
             (true, true) => thread::yield_now(),
-            (true, false) => thread::park_timeout(BUSY_PARK),
+            (true, false) => thread::park_timeout(busy_park(p.poll_by)),
             (false, _) => thread::park_timeout(IDLE_PARK),
         }
     }

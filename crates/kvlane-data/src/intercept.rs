@@ -120,6 +120,9 @@ impl Backend for Intercept {
     fn needs_busy_poll(&self) -> bool {
         self.inner.needs_busy_poll()
     }
+    fn poll_by(&self) -> Option<std::time::Instant> {
+        self.inner.poll_by()
+    }
     fn link_up(&self) -> bool {
         self.inner.link_up() && !self.link.as_ref().is_some_and(|down| down())
     }

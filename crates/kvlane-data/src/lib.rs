@@ -88,6 +88,7 @@ pub mod layout;
 pub mod loopback;
 #[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness
 mod memory;
+mod progress;
 pub mod rails;
 pub mod tcp;
 pub mod topology;

@@ -12,10 +12,137 @@ mod scale {
     use std::net::TcpStream;
     use std::time::Duration;
 
+    /// The tests of this binary count the process's threads: one at a time.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn threads() -> usize {
         std::fs::read_dir("/proc/self/task")
             .expect("/proc/self/task: this test needs Linux procfs")
             .count()
+    }
+
+    /// Threads of this process whose name starts with `prefix`.
+    fn named(prefix: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .expect("/proc/self/task: this test needs Linux procfs")
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.starts_with(prefix))
+            .count()
+    }
+
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(
+                std::time::Instant::now() < end,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Twenty backends in one process, each connected to the next and
+    /// moving bytes through its own transport, run their initiator streams
+    /// on one pool of `io_threads` threads and their progress on the
+    /// process's few shared progress threads, not twenty of each; both
+    /// pools stop with the last backend and a later backend starts a new
+    /// one.
+    #[test]
+    fn backends_of_a_process_share_the_initiator_threads() {
+        use kvlane_data::{Descriptor, Op, PeerId, RemoteDescriptor, Transfer, Transport};
+        let _serial = serial();
+        let config = || TcpConfig {
+            io_threads: 3,
+            ..TcpConfig::default()
+        };
+        let n = 20;
+        let mut backends: Vec<TcpBackend> =
+            (0..n).map(|_| TcpBackend::new(config()).unwrap()).collect();
+        let regions: Vec<Region> = (0..n)
+            .map(|i| {
+                let r = Region::alloc(4096, Access::ALL).unwrap();
+                r.fill(0, 4096, i as u8).unwrap();
+                r
+            })
+            .collect();
+        let dsts: Vec<Region> = (0..n)
+            .map(|_| Region::alloc(4096, Access::ALL).unwrap())
+            .collect();
+        for (b, d) in backends.iter_mut().zip(&dsts) {
+            b.register(d).unwrap();
+        }
+        let ads: Vec<_> = backends
+            .iter_mut()
+            .zip(&regions)
+            .map(|(b, r)| b.register(r).unwrap())
+            .collect();
+        let mut peers: Vec<PeerId> = Vec::new();
+        for i in 0..n {
+            let j = (i + 1) % n;
+            let (_, ep_j) = backends[j].prepare_peer().unwrap();
+            let (peer, _) = backends[i].prepare_peer().unwrap();
+            let c = backends[i]
+                .start_connect(peer, &ep_j, std::slice::from_ref(&ads[j]))
+                .unwrap()
+                .run()
+                .unwrap();
+            backends[i].finish_connect(peer, c).unwrap();
+            peers.push(peer);
+        }
+        // Every stream of every backend is up and on the shared threads.
+        assert_eq!(
+            named("kvlane-tcp-init"),
+            3,
+            "initiator threads of {n} backends"
+        );
+        // Each backend driven by a transport: they share the process's
+        // progress threads too.
+        let transports: Vec<Transport> = backends
+            .drain(..)
+            .map(|b| Transport::new(b).unwrap())
+            .collect();
+        let pool = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
+        let mut handles = Vec::new();
+        for (i, tr) in transports.iter().enumerate() {
+            let j = (i + 1) % n;
+            let t = Transfer::new(
+                peers[i],
+                Op::Read,
+                vec![Descriptor {
+                    region: dsts[i].id(),
+                    offset: 0,
+                    len: 4096,
+                }],
+                vec![RemoteDescriptor {
+                    key: ads[j].key,
+                    offset: 0,
+                    len: 4096,
+                }],
+            );
+            handles.push(tr.submit(t).unwrap());
+        }
+        for (i, h) in handles.into_iter().enumerate() {
+            h.wait().unwrap_or_else(|e| panic!("transport {i}: {e}"));
+            let j = (i + 1) % n;
+            assert!(
+                dsts[i].to_vec().unwrap().iter().all(|&x| x == j as u8),
+                "transport {i} read the wrong bytes"
+            );
+        }
+        assert_eq!(named("kvlane-progress"), pool, "progress threads of {n} transports");
+        drop(transports);
+        wait_for("the progress threads to stop", || named("kvlane-progress") == 0);
+        wait_for("the shared pool to stop", || named("kvlane-tcp-init") == 0);
+        let again = TcpBackend::new(config()).unwrap();
+        // A thread names itself as it starts.
+        wait_for("a new pool after the last backend", || {
+            named("kvlane-tcp-init") == 3
+        });
+        drop(again);
     }
 
     /// 1,000 silent connections and 250 peers x 4 authenticated streams
@@ -23,6 +150,7 @@ mod scale {
     /// admitted and served, and the process gains no thread.
     #[test]
     fn a_thousand_connections_cost_no_thread() {
+        let _serial = serial();
         let mut target = TcpBackend::new(TcpConfig {
             io_threads: 2,
             ..TcpConfig::default()

@@ -27,7 +27,8 @@
 //!
 //! Both sides run on `mio` (epoll) loops on fixed sets of threads,
 //! [`TcpConfig::io_threads`] each: the target's serve its connections, the
-//! initiator's drive the streams to every peer. A connection (or stream)
+//! initiator's drive the streams to every peer (those are shared by the
+//! process's backends, see [`TcpConfig::io_threads`]). A connection (or stream)
 //! is a non-blocking state machine, so silent or slow peers cost a socket
 //! and a few hundred bytes, not a thread, and a backend with 1,000 peers
 //! has as many threads as one with one. `mio` rather than io_uring: it is
@@ -189,7 +190,9 @@ pub struct TcpConfig {
     /// of the connections on each of this many threads, and the initiator
     /// drives its streams to every peer on as many more (streams go to
     /// them round-robin). Threads do not grow with peers or connections.
-    /// Default: the available parallelism, at most 4.
+    /// The initiator's threads are shared by every tcp backend of the
+    /// process with the same value (one agent or a thousand, the same
+    /// threads). Default: the available parallelism, at most 4.
     pub io_threads: usize,
 }
 
@@ -383,7 +386,7 @@ pub struct TcpBackend {
     drained: Vec<Completion>,
     // Dropped after the peers are failed in `Drop`: the initiator's I/O
     // threads, then the target's.
-    pool: IoPool,
+    pool: Arc<IoPool>,
     server: Server,
 }
 
@@ -420,7 +423,7 @@ impl TcpBackend {
             creds.clone(),
         )?;
         let listen = server.local_addr();
-        let pool = IoPool::start(config.io_threads.max(1), listen.port())?;
+        let pool = IoPool::for_process(config.io_threads)?;
         let mut addr = listen;
         if let (true, Some(host)) = (listen.ip().is_unspecified(), config.advertise) {
             addr.set_ip(host);
@@ -818,6 +821,18 @@ impl Backend for TcpBackend {
 
     fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
+    }
+
+    /// Completions and notifications are announced by the I/O threads
+    /// through the waker, staged chunks are sent by the `poll` that every
+    /// submission is followed by; what only `poll` notices is a deadline.
+    /// With nothing in flight there is none and the driver parks idle.
+    fn poll_by(&self) -> Option<Instant> {
+        if self.ready.is_empty() {
+            self.next_deadline
+        } else {
+            Some(Instant::now())
+        }
     }
 
     fn set_waker(&mut self, waker: Waker) {

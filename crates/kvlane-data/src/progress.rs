@@ -1,0 +1,275 @@
+//! Progress threads shared by the [`Transport`](crate::Transport)s of a
+//! process whose backends announce completions through their waker (tcp,
+//! loopback).
+//!
+//! A transport used to own a thread that polled its backend. A process
+//! that runs many agents (the `--peers` bench runs 500 per process; an
+//! engine may run one per GPU) then had one progress thread per agent,
+//! each woken for its own completions: 1,000 agents in two processes on
+//! 2 cores spent about a fifth of the CPU switching between them. Here
+//! [`ProgressPool::for_process`] gives every such transport a member slot
+//! on one of a few threads (the available parallelism, at most 4): a
+//! backend's waker puts its member on that thread's ready list (once per
+//! burst) and unparks the thread, which polls every ready member in one
+//! turn, and re-polls a member with work in flight by its backend's
+//! [`poll_by`](crate::Backend::poll_by) (its next deadline). Backends that
+//! must be polled busily (verbs' completion queues) keep a thread of their
+//! own.
+//!
+//! A member whose backend is locked by its transport (a registration, a
+//! connect step, a submission) is skipped: every such caller wakes the
+//! member when it lets the lock go. A panic while polling a member fails
+//! that transport's in-flight transfers and retires the member; the thread
+//! and the other members go on.
+
+use crate::handle::{poll_once, Polled, Shared};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::task::{Wake, Waker};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How long a member with nothing in flight waits before its next poll
+/// (a safety net: its backend wakes it for anything that arrives).
+const IDLE: Duration = Duration::from_millis(50);
+/// Re-poll of a member with work in flight whose backend gives no
+/// [`poll_by`](crate::Backend::poll_by).
+const BUSY: Duration = Duration::from_millis(1);
+/// Polls of one member in a row while it keeps yielding results, before
+/// the others get their turn.
+const ROUNDS: usize = 8;
+
+/// One transport's place on a pool thread.
+pub(crate) struct Member {
+    id: u64,
+    shared: Arc<Shared>,
+    /// On its thread's ready list (one wake-up per burst).
+    queued: AtomicBool,
+    /// Its transport shut down: the thread forgets it.
+    retired: AtomicBool,
+    home: Arc<Home>,
+}
+
+impl Member {
+    /// Asks its thread to poll it (work submitted, a lock let go,
+    /// completions announced by the backend).
+    pub(crate) fn wake(self: &Arc<Self>) {
+        if !self.queued.swap(true, Ordering::AcqRel) {
+            lock(&self.home.ready).push(self.clone());
+            self.home.unpark();
+        }
+    }
+
+    /// Its transport is shutting down: the thread drops it at its next
+    /// turn (promptly: it is woken).
+    pub(crate) fn retire(self: &Arc<Self>) {
+        self.retired.store(true, Ordering::Release);
+        self.queued.store(false, Ordering::Release);
+        self.wake();
+    }
+}
+
+struct MemberWaker(Weak<Member>);
+
+impl Wake for MemberWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(m) = self.0.upgrade() {
+            m.wake();
+        }
+    }
+}
+
+/// How other threads reach one pool thread.
+struct Home {
+    ready: Mutex<Vec<Arc<Member>>>,
+    /// Set as the thread is started, before any member can join.
+    thread: OnceLock<Thread>,
+    stop: AtomicBool,
+}
+
+impl Home {
+    fn unpark(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// The shared progress threads of this process.
+pub(crate) struct ProgressPool {
+    homes: Vec<Arc<Home>>,
+    threads: Vec<JoinHandle<()>>,
+    next: AtomicUsize,
+}
+
+static POOL: Mutex<Weak<ProgressPool>> = Mutex::new(Weak::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl ProgressPool {
+    /// The process's pool, started if no live transport holds it.
+    pub(crate) fn for_process() -> std::io::Result<Arc<Self>> {
+        let mut pool = lock(&POOL);
+        if let Some(p) = pool.upgrade() {
+            return Ok(p);
+        }
+        let n = thread::available_parallelism().map_or(2, |n| n.get().min(4));
+        let p = Arc::new(Self::start(n)?);
+        *pool = Arc::downgrade(&p);
+        Ok(p)
+    }
+
+    fn start(n: usize) -> std::io::Result<Self> {
+        let mut pool = Self {
+            homes: Vec::new(),
+            threads: Vec::new(),
+            next: AtomicUsize::new(0),
+        };
+        for i in 0..n.max(1) {
+            let home = Arc::new(Home {
+                ready: Mutex::new(Vec::new()),
+                thread: OnceLock::new(),
+                stop: AtomicBool::new(false),
+            });
+            let h = home.clone();
+            let handle = thread::Builder::new()
+                .name(format!("kvlane-progress-{i}"))
+                .spawn(move || run(&h))?;
+            let _ = home.thread.set(handle.thread().clone());
+            pool.homes.push(home);
+            // On an error `pool` drops here and stops the threads started.
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// Gives `shared` a member slot (threads taken in turn) and sets its
+    /// backend's waker. The caller holds the pool as long as the member.
+    pub(crate) fn join(&self, shared: Arc<Shared>) -> Arc<Member> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.homes.len();
+        let member = Arc::new(Member {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            shared,
+            queued: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            home: self.homes[i].clone(),
+        });
+        let waker = Waker::from(Arc::new(MemberWaker(Arc::downgrade(&member))));
+        member.shared.set_waker(waker);
+        member.wake();
+        member
+    }
+}
+
+impl Drop for ProgressPool {
+    fn drop(&mut self) {
+        for home in &self.homes {
+            home.stop.store(true, Ordering::Release);
+            home.unpark();
+        }
+        for t in self.threads.drain(..) {
+            // The last transport dropped from a completion callback on a
+            // pool thread: that thread ends on its own.
+            if t.thread().id() == thread::current().id() {
+                continue;
+            }
+            if t.join().is_err() {
+                tracing::error!("a kvlane progress thread panicked");
+            }
+        }
+    }
+}
+
+/// One pool thread: polls ready members, then members whose time came.
+fn run(home: &Home) {
+    let mut members: HashMap<u64, (Arc<Member>, Instant)> = HashMap::new();
+    let mut timers: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
+    let mut ready: Vec<Arc<Member>> = Vec::new();
+    let mut polled = Polled::default();
+    while !home.stop.load(Ordering::Acquire) {
+        std::mem::swap(&mut ready, &mut *lock(&home.ready));
+        for m in ready.drain(..) {
+            m.queued.store(false, Ordering::Release);
+            let m = members.remove(&m.id).map_or(m, |(m, _)| m);
+            turn(m, &mut members, &mut timers, &mut polled);
+        }
+        let now = Instant::now();
+        while let Some(&Reverse((at, id))) = timers.peek() {
+            if at > now {
+                break;
+            }
+            timers.pop();
+            // A stale entry: the member was polled since and rescheduled.
+            if members.get(&id).is_some_and(|(_, due)| *due == at) {
+                if let Some((m, _)) = members.remove(&id) {
+                    turn(m, &mut members, &mut timers, &mut polled);
+                }
+            }
+        }
+        if !lock(&home.ready).is_empty() {
+            continue;
+        }
+        match timers.peek() {
+            Some(&Reverse((at, _))) => {
+                thread::park_timeout(at.saturating_duration_since(Instant::now()))
+            }
+            None => thread::park_timeout(IDLE),
+        }
+    }
+}
+
+/// Polls one member and schedules its next poll (or forgets it).
+fn turn(
+    m: Arc<Member>,
+    members: &mut HashMap<u64, (Arc<Member>, Instant)>,
+    timers: &mut BinaryHeap<Reverse<(Instant, u64)>>,
+    polled: &mut Polled,
+) {
+    if m.retired.load(Ordering::Acquire) {
+        return;
+    }
+    let mut next = None;
+    for _ in 0..ROUNDS {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            poll_once(&m.shared, polled)
+        }));
+        match r {
+            Err(_) => {
+                tracing::error!(
+                    "a kvlane backend panicked while polled; failing its in-flight transfers"
+                );
+                m.shared.fail_all_panicked();
+                return;
+            }
+            // Locked by its transport, which wakes it when done.
+            Ok(None) => return,
+            Ok(Some(p)) => {
+                next = Some(p);
+                if p.results == 0 {
+                    break;
+                }
+            }
+        }
+    }
+    let Some(p) = next else { return };
+    let now = Instant::now();
+    let at = if p.results > 0 {
+        // Still yielding after its rounds: again at the next turn.
+        now
+    } else if p.in_flight > 0 {
+        p.poll_by.map_or(now + BUSY, |t| t.min(now + IDLE))
+    } else {
+        now + IDLE
+    };
+    timers.push(Reverse((at, m.id)));
+    members.insert(m.id, (m, at));
+}
