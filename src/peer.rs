@@ -187,17 +187,20 @@ impl Peer {
         notify: Option<&[u8]>,
     ) -> Result<PreparedTransfer, Error> {
         let l = spans::resolve_local(&self.inner.local_regions(), local, op)?;
-        let (data_peer, incarnation, advertised, name) = {
+        let (data_peer, incarnation, r) = {
             let peers = lock(&self.inner.peers);
             let (entry, data_peer) = self.ready(&peers)?;
-            (
-                data_peer,
-                entry.incarnation,
-                Self::advertised_of(entry),
-                self.name_of(entry),
-            )
+            let name = PeerName {
+                engine_id: &entry.engine_id,
+                addr: &self.addr,
+            };
+            let r = if entry.kv.is_empty() {
+                spans::resolve_remote(&entry.regions, remote, op, name)
+            } else {
+                spans::resolve_remote(&Self::advertised_of(entry), remote, op, name)
+            }?;
+            (data_peer, entry.incarnation, r)
         };
-        let r = spans::resolve_remote(&advertised, remote, op, &name)?;
         let (l, r) = spans::pair(l, r)?;
         self.planned(op, data_peer, incarnation, l, r, notify)
     }
@@ -233,7 +236,11 @@ impl Peer {
     }
 
     fn name_of(&self, entry: &PeerEntry) -> String {
-        format!("peer {} at {}", entry.engine_id, self.addr)
+        PeerName {
+            engine_id: &entry.engine_id,
+            addr: &self.addr,
+        }
+        .to_string()
     }
 
     fn advertised(&self) -> Result<(Vec<RemoteRegion>, String), Error> {
@@ -473,5 +480,18 @@ impl Future for TransferHandle {
                 .poll(cx)
                 .map(|r| r.unwrap_or_else(|_| Err(Error::msg(ErrorKind::Closed, "agent closed")))),
         }
+    }
+}
+
+/// How errors name a peer (`peer ENGINE at HOST:PORT`), formatted only
+/// when an error is.
+struct PeerName<'a> {
+    engine_id: &'a str,
+    addr: &'a str,
+}
+
+impl std::fmt::Display for PeerName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "peer {} at {}", self.engine_id, self.addr)
     }
 }

@@ -32,28 +32,65 @@ fn invalid(msg: String) -> Error {
     Error::msg(ErrorKind::InvalidInput, msg)
 }
 
-/// Index (into `spans`, sorted by address) of the registration holding
-/// `s`, or an error naming the span and `side`.
-fn locate(bases: &[(u64, u64)], s: MemSpan, side: &str, i: usize) -> Result<usize, Error> {
+/// Registrations a side holds at most before the lookup sorts them
+/// (below it a linear scan, no allocation: the common case is a KV cache
+/// and a few regions).
+const SCAN_MAX: usize = 16;
+
+/// Index into `bases` (`(addr, len)` of each registration, in any order)
+/// of the registration holding `s`, or an error naming the span and
+/// `side`.
+fn locate(bases: &Bases, s: MemSpan, side: &str, i: usize) -> Result<usize, Error> {
     if s.len == 0 {
         return Err(invalid(format!(
             "{side} span {i} at {:#x} is empty",
             s.addr
         )));
     }
-    let at = bases.partition_point(|&(addr, _)| addr <= s.addr);
-    let found = at.checked_sub(1).filter(|&k| {
-        let (addr, len) = bases[k];
-        s.addr
-            .checked_add(s.len)
-            .is_some_and(|end| end <= addr.saturating_add(len))
-    });
+    let inside = |&(addr, len): &(u64, u64)| {
+        addr <= s.addr
+            && s.addr
+                .checked_add(s.len)
+                .is_some_and(|end| end <= addr.saturating_add(len))
+    };
+    let found = match bases {
+        Bases::Few(b) => b.iter().position(inside),
+        Bases::Sorted(b, order) => {
+            let at = b.partition_point(|&(addr, _)| addr <= s.addr);
+            at.checked_sub(1)
+                .filter(|&k| inside(&b[k]))
+                .map(|k| order[k])
+        }
+    };
     found.ok_or_else(|| {
         invalid(format!(
             "{side} span {i} ({:#x}, {} bytes) lies outside every {side} registration",
             s.addr, s.len
         ))
     })
+}
+
+/// The registrations of one side, as `locate` searches them. It lives on
+/// the stack for one call: boxing the inline variant would bring back the
+/// allocation it exists to avoid.
+#[allow(clippy::large_enum_variant)]
+enum Bases {
+    /// Few: in their own order, scanned.
+    Few(kvlane_data::SmallVec<[(u64, u64); SCAN_MAX]>),
+    /// Many: sorted by address, with each one's index in the caller's order.
+    Sorted(Vec<(u64, u64)>, Vec<usize>),
+}
+
+impl Bases {
+    fn new(it: impl ExactSizeIterator<Item = (u64, u64)>) -> Self {
+        if it.len() <= SCAN_MAX {
+            return Self::Few(it.collect());
+        }
+        let mut v: Vec<(usize, (u64, u64))> = it.enumerate().collect();
+        v.sort_by_key(|(_, (addr, _))| *addr);
+        let order = v.iter().map(|(i, _)| *i).collect();
+        Self::Sorted(v.into_iter().map(|(_, b)| b).collect(), order)
+    }
 }
 
 /// Resolves local spans against `regions`; `op` decides the right needed
@@ -63,14 +100,12 @@ pub(crate) fn resolve_local(
     spans: &[MemSpan],
     op: Op,
 ) -> Result<Vec<Descriptor>, Error> {
-    let mut sorted: Vec<&Region> = regions.to_vec();
-    sorted.sort_by_key(|r| r.addr());
-    let bases: Vec<(u64, u64)> = sorted.iter().map(|r| (r.addr(), r.len())).collect();
+    let bases = Bases::new(regions.iter().map(|r| (r.addr(), r.len())));
     spans
         .iter()
         .enumerate()
         .map(|(i, &s)| {
-            let r = sorted[locate(&bases, s, "local", i)?];
+            let r = regions[locate(&bases, s, "local", i)?];
             if op == Op::Read && !r.access().contains(Access::LOCAL_WRITE) {
                 return Err(Error::msg(
                     ErrorKind::Refused,
@@ -92,16 +127,15 @@ pub(crate) fn resolve_local(
         .collect()
 }
 
-/// Resolves remote spans against the regions `peer` advertised.
+/// Resolves remote spans against the regions the peer advertised; `peer`
+/// names it in errors (formatted only then).
 pub(crate) fn resolve_remote(
     advertised: &[RemoteRegion],
     spans: &[MemSpan],
     op: Op,
-    peer: &str,
+    peer: impl std::fmt::Display,
 ) -> Result<Vec<RemoteDescriptor>, Error> {
-    let mut sorted: Vec<RemoteRegion> = advertised.to_vec();
-    sorted.sort_by_key(|r| r.addr);
-    let bases: Vec<(u64, u64)> = sorted.iter().map(|r| (r.addr, r.len)).collect();
+    let bases = Bases::new(advertised.iter().map(|r| (r.addr, r.len)));
     let needed = match op {
         Op::Read => Access::REMOTE_READ,
         Op::Write => Access::REMOTE_WRITE,
@@ -112,7 +146,7 @@ pub(crate) fn resolve_remote(
         .map(|(i, &s)| {
             let k = locate(&bases, s, "remote", i)
                 .map_err(|e| invalid(format!("{e} (of the regions {peer} advertised)")))?;
-            let r = sorted[k];
+            let r = advertised[k];
             if !r.access.contains(needed) {
                 return Err(Error::msg(
                     ErrorKind::Refused,
@@ -231,5 +265,34 @@ mod tests {
         let remote = resolve_remote(&regions, &[MemSpan::new(0x1000, 32)], Op::Read, "p").unwrap();
         let e = pair(local, remote).unwrap_err();
         assert!(e.to_string().contains("span pair 0"), "{e}");
+    }
+
+    /// Few registrations are scanned, many are searched sorted: the same
+    /// answers either way, whatever order the registrations come in.
+    #[test]
+    fn many_and_few_registrations_resolve_alike() {
+        for n in [3u64, 16, 17, 40] {
+            // Out of address order: descending, with gaps between them.
+            let regions: Vec<RemoteRegion> = (0..n)
+                .rev()
+                .map(|k| remote(0x10_0000 + k * 0x2000, 0x1000, Access::ALL))
+                .collect();
+            for k in 0..n {
+                let addr = 0x10_0000 + k * 0x2000;
+                let r = resolve_remote(&regions, &[MemSpan::new(addr + 16, 64)], Op::Read, "p")
+                    .unwrap_or_else(|e| panic!("{n} regions, region {k}: {e}"));
+                assert_eq!((r[0].key, r[0].offset), (RemoteKey(addr as u32), 16));
+                // The gap after each region, and a span running past its end.
+                for bad in [
+                    MemSpan::new(addr + 0x1000, 8),
+                    MemSpan::new(addr + 0xff0, 32),
+                ] {
+                    let e = resolve_remote(&regions, &[bad], Op::Read, "p").unwrap_err();
+                    assert!(e.to_string().contains("outside every remote"), "{n}: {e}");
+                }
+            }
+            let below = resolve_remote(&regions, &[MemSpan::new(0x1000, 8)], Op::Read, "p");
+            assert!(below.is_err(), "{n} regions: a span below all of them");
+        }
     }
 }

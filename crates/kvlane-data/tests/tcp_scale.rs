@@ -133,9 +133,15 @@ mod scale {
                 "transport {i} read the wrong bytes"
             );
         }
-        assert_eq!(named("kvlane-progress"), pool, "progress threads of {n} transports");
+        assert_eq!(
+            named("kvlane-progress"),
+            pool,
+            "progress threads of {n} transports"
+        );
         drop(transports);
-        wait_for("the progress threads to stop", || named("kvlane-progress") == 0);
+        wait_for("the progress threads to stop", || {
+            named("kvlane-progress") == 0
+        });
         wait_for("the shared pool to stop", || named("kvlane-tcp-init") == 0);
         let again = TcpBackend::new(config()).unwrap();
         // A thread names itself as it starts.

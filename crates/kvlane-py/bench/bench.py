@@ -21,7 +21,13 @@ import subprocess
 import sys
 import time
 
-import numpy as np
+# numpy's OpenBLAS starts a thread per core that spins after use: 5% of
+# the CPU of a 2-core run went to it, taken from whatever is measured. The
+# bench does no linear algebra. Set before numpy loads (the target
+# process, started from this file, inherits it).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20}
 
@@ -156,9 +162,14 @@ def rust_points(binary, sizes, batch, ops, duration):
     for line in out.stdout.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            rows.append({"impl": "rust", "op": str(r["op"]).upper(), "block_size": sizes[0] if len(sizes) == 1 else r["block_size"],
+            # The initiator's rows: the agent's ("rust") and the link's
+            # ceiling in the same run ("raw-tcp", plain sockets, no agent).
+            # Post time as here: prepare + post.
+            impl = "raw-tcp" if r.get("backend") == "raw-tcp" else "rust"
+            post = r.get("prepare_avg_us", 0.0) + r.get("post_avg_us", 0.0)
+            rows.append({"impl": impl, "op": str(r["op"]).upper(), "block_size": sizes[0] if len(sizes) == 1 else r["block_size"],
                          "batch": r["batch"], "gbps": r["gbps"], "lat_avg_us": r["lat_avg_us"],
-                         "lat_p99_us": r["lat_p99_us"], "post_avg_us": r.get("post_avg_us", 0.0),
+                         "lat_p99_us": r["lat_p99_us"], "post_avg_us": post,
                          "transfers": r.get("transfers", 0), "seconds": r.get("seconds", 0.0)})
     if not rows:
         raise RuntimeError(f"kvlane bench printed no rows:\n{out.stdout}\n{out.stderr}")

@@ -237,6 +237,20 @@ impl Transfer {
         }
     }
 
+    /// NIXL's state word: `"DONE"`, `"ERR"`, or `"PROC"` while running.
+    /// While running it also gives the CPU away once, GIL released: a
+    /// caller that polls in a loop (what NIXL's API asks of engines) then
+    /// leaves the cores to the threads that move the bytes. On 2 cores a
+    /// spinning poller otherwise held one of them.
+    fn _poll_state(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let state = |o: &Outcome| if o.is_ok() { "DONE" } else { "ERR" };
+        if let Some(o) = self.outcome()? {
+            return Ok(state(&o));
+        }
+        py.detach(std::thread::yield_now);
+        Ok(self.outcome()?.as_ref().map_or("PROC", state))
+    }
+
     /// Whether the transfer ended (successfully or not).
     fn done(&self) -> PyResult<bool> {
         Ok(self.outcome()?.is_some())

@@ -93,6 +93,9 @@ class Transfer:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """True when it finished, False if still running after ``timeout``
         seconds; raises its error if it failed. Ctrl-C interrupts it."""
+    def _poll_state(self) -> str:
+        """NIXL's state word ("DONE", "ERR", "PROC"); while running it
+        yields the CPU once with the GIL released (for polling loops)."""
     def done(self) -> bool: ...
     @property
     def status(self) -> str:

@@ -521,13 +521,18 @@ class nixl_agent:
         return self._make(operation, larr, rarr, remote_agent, notif_msg)
 
     def _xfer(self, handle: nixl_xfer_handle) -> _Xfer:
+        # The per-transfer calls' fast path; _entry says what is wrong.
+        if type(handle) is nixl_xfer_handle and handle._agent is self:
+            x = self._xfers.get(handle._handle)
+            if x is not None:
+                return x
         return self._entry(self._xfers, handle, nixl_xfer_handle)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: Any = b"") -> str:
         x = self._xfer(handle)
         if x.transfer is not None and not x.transfer.done():
             raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle!r} is still in progress")
-        notif = _bytes(notif_msg)
+        notif = _bytes(notif_msg) if notif_msg else None
         try:
             if notif is not None and notif != x.notif:
                 x.notif = notif
@@ -545,9 +550,12 @@ class nixl_agent:
         x = self._xfer(handle)
         if x.failed is not None:
             return "ERR"
-        if x.transfer is None:
+        t = x.transfer
+        if t is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
-        return {"pending": "PROC", "done": "DONE"}.get(x.transfer.status, "ERR")
+        # "PROC" gives the CPU away once (GIL released): engines poll this
+        # in a loop.
+        return t._poll_state()
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
         x = self._xfer(handle)
