@@ -25,6 +25,14 @@ mod scale {
             .count()
     }
 
+    fn names() -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .expect("/proc/self/task: this test needs Linux procfs")
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|n| n.trim().to_owned())
+            .collect()
+    }
+
     /// Threads of this process whose name starts with `prefix`.
     fn named(prefix: &str) -> usize {
         std::fs::read_dir("/proc/self/task")
@@ -47,10 +55,10 @@ mod scale {
 
     /// Twenty backends in one process, each connected to the next and
     /// moving bytes through its own transport, run their initiator streams
-    /// on one pool of `io_threads` threads and their progress on the
-    /// process's few shared progress threads, not twenty of each; both
-    /// pools stop with the last backend and a later backend starts a new
-    /// one.
+    /// on one pool of `io_threads` threads, their listeners and served
+    /// connections on another, and their progress on the process's few
+    /// shared progress threads, not twenty of each; the pools stop with
+    /// the last backend and a later backend starts new ones.
     #[test]
     fn backends_of_a_process_share_the_initiator_threads() {
         use kvlane_data::{Descriptor, Op, PeerId, RemoteDescriptor, Transfer, Transport};
@@ -93,15 +101,19 @@ mod scale {
             backends[i].finish_connect(peer, c).unwrap();
             peers.push(peer);
         }
-        // Every stream of every backend is up and on the shared threads.
+        // Every stream of every backend is up and on the shared threads,
+        // and their listeners and served connections on the shared
+        // target-side threads.
         assert_eq!(
             named("kvlane-tcp-init"),
             3,
             "initiator threads of {n} backends"
         );
+        assert_eq!(named("kvlane-tcp-io"), 3, "target threads of {n} backends");
         // Each backend driven by a transport: they share the process's
         // progress threads too.
-        let transports: Vec<Transport> = backends
+        let first_addr = backends[0].local_addr();
+        let mut transports: Vec<Transport> = backends
             .drain(..)
             .map(|b| Transport::new(b).unwrap())
             .collect();
@@ -138,15 +150,51 @@ mod scale {
             pool,
             "progress threads of {n} transports"
         );
+        // One backend goes: its port closes and the one reading from it
+        // fails, while the others, on the same threads, go on.
+        let read = |tr: &Transport, i: usize| {
+            let j = (i + 1) % n;
+            tr.submit(Transfer::new(
+                peers[i],
+                Op::Read,
+                vec![Descriptor {
+                    region: dsts[i].id(),
+                    offset: 0,
+                    len: 4096,
+                }],
+                vec![RemoteDescriptor {
+                    key: ads[j].key,
+                    offset: 0,
+                    len: 4096,
+                }],
+            ))
+            .unwrap()
+            .wait()
+        };
+        drop(transports.remove(0));
+        assert!(
+            std::net::TcpStream::connect(first_addr).is_err(),
+            "the dropped backend's port {first_addr} still accepts"
+        );
+        let last = transports.len() - 1;
+        assert!(
+            read(&transports[last], n - 1).is_err(),
+            "a READ from the dropped backend"
+        );
+        for (k, tr) in transports.iter().enumerate().take(last) {
+            read(tr, k + 1).unwrap_or_else(|e| panic!("transport {} after one went: {e}", k + 1));
+        }
         drop(transports);
         wait_for("the progress threads to stop", || {
             named("kvlane-progress") == 0
         });
-        wait_for("the shared pool to stop", || named("kvlane-tcp-init") == 0);
+        wait_for("the shared pools to stop", || {
+            named("kvlane-tcp-init") + named("kvlane-tcp-io") == 0
+        });
         let again = TcpBackend::new(config()).unwrap();
         // A thread names itself as it starts.
-        wait_for("a new pool after the last backend", || {
-            named("kvlane-tcp-init") == 3
+        wait_for("new pools after the last backend", || {
+            named("kvlane-tcp-init") == 3 && named("kvlane-tcp-io") == 3
         });
         drop(again);
     }
@@ -208,9 +256,10 @@ mod scale {
         let after = threads();
         assert!(
             after <= before,
-            "{} connections took {} threads more ({before} before, {after} after)",
+            "{} connections took {} threads more ({before} before, {after} after: {:?})",
             silent.len() + authed.len(),
-            after.saturating_sub(before)
+            after.saturating_sub(before),
+            names()
         );
         let c = target.counters();
         assert_eq!(c.reads_served, 1000, "{c:?}");

@@ -2,9 +2,10 @@
 //! registered with the backend.
 //!
 //! A fixed set of I/O threads ([`TcpConfig::io_threads`](super::TcpConfig::io_threads),
-//! O(cores), not O(connections)) each runs an epoll loop (`mio`) over its
-//! share of the connections; thread 0 also owns the listener and hands
-//! accepted connections out round-robin. A connection is a non-blocking
+//! O(cores), not O(connections), shared by the tcp backends of a process)
+//! each runs an epoll loop (`mio`) over its share of the connections of
+//! every backend; a backend's listener is polled on one of them, which
+//! hands accepted connections out round-robin. A connection is a non-blocking
 //! state machine ([`ServeConn`]); every request passes [`check_request`]
 //! before memory is touched.
 //!
@@ -27,9 +28,7 @@
 
 use super::io::{tune_socket, SocketOptions};
 use super::serve::{Ctx, Drove, End, ServeConn};
-#[cfg(test)]
-use super::shared::lock;
-use super::shared::Shared;
+use super::shared::{lock, Shared};
 use super::wire::{Hello, Request, RequestKind, Status, HELLO_LEN, REQUEST_LEN, TOKEN_LEN};
 use crate::error::DataError;
 use crate::ids::{FastMap, PeerId, RemoteKey};
@@ -40,10 +39,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
-#[cfg(test)]
-use std::sync::Mutex;
-use std::sync::{Arc, RwLock};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -54,8 +51,9 @@ const HANDOFF: usize = 1024;
 const EVENTS: usize = 1024;
 
 const WAKE: Token = Token(0);
-const LISTEN: Token = Token(1);
-const FIRST_CONN: usize = 2;
+/// Listeners and connections take tokens from here up, one counter per
+/// thread.
+const FIRST_TOKEN: usize = 1;
 
 /// Regions served, by key.
 pub(crate) type RegionTable = RwLock<HashMap<RemoteKey, Region>>;
@@ -401,9 +399,6 @@ impl super::outq::Sock for FuzzStream<'_> {
 #[derive(Default)]
 pub(crate) struct Credentials {
     table: RwLock<CredTable>,
-    /// Bumped by every revocation; I/O threads compare it with what they
-    /// saw to close the connections of revoked peers.
-    epoch: AtomicU64,
 }
 
 #[derive(Default)]
@@ -418,8 +413,9 @@ impl Credentials {
         let token: [u8; TOKEN_LEN] = rand::random();
         let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = t.by_peer.insert(peer, token) {
+            // A peer's live connections keep their admission; callers
+            // issue once per peer and revoke through the server.
             t.by_token.remove(&old);
-            self.epoch.fetch_add(1, Ordering::AcqRel);
         }
         t.by_token.insert(token, peer);
         token
@@ -432,7 +428,6 @@ impl Credentials {
             return false;
         };
         t.by_token.remove(&token);
-        self.epoch.fetch_add(1, Ordering::AcqRel);
         true
     }
 
@@ -465,37 +460,162 @@ pub(crate) struct ServerConfig {
     pub(crate) socket: SocketOptions,
 }
 
-/// How the listener thread reaches an I/O thread.
-struct Handoff {
-    tx: SyncSender<(TcpStream, SocketAddr)>,
-    waker: Arc<Waker>,
-}
-
+/// One server (one backend's target side): what its connections need,
+/// wherever they are served.
 struct ServerState {
+    /// Tells this server's listener and connections apart from the other
+    /// servers' on a shared thread.
+    id: u64,
+    /// Set as the server drops, before its threads are told: a connection
+    /// accepted meanwhile and handed to a thread that already let the
+    /// server go is closed, not served.
+    closed: AtomicBool,
     regions: Arc<RegionTable>,
     shared: Arc<Shared>,
     counters: Arc<Counters>,
     creds: Arc<Credentials>,
-    stop: AtomicBool,
     /// Authenticated connections served now, all threads together.
     authenticated: AtomicUsize,
     max_connections: usize,
-    /// Unauthenticated connections one thread holds at most.
+    /// Unauthenticated connections of this server one thread holds at most.
     unauth_per_thread: usize,
     auth_timeout: Duration,
     socket: SocketOptions,
-    handoffs: Vec<Handoff>,
+    /// The threads accepted connections are handed to, in turn.
+    homes: Vec<Arc<Home>>,
+    next_home: AtomicUsize,
     /// Tests: serving a connection of this peer panics.
     #[cfg(test)]
     panic_peer: Mutex<Option<PeerId>>,
 }
 
-/// The listener and its I/O threads; shut down (threads joined, every
-/// connection closed) on drop.
+/// What one I/O thread is asked to do.
+enum Cmd {
+    /// Poll this server's listener here.
+    Listen(Arc<ServerState>, TcpListener),
+    /// Serve a connection the listener's thread accepted.
+    Adopt(Arc<ServerState>, TcpStream, SocketAddr),
+    /// Close the connections of this server whose credential was revoked.
+    Revoked(u64),
+    /// The server is going away: drop its listener and connections, then
+    /// answer.
+    Detach(u64, mpsc::Sender<()>),
+}
+
+/// How other threads reach one I/O thread.
+struct Home {
+    waker: Waker,
+    inbox: Mutex<Vec<Cmd>>,
+    /// Connections handed over and not adopted yet (bounded by [`HANDOFF`]).
+    handed: AtomicUsize,
+    stop: AtomicBool,
+    index: usize,
+}
+
+impl Home {
+    fn send(&self, cmd: Cmd) {
+        lock(&self.inbox).push(cmd);
+        if let Err(e) = self.waker.wake() {
+            tracing::error!(thread = self.index, error = %e, "could not wake a tcp I/O thread");
+        }
+    }
+}
+
+/// The target-side I/O threads of the tcp backends of a process (those
+/// with the same `io_threads`): a server's listener is polled on one of
+/// them, its connections are spread over all of them. The threads stop
+/// when the last server using them is dropped. Before, each backend ran
+/// its own: 1,000 agents in two processes held 2,000 target threads that
+/// served nobody.
+struct ServePool {
+    homes: Vec<Arc<Home>>,
+    threads: Vec<JoinHandle<()>>,
+    next: AtomicUsize,
+}
+
+/// The pools of this process, by thread count.
+static POOLS: Mutex<Vec<(usize, Weak<ServePool>)>> = Mutex::new(Vec::new());
+static NEXT_SERVER: AtomicU64 = AtomicU64::new(1);
+
+impl ServePool {
+    fn for_process(threads: usize) -> Result<Arc<Self>, DataError> {
+        let threads = threads.max(1);
+        let mut pools = lock(&POOLS);
+        pools.retain(|(_, p)| p.strong_count() > 0);
+        if let Some(p) = pools
+            .iter()
+            .filter(|(n, _)| *n == threads)
+            .find_map(|(_, p)| p.upgrade())
+        {
+            return Ok(p);
+        }
+        let pool = Arc::new(Self::start(threads)?);
+        pools.push((threads, Arc::downgrade(&pool)));
+        Ok(pool)
+    }
+
+    fn start(n: usize) -> Result<Self, DataError> {
+        let mut pool = Self {
+            homes: Vec::new(),
+            threads: Vec::new(),
+            next: AtomicUsize::new(0),
+        };
+        for index in 0..n {
+            let poll = Poll::new().map_err(io_err(format!("create tcp I/O poller {index}")))?;
+            let waker = Waker::new(poll.registry(), WAKE)
+                .map_err(io_err(format!("create tcp I/O waker {index}")))?;
+            let home = Arc::new(Home {
+                waker,
+                inbox: Mutex::new(Vec::new()),
+                handed: AtomicUsize::new(0),
+                stop: AtomicBool::new(false),
+                index,
+            });
+            let worker = Worker {
+                home: home.clone(),
+                poll,
+                listeners: FastMap::default(),
+                conns: FastMap::default(),
+                servers: FastMap::default(),
+                deadlines: BTreeSet::new(),
+                next_token: FIRST_TOKEN,
+                scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
+                again: Vec::new(),
+            };
+            let handle = thread::Builder::new()
+                .name(format!("kvlane-tcp-io-{index}"))
+                .spawn(move || worker.run())
+                .map_err(io_err(format!("spawn tcp I/O thread {index}")))?;
+            pool.homes.push(home);
+            // On an error `pool` drops here, which stops the threads
+            // already started.
+            pool.threads.push(handle);
+        }
+        Ok(pool)
+    }
+}
+
+impl Drop for ServePool {
+    fn drop(&mut self) {
+        for h in &self.homes {
+            h.stop.store(true, Ordering::Release);
+            let _ = h.waker.wake();
+        }
+        for t in self.threads.drain(..) {
+            if t.join().is_err() {
+                tracing::error!("a tcp I/O thread panicked");
+            }
+        }
+    }
+}
+
+/// One backend's listener and connections, served on the process's
+/// shared I/O threads; shut down (listener closed, every connection
+/// closed, the threads told and done) on drop.
 pub(crate) struct Server {
     state: Arc<ServerState>,
     addr: SocketAddr,
-    threads: Vec<JoinHandle<()>>,
+    pool: Arc<ServePool>,
 }
 
 fn io_err(op: String) -> impl FnOnce(io::Error) -> DataError {
@@ -519,71 +639,30 @@ impl Server {
         std_listener
             .set_nonblocking(true)
             .map_err(io_err(format!("make tcp listener {addr} non-blocking")))?;
-        let mut listener = Some(TcpListener::from_std(std_listener));
-        let n = config.io_threads.max(1);
-        let mut polls = Vec::new();
-        let mut handoffs = Vec::new();
-        let mut inboxes = Vec::new();
-        for i in 0..n {
-            let poll = Poll::new().map_err(io_err(format!("create tcp I/O poller {i}")))?;
-            let waker = Arc::new(
-                Waker::new(poll.registry(), WAKE)
-                    .map_err(io_err(format!("create tcp I/O waker {i}")))?,
-            );
-            let (tx, rx) = mpsc::sync_channel(HANDOFF);
-            polls.push(poll);
-            handoffs.push(Handoff { tx, waker });
-            inboxes.push(rx);
-        }
-        if let (Some(l), Some(poll)) = (listener.as_mut(), polls.first()) {
-            poll.registry()
-                .register(l, LISTEN, Interest::READABLE)
-                .map_err(io_err(format!("register tcp listener {addr}")))?;
-        }
+        let listener = TcpListener::from_std(std_listener);
+        let pool = ServePool::for_process(config.io_threads)?;
+        let n = pool.homes.len();
         let state = Arc::new(ServerState {
+            id: NEXT_SERVER.fetch_add(1, Ordering::Relaxed),
+            closed: AtomicBool::new(false),
             regions,
             shared,
             counters,
             creds,
-            stop: AtomicBool::new(false),
             authenticated: AtomicUsize::new(0),
             max_connections: config.max_connections.max(1),
             unauth_per_thread: config.max_unauthenticated.div_ceil(n).max(1),
             auth_timeout: config.auth_timeout,
             socket: config.socket,
-            handoffs,
+            homes: pool.homes.clone(),
+            next_home: AtomicUsize::new(0),
             #[cfg(test)]
             panic_peer: Mutex::new(None),
         });
-        let mut server = Self {
-            state: state.clone(),
-            addr,
-            threads: Vec::new(),
-        };
-        for (i, (poll, rx)) in polls.into_iter().zip(inboxes).enumerate() {
-            let worker = Worker {
-                index: i,
-                poll,
-                listener: if i == 0 { listener.take() } else { None },
-                conns: FastMap::default(),
-                unauth: BTreeSet::new(),
-                next_token: FIRST_CONN,
-                rx,
-                next_thread: 0,
-                epoch: 0,
-                scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
-                again: Vec::new(),
-            };
-            let st = state.clone();
-            let handle = thread::Builder::new()
-                .name(format!("kvlane-tcp-io-{}-{i}", addr.port()))
-                .spawn(move || worker.run(&st))
-                .map_err(io_err(format!("spawn tcp I/O thread {i} for {addr}")))?;
-            // On an error `server` drops here, which stops the threads
-            // already started.
-            server.threads.push(handle);
-        }
-        Ok(server)
+        // Listeners go to the threads in turn too.
+        let home = pool.next.fetch_add(1, Ordering::Relaxed) % n;
+        pool.homes[home].send(Cmd::Listen(state.clone(), listener));
+        Ok(Self { state, addr, pool })
     }
 
     /// The address the listener is bound to (with the real port).
@@ -592,10 +671,12 @@ impl Server {
     }
 
     /// Revokes `peer`'s credential and closes its connections (at the
-    /// I/O threads' next turn, promptly: they are woken).
+    /// I/O threads' next turn, promptly: they are told).
     pub(crate) fn revoke(&self, peer: PeerId) {
         if self.state.creds.revoke(peer) {
-            self.wake_all();
+            for h in &self.pool.homes {
+                h.send(Cmd::Revoked(self.state.id));
+            }
         }
     }
 
@@ -604,23 +685,25 @@ impl Server {
     fn authenticated(&self) -> usize {
         self.state.authenticated.load(Ordering::Acquire)
     }
-
-    fn wake_all(&self) {
-        for h in &self.state.handoffs {
-            if let Err(e) = h.waker.wake() {
-                tracing::error!(error = %e, addr = %self.addr, "could not wake a tcp I/O thread");
-            }
-        }
-    }
 }
+
+/// How long dropping a server waits for each thread to let its
+/// connections go (a thread answers at its next turn; one that died does
+/// not answer at all).
+const DETACH_WAIT: Duration = Duration::from_secs(5);
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.state.stop.store(true, Ordering::Release);
-        self.wake_all();
-        for h in self.threads.drain(..) {
-            if h.join().is_err() {
-                tracing::error!(addr = %self.addr, "a tcp I/O thread panicked");
+        self.state.closed.store(true, Ordering::Release);
+        let (tx, rx) = mpsc::channel();
+        for h in &self.pool.homes {
+            h.send(Cmd::Detach(self.state.id, tx.clone()));
+        }
+        drop(tx);
+        for _ in &self.pool.homes {
+            if rx.recv_timeout(DETACH_WAIT).is_err() {
+                tracing::error!(addr = %self.addr, "a tcp I/O thread did not let a closing server's connections go");
+                break;
             }
         }
     }
@@ -628,6 +711,7 @@ impl Drop for Server {
 
 /// One served connection on its I/O thread.
 struct Conn {
+    server: Arc<ServerState>,
     stream: TcpStream,
     from: SocketAddr,
     serve: ServeConn,
@@ -636,19 +720,32 @@ struct Conn {
     accepted: Instant,
 }
 
-/// One I/O thread: its poller, its connections, and (thread 0) the listener.
-struct Worker {
-    index: usize,
-    poll: Poll,
-    listener: Option<TcpListener>,
-    conns: FastMap<usize, Conn>,
-    /// Unauthenticated connections by auth deadline (oldest first).
+impl Conn {
+    fn auth_deadline(&self) -> Instant {
+        self.accepted + self.server.auth_timeout
+    }
+}
+
+/// What one thread holds of one server.
+#[derive(Default)]
+struct OnThread {
+    /// Its unauthenticated connections here, by auth deadline (oldest first).
     unauth: BTreeSet<(Instant, usize)>,
+    /// Its connections here (all of them).
+    conns: usize,
+}
+
+/// One I/O thread: its poller, its listeners and connections (of any
+/// server of the process).
+struct Worker {
+    home: Arc<Home>,
+    poll: Poll,
+    listeners: FastMap<usize, (Arc<ServerState>, TcpListener)>,
+    conns: FastMap<usize, Conn>,
+    servers: FastMap<u64, OnThread>,
+    /// Every unauthenticated connection here, by auth deadline.
+    deadlines: BTreeSet<(Instant, usize)>,
     next_token: usize,
-    rx: Receiver<(TcpStream, SocketAddr)>,
-    next_thread: usize,
-    /// The credential epoch last checked against.
-    epoch: u64,
     scratch: Box<[u8]>,
     /// Connections that yielded (read budget used): driven again after
     /// this turn's events, before the thread waits.
@@ -656,9 +753,9 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(mut self, state: &ServerState) {
-        let index = self.index;
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.event_loop(state)));
+    fn run(mut self) {
+        let index = self.home.index;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.event_loop()));
         if r.is_err() {
             // The connections close as `self` drops; their peers see it.
             tracing::error!(
@@ -666,13 +763,20 @@ impl Worker {
                 "a tcp I/O thread panicked; its connections are closed"
             );
         }
+        // Detaching servers must not wait on a thread that is gone.
+        for cmd in lock(&self.home.inbox).drain(..) {
+            if let Cmd::Detach(_, done) = cmd {
+                let _ = done.send(());
+            }
+        }
     }
 
-    fn event_loop(&mut self, state: &ServerState) {
+    fn event_loop(&mut self) {
         let mut events = Events::with_capacity(EVENTS);
+        let mut cmds = Vec::new();
         loop {
             let timeout = if self.again.is_empty() {
-                self.unauth
+                self.deadlines
                     .first()
                     .map(|(d, _)| d.saturating_duration_since(Instant::now()))
             } else {
@@ -680,40 +784,80 @@ impl Worker {
             };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() != io::ErrorKind::Interrupted {
-                    tracing::error!(thread = self.index, error = %e, "tcp poll failed; the I/O thread stops");
+                    tracing::error!(thread = self.home.index, error = %e, "tcp poll failed; the I/O thread stops");
                     return;
                 }
             }
-            if state.stop.load(Ordering::Acquire) {
+            if self.home.stop.load(Ordering::Acquire) {
                 return;
             }
             let again = std::mem::take(&mut self.again);
             for ev in &events {
                 match ev.token() {
                     WAKE => {}
-                    LISTEN => self.accept(state),
-                    Token(t) if !again.contains(&t) => self.serve(t, state),
+                    Token(t) if self.listeners.contains_key(&t) => self.accept(t),
+                    Token(t) if !again.contains(&t) => self.serve(t),
                     Token(_) => {}
                 }
             }
             for t in again {
-                self.serve(t, state);
+                self.serve(t);
             }
-            while let Ok((stream, from)) = self.rx.try_recv() {
-                self.adopt(stream, from, state);
+            std::mem::swap(&mut cmds, &mut *lock(&self.home.inbox));
+            for cmd in cmds.drain(..) {
+                self.command(cmd);
             }
-            let epoch = state.creds.epoch.load(Ordering::Acquire);
-            if epoch != self.epoch {
-                self.epoch = epoch;
-                self.close_revoked(state);
-            }
-            self.expire(Instant::now(), state);
+            self.expire(Instant::now());
         }
     }
 
-    fn accept(&mut self, state: &ServerState) {
+    fn token(&mut self) -> usize {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Listen(server, mut listener) => {
+                let token = self.token();
+                if let Err(e) =
+                    self.poll
+                        .registry()
+                        .register(&mut listener, Token(token), Interest::READABLE)
+                {
+                    tracing::error!(error = %e, "could not register a tcp listener; it accepts nothing");
+                    return;
+                }
+                self.listeners.insert(token, (server, listener));
+                // Connections may be waiting already.
+                self.accept(token);
+            }
+            Cmd::Adopt(server, stream, from) => {
+                self.home.handed.fetch_sub(1, Ordering::AcqRel);
+                self.adopt(server, stream, from);
+            }
+            Cmd::Revoked(id) => self.close_revoked(id),
+            Cmd::Detach(id, done) => {
+                self.listeners.retain(|_, (s, _)| s.id != id);
+                let gone: Vec<usize> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| c.server.id == id)
+                    .map(|(t, _)| *t)
+                    .collect();
+                for t in gone {
+                    self.close(t);
+                }
+                self.servers.remove(&id);
+                let _ = done.send(());
+            }
+        }
+    }
+
+    fn accept(&mut self, token: usize) {
         loop {
-            let Some(listener) = &self.listener else {
+            let Some((server, listener)) = self.listeners.get(&token) else {
                 return;
             };
             let (stream, from) = match listener.accept() {
@@ -727,38 +871,43 @@ impl Worker {
                     return;
                 }
             };
-            bump(&state.counters.connections_accepted, 1);
-            let n = state.handoffs.len();
-            let i = self.next_thread % n;
-            self.next_thread = self.next_thread.wrapping_add(1);
-            if i == self.index {
-                self.adopt(stream, from, state);
+            let server = server.clone();
+            bump(&server.counters.connections_accepted, 1);
+            let n = server.homes.len();
+            let i = server.next_home.fetch_add(1, Ordering::Relaxed) % n;
+            if i == self.home.index {
+                self.adopt(server, stream, from);
                 continue;
             }
-            match state.handoffs[i].tx.try_send((stream, from)) {
-                Ok(()) => {
-                    let _ = state.handoffs[i].waker.wake();
-                }
-                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                    bump(&state.counters.connections_refused, 1);
-                }
+            let home = &server.homes[i];
+            if home.handed.fetch_add(1, Ordering::AcqRel) >= HANDOFF {
+                home.handed.fetch_sub(1, Ordering::AcqRel);
+                bump(&server.counters.connections_refused, 1);
+                continue;
             }
+            home.send(Cmd::Adopt(server.clone(), stream, from));
         }
     }
 
-    fn adopt(&mut self, mut stream: TcpStream, from: SocketAddr, state: &ServerState) {
-        // Past this thread's unauthenticated cap, the oldest goes.
-        while self.unauth.len() >= state.unauth_per_thread {
-            let Some((_, token)) = self.unauth.pop_first() else {
+    fn adopt(&mut self, server: Arc<ServerState>, mut stream: TcpStream, from: SocketAddr) {
+        if server.closed.load(Ordering::Acquire) {
+            return;
+        }
+        // Past this thread's unauthenticated cap for the server, its
+        // oldest goes.
+        let here = self.servers.entry(server.id).or_default();
+        while here.unauth.len() >= server.unauth_per_thread {
+            let Some((deadline, token)) = here.unauth.pop_first() else {
                 break;
             };
+            self.deadlines.remove(&(deadline, token));
             if self.conns.remove(&token).is_some() {
-                bump(&state.counters.unauthenticated_evicted, 1);
+                here.conns -= 1;
+                bump(&server.counters.unauthenticated_evicted, 1);
             }
         }
-        tune_socket(socket2::SockRef::from(&stream), state.socket);
-        let token = self.next_token;
-        self.next_token += 1;
+        tune_socket(socket2::SockRef::from(&stream), server.socket);
+        let token = self.token();
         if let Err(e) = self.poll.registry().register(
             &mut stream,
             Token(token),
@@ -768,10 +917,15 @@ impl Worker {
             return;
         }
         let accepted = Instant::now();
-        self.unauth.insert((accepted + state.auth_timeout, token));
+        let deadline = accepted + server.auth_timeout;
+        let here = self.servers.entry(server.id).or_default();
+        here.unauth.insert((deadline, token));
+        here.conns += 1;
+        self.deadlines.insert((deadline, token));
         self.conns.insert(
             token,
             Conn {
+                server,
                 stream,
                 from,
                 serve: ServeConn::new(),
@@ -780,20 +934,21 @@ impl Worker {
             },
         );
         // Bytes may have arrived before the registration.
-        self.serve(token, state);
+        self.serve(token);
     }
 
-    fn serve(&mut self, token: usize, state: &ServerState) {
+    fn serve(&mut self, token: usize) {
         let Some(conn) = self.conns.get_mut(&token) else {
             return;
         };
         let scratch = &mut self.scratch;
+        let state = conn.server.clone();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let ctx = Ctx {
                 regions: &state.regions,
                 shared: &state.shared,
                 counters: &state.counters,
-                authenticate: &|hello| admit(state, hello),
+                authenticate: &|hello| admit(&state, hello),
             };
             let r = conn.serve.drive(&mut conn.stream, &ctx, scratch);
             #[cfg(test)]
@@ -805,8 +960,11 @@ impl Worker {
         let newly_authed = conn.peer.is_none() && conn.serve.peer().is_some();
         if newly_authed {
             conn.peer = conn.serve.peer();
-            let deadline = conn.accepted + state.auth_timeout;
-            self.unauth.remove(&(deadline, token));
+            let deadline = conn.auth_deadline();
+            self.deadlines.remove(&(deadline, token));
+            if let Some(here) = self.servers.get_mut(&state.id) {
+                here.unauth.remove(&(deadline, token));
+            }
         }
         let end = match r {
             Ok(Ok(Drove::Blocked)) => return,
@@ -819,7 +977,7 @@ impl Worker {
                 bump(&state.counters.connection_panics, 1);
                 let (from, peer) = (conn.from, conn.peer);
                 tracing::error!(%from, ?peer, "serving a tcp connection panicked; it is closed");
-                self.close(token, state);
+                self.close(token);
                 return;
             }
         };
@@ -845,43 +1003,65 @@ impl Worker {
             }
             End::Io(e) => tracing::debug!(%from, ?peer, error = %e, "connection ended"),
         }
-        self.close(token, state);
+        self.close(token);
     }
 
     /// Drops a connection and frees its slot.
-    fn close(&mut self, token: usize, state: &ServerState) {
+    fn close(&mut self, token: usize) {
         let Some(conn) = self.conns.remove(&token) else {
             return;
         };
+        let id = conn.server.id;
         if conn.peer.is_some() {
-            state.authenticated.fetch_sub(1, Ordering::AcqRel);
+            conn.server.authenticated.fetch_sub(1, Ordering::AcqRel);
         } else {
-            self.unauth
-                .remove(&(conn.accepted + state.auth_timeout, token));
+            let deadline = conn.auth_deadline();
+            self.deadlines.remove(&(deadline, token));
+            if let Some(here) = self.servers.get_mut(&id) {
+                here.unauth.remove(&(deadline, token));
+            }
+        }
+        if let Some(here) = self.servers.get_mut(&id) {
+            here.conns -= 1;
+            if here.conns == 0 {
+                self.servers.remove(&id);
+            }
         }
     }
 
-    fn close_revoked(&mut self, state: &ServerState) {
+    fn close_revoked(&mut self, id: u64) {
         let revoked: Vec<usize> = self
             .conns
             .iter()
-            .filter(|(_, c)| c.peer.is_some_and(|p| !state.creds.is_valid(p)))
+            .filter(|(_, c)| {
+                c.server.id == id && c.peer.is_some_and(|p| !c.server.creds.is_valid(p))
+            })
             .map(|(t, _)| *t)
             .collect();
         for token in revoked {
-            bump(&state.counters.connections_revoked, 1);
-            self.close(token, state);
+            if let Some(c) = self.conns.get(&token) {
+                bump(&c.server.counters.connections_revoked, 1);
+            }
+            self.close(token);
         }
     }
 
-    fn expire(&mut self, now: Instant, state: &ServerState) {
-        while let Some(&(deadline, token)) = self.unauth.first() {
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(deadline, token)) = self.deadlines.first() {
             if deadline > now {
                 return;
             }
-            self.unauth.pop_first();
-            if self.conns.remove(&token).is_some() {
-                bump(&state.counters.auth_timeouts, 1);
+            self.deadlines.pop_first();
+            let Some(conn) = self.conns.remove(&token) else {
+                continue;
+            };
+            bump(&conn.server.counters.auth_timeouts, 1);
+            if let Some(here) = self.servers.get_mut(&conn.server.id) {
+                here.unauth.remove(&(deadline, token));
+                here.conns -= 1;
+                if here.conns == 0 {
+                    self.servers.remove(&conn.server.id);
+                }
             }
         }
     }
