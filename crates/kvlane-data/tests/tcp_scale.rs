@@ -118,10 +118,10 @@ mod scale {
             .map(|b| Transport::new(b).unwrap())
             .collect();
         let pool = std::thread::available_parallelism().map_or(2, |n| n.get().min(4));
-        let mut handles = Vec::new();
-        for (i, tr) in transports.iter().enumerate() {
+        // Backend i READs backend i+1's bytes (4 KiB of value i+1).
+        let read_next = |i: usize| {
             let j = (i + 1) % n;
-            let t = Transfer::new(
+            Transfer::new(
                 peers[i],
                 Op::Read,
                 vec![Descriptor {
@@ -134,9 +134,13 @@ mod scale {
                     offset: 0,
                     len: 4096,
                 }],
-            );
-            handles.push(tr.submit(t).unwrap());
-        }
+            )
+        };
+        let handles: Vec<_> = transports
+            .iter()
+            .enumerate()
+            .map(|(i, tr)| tr.submit(read_next(i)).unwrap())
+            .collect();
         for (i, h) in handles.into_iter().enumerate() {
             h.wait().unwrap_or_else(|e| panic!("transport {i}: {e}"));
             let j = (i + 1) % n;
@@ -152,28 +156,10 @@ mod scale {
         );
         // One backend goes: its port closes and the one reading from it
         // fails, while the others, on the same threads, go on.
-        let read = |tr: &Transport, i: usize| {
-            let j = (i + 1) % n;
-            tr.submit(Transfer::new(
-                peers[i],
-                Op::Read,
-                vec![Descriptor {
-                    region: dsts[i].id(),
-                    offset: 0,
-                    len: 4096,
-                }],
-                vec![RemoteDescriptor {
-                    key: ads[j].key,
-                    offset: 0,
-                    len: 4096,
-                }],
-            ))
-            .unwrap()
-            .wait()
-        };
+        let read = |tr: &Transport, i: usize| tr.submit(read_next(i)).unwrap().wait();
         drop(transports.remove(0));
         assert!(
-            std::net::TcpStream::connect(first_addr).is_err(),
+            TcpStream::connect(first_addr).is_err(),
             "the dropped backend's port {first_addr} still accepts"
         );
         let last = transports.len() - 1;

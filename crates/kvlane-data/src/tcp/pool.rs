@@ -128,19 +128,7 @@ impl IoPool {
     /// The process's pool of `threads` threads, started if no live backend
     /// holds one.
     pub(crate) fn for_process(threads: usize) -> Result<Arc<Self>, DataError> {
-        let threads = threads.max(1);
-        let mut pools = lock(&POOLS);
-        pools.retain(|(_, p)| p.strong_count() > 0);
-        if let Some(p) = pools
-            .iter()
-            .filter(|(n, _)| *n == threads)
-            .find_map(|(_, p)| p.upgrade())
-        {
-            return Ok(p);
-        }
-        let pool = Arc::new(Self::start(threads)?);
-        pools.push((threads, Arc::downgrade(&pool)));
-        Ok(pool)
+        super::shared::process_pool(&POOLS, threads, Self::start)
     }
 
     /// Starts `threads` I/O threads.

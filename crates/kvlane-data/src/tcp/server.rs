@@ -539,19 +539,7 @@ static NEXT_SERVER: AtomicU64 = AtomicU64::new(1);
 
 impl ServePool {
     fn for_process(threads: usize) -> Result<Arc<Self>, DataError> {
-        let threads = threads.max(1);
-        let mut pools = lock(&POOLS);
-        pools.retain(|(_, p)| p.strong_count() > 0);
-        if let Some(p) = pools
-            .iter()
-            .filter(|(n, _)| *n == threads)
-            .find_map(|(_, p)| p.upgrade())
-        {
-            return Ok(p);
-        }
-        let pool = Arc::new(Self::start(threads)?);
-        pools.push((threads, Arc::downgrade(&pool)));
-        Ok(pool)
+        super::shared::process_pool(&POOLS, threads, Self::start)
     }
 
     fn start(n: usize) -> Result<Self, DataError> {
