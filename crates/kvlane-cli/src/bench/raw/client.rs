@@ -5,8 +5,17 @@
 //! back to back, and a receiver thread, which reads and times the answers
 //! meanwhile (the backend's initiator did so before its streams moved to
 //! event-driven I/O threads; blocking threads are the ceiling).
+//!
+//! On this side the blocks come from and land in memory of the batch's
+//! footprint, block `i` at `i * block`, as the backend's do: a READ of 128
+//! blocks of 1 MiB fills 128 MiB, not one 512 KiB buffer over and over.
+//! Measured on a 2-core VM, a hot 512 KiB sink made raw READ at 1 MiB
+//! ~10% faster (3.5 against 3.0–3.2 GB/s) than the same bytes landing
+//! across 128 MiB, which the backend can never be. The server's side
+//! still sends from and sinks into one small buffer (it serves nobody's
+//! memory), so the ceiling stays on the generous side.
 
-use super::{buffer, header, invalid, read_into, HELLO_TIMEOUT, MAGIC};
+use super::{buffer, header, invalid, HELLO_TIMEOUT, MAGIC};
 use crate::bench::schedule::{run_for, Slice};
 use crate::bench::stats::Sample;
 use crate::bench::BenchError;
@@ -22,22 +31,26 @@ use std::time::{Duration, Instant};
 /// A stalled link fails the baseline after this long instead of hanging it.
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// One stream's share of a batch: `(block index, request length)` each,
-/// in sending order.
-type Requests = Arc<[(usize, u64)]>;
+/// One stream's share of a batch: `(block index, offset in the batch's
+/// memory, request length)` each, in sending order.
+type Requests = Arc<[(usize, u64, u64)]>;
+
+/// What a batch's sender and receiver threads are handed: the operation,
+/// their requests and the batch's memory (WRITE source, READ sink).
+type Work = (Op, Requests, Region);
 
 struct Lane {
     /// To the sender thread.
-    send: Sender<(Op, Requests)>,
+    send: Sender<Work>,
     /// To the receiver thread.
-    receive: Sender<(Op, Requests)>,
+    receive: Sender<Work>,
     /// When each request of the batch was answered, from the receiver.
     done: Receiver<io::Result<Vec<Instant>>>,
     /// Why the sender stopped, if it failed (it then closes the stream, so
     /// the receiver fails too and the batch ends).
     send_error: Arc<Mutex<Option<io::Error>>>,
     /// This lane's share of the batch being dealt.
-    requests: Vec<(usize, u64)>,
+    requests: Vec<(usize, u64, u64)>,
     /// The share in flight.
     in_flight: Option<Requests>,
     threads: [JoinHandle<()>; 2],
@@ -55,6 +68,9 @@ pub(crate) struct RawClient {
     arrived: Vec<Instant>,
     /// Bytes queued so far per group: picks the stream.
     striped: Vec<u64>,
+    /// The batch's memory, every group's blocks end to end (grown to the
+    /// largest batch measured).
+    memory: Option<Region>,
 }
 
 impl RawClient {
@@ -69,7 +85,7 @@ impl RawClient {
             source,
         };
         let lanes = (0..groups.max(1) * per_group)
-            .map(|i| Lane::start(addr, i, tcp.chunk_bytes as usize).map_err(|e| fail(i, e)))
+            .map(|i| Lane::start(addr, i).map_err(|e| fail(i, e)))
             .collect::<Result<_, _>>()?;
         Ok(Self {
             addr,
@@ -78,6 +94,7 @@ impl RawClient {
             lanes,
             arrived: Vec::new(),
             striped: vec![0; groups.max(1)],
+            memory: None,
         })
     }
 
@@ -115,6 +132,16 @@ impl RawClient {
         lat: &mut Vec<Duration>,
     ) -> Result<(), BenchError> {
         let groups = self.deal(block, batch);
+        let footprint = (groups * batch) as u64 * block;
+        if self.memory.as_ref().is_none_or(|m| m.len() < footprint) {
+            let m = buffer(footprint as usize, 0x5a).map_err(|source| BenchError::RawTcp {
+                addr: self.addr,
+                stream: 0,
+                source,
+            })?;
+            self.memory = Some(m);
+        }
+        let memory = self.memory.clone().unwrap_or_else(|| unreachable!());
         let t0 = Instant::now();
         self.arrived.clear();
         self.arrived.resize(groups * batch, t0);
@@ -126,8 +153,8 @@ impl RawClient {
             // The sender first: the bytes start moving while the receiver
             // wakes (answers wait in the socket for it).
             lane.send
-                .send((op, requests.clone()))
-                .and_then(|()| lane.receive.send((op, requests.clone())))
+                .send((op, requests.clone(), memory.clone()))
+                .and_then(|()| lane.receive.send((op, requests.clone(), memory.clone())))
                 .map_err(|_| ended(self.addr, i))?;
             lane.in_flight = Some(requests);
         }
@@ -151,7 +178,7 @@ impl RawClient {
                 }
                 Err(_) => return Err(ended(self.addr, i)),
             };
-            for (&(b, _), &t) in requests.iter().zip(&arrived) {
+            for (&(b, _, _), &t) in requests.iter().zip(&arrived) {
                 self.arrived[b] = self.arrived[b].max(t);
             }
         }
@@ -173,16 +200,17 @@ impl RawClient {
         }
         for g in 0..groups {
             for i in 0..batch {
-                let mut left = block;
-                while left > 0 {
-                    let len = left.min(self.chunk);
+                let b = g * batch + i;
+                let mut done = 0;
+                while done < block {
+                    let len = (block - done).min(self.chunk);
                     let at = self.striped[g];
                     self.striped[g] += len;
                     let turn = (at / self.chunk) as usize % per;
                     self.lanes[g * per + turn]
                         .requests
-                        .push((g * batch + i, len));
-                    left -= len;
+                        .push((b, b as u64 * block + done, len));
+                    done += len;
                 }
             }
         }
@@ -220,20 +248,18 @@ impl Drop for RawClient {
 }
 
 impl Lane {
-    fn start(addr: SocketAddr, i: usize, chunk: usize) -> io::Result<Self> {
+    fn start(addr: SocketAddr, i: usize) -> io::Result<Self> {
         let stream = hello(addr)?;
-        let (send, sends) = mpsc::channel::<(Op, Requests)>();
-        let (receive, receives) = mpsc::channel::<(Op, Requests)>();
+        let (send, sends) = mpsc::channel::<Work>();
+        let (receive, receives) = mpsc::channel::<Work>();
         let (answered, done) = mpsc::channel();
         let send_error = Arc::new(Mutex::new(None));
-        let payload = buffer(chunk, 0x5a)?;
-        let sink = buffer(chunk, 0)?;
         let (out, failed) = (stream.try_clone()?, send_error.clone());
         let sender = thread::Builder::new()
             .name(format!("kvlane-raw-tx-{i}"))
             .spawn(move || {
                 let mut w = FrameWriter::new(&out);
-                for (op, requests) in sends {
+                for (op, requests, payload) in sends {
                     if let Err(e) = send_all(&mut w, op, &requests, &payload) {
                         *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
                         // Ends the receiver's wait too.
@@ -246,7 +272,7 @@ impl Lane {
             .name(format!("kvlane-raw-rx-{i}"))
             .spawn(move || {
                 let mut r = FrameReader::new(&stream);
-                for (op, requests) in receives {
+                for (op, requests, sink) in receives {
                     let got = receive_all(&mut r, op, &requests, &sink);
                     if got.is_err() {
                         // Ends a sender stuck on a stream nobody reads.
@@ -297,13 +323,13 @@ fn hello(addr: SocketAddr) -> io::Result<TcpStream> {
 fn send_all(
     w: &mut FrameWriter<'_>,
     op: Op,
-    requests: &[(usize, u64)],
+    requests: &[(usize, u64, u64)],
     payload: &Region,
 ) -> io::Result<()> {
-    for &(_, len) in requests {
+    for &(_, at, len) in requests {
         w.put(&header(op, len));
         if op == Op::Write {
-            w.region(payload, 0, len)?;
+            w.region(payload, at, len)?;
         }
         if w.is_full() {
             w.flush()?;
@@ -316,11 +342,11 @@ fn send_all(
 fn receive_all(
     r: &mut FrameReader<'_>,
     op: Op,
-    requests: &[(usize, u64)],
+    requests: &[(usize, u64, u64)],
     sink: &Region,
 ) -> io::Result<Vec<Instant>> {
     let mut arrived = Vec::with_capacity(requests.len());
-    for &(_, len) in requests {
+    for &(_, at, len) in requests {
         match op {
             Op::Write => {
                 let mut ack = [0; 8];
@@ -332,7 +358,7 @@ fn receive_all(
                     )));
                 }
             }
-            Op::Read => read_into(r, sink, len)?,
+            Op::Read => r.payload_into(sink, at, len)?,
         }
         arrived.push(Instant::now());
     }
@@ -377,7 +403,7 @@ mod tests {
         let requests: Vec<Vec<u64>> = c
             .lanes
             .iter()
-            .map(|l| l.requests.iter().map(|r| r.1).collect())
+            .map(|l| l.requests.iter().map(|r| r.2).collect())
             .collect();
         assert_eq!(streams, 4, "the tcp default this case is written for");
         assert_eq!(
