@@ -168,8 +168,9 @@ impl Peer {
     /// (KV caches and plain regions) granting `op`, as
     /// [`prepare_spans`](Self::prepare_spans) will.
     pub fn check_remote_spans(&self, op: Op, spans: &[MemSpan]) -> Result<(), Error> {
-        let (advertised, name) = self.advertised()?;
-        spans::resolve_remote(&advertised, spans, op, &name).map(drop)
+        let peers = lock(&self.inner.peers);
+        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
+        self.resolve_remote(entry, spans, op).map(drop)
     }
 
     /// Plans a transfer of arbitrary spans: `local[i]` (an address range
@@ -190,15 +191,7 @@ impl Peer {
         let (data_peer, incarnation, r) = {
             let peers = lock(&self.inner.peers);
             let (entry, data_peer) = self.ready(&peers)?;
-            let name = PeerName {
-                engine_id: &entry.engine_id,
-                addr: &self.addr,
-            };
-            let r = if entry.kv.is_empty() {
-                spans::resolve_remote(&entry.regions, remote, op, name)
-            } else {
-                spans::resolve_remote(&Self::advertised_of(entry), remote, op, name)
-            }?;
+            let r = self.resolve_remote(entry, remote, op)?;
             (data_peer, entry.incarnation, r)
         };
         let (l, r) = spans::pair(l, r)?;
@@ -226,27 +219,32 @@ impl Peer {
         r
     }
 
-    fn advertised_of(entry: &PeerEntry) -> Vec<RemoteRegion> {
-        entry
-            .kv
-            .iter()
-            .map(|k| k.region)
-            .chain(entry.regions.iter().copied())
-            .collect()
-    }
-
-    fn name_of(&self, entry: &PeerEntry) -> String {
-        PeerName {
+    /// Remote spans resolved against what `entry` advertised (KV caches
+    /// and plain regions), under the peer lock: nothing is copied when
+    /// the peer advertised plain regions only, and the peer's name is
+    /// formatted only for an error.
+    fn resolve_remote(
+        &self,
+        entry: &PeerEntry,
+        spans: &[MemSpan],
+        op: Op,
+    ) -> Result<Vec<RemoteDescriptor>, Error> {
+        let advertised: std::borrow::Cow<'_, [RemoteRegion]> = if entry.kv.is_empty() {
+            (&entry.regions[..]).into()
+        } else {
+            entry
+                .kv
+                .iter()
+                .map(|k| k.region)
+                .chain(entry.regions.iter().copied())
+                .collect::<Vec<_>>()
+                .into()
+        };
+        let name = PeerName {
             engine_id: &entry.engine_id,
             addr: &self.addr,
-        }
-        .to_string()
-    }
-
-    fn advertised(&self) -> Result<(Vec<RemoteRegion>, String), Error> {
-        let peers = lock(&self.inner.peers);
-        let entry = peers.get(&self.conn).ok_or_else(|| self.lost("closed"))?;
-        Ok((Self::advertised_of(entry), self.name_of(entry)))
+        };
+        spans::resolve_remote(&advertised, spans, op, name)
     }
 
     /// A planned transfer with its deadline and notification.

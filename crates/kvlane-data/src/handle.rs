@@ -21,12 +21,12 @@ use tokio::sync::mpsc;
 
 /// How long the progress thread sleeps when nothing is in flight (it is
 /// woken at once by `submit` and by backends that announce completions).
-const IDLE_PARK: Duration = Duration::from_millis(50);
+pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 /// How often it re-polls while work is in flight on a backend that
 /// announces completions through its waker (bounds deadline detection).
 const BUSY_PARK: Duration = Duration::from_millis(1);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -559,7 +559,7 @@ impl Backend for Closed {
 /// [`BUSY_PARK`] when it does not say. A thousand agents in one process
 /// re-polling every millisecond cost a million wake-ups a second: on 2
 /// cores that alone kept ~700 threads runnable and starved the I/O.
-fn busy_park(poll_by: Option<Instant>) -> Duration {
+pub(crate) fn busy_park(poll_by: Option<Instant>) -> Duration {
     match poll_by {
         None => BUSY_PARK,
         Some(at) => at.saturating_duration_since(Instant::now()).min(IDLE_PARK),

@@ -22,26 +22,40 @@
 //! that transport's in-flight transfers and retires the member; the thread
 //! and the other members go on.
 
-use crate::handle::{poll_once, Polled, Shared};
+use crate::handle::{busy_park, lock, poll_once, Polled, Shared, IDLE_PARK};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Wake, Waker};
 use std::thread::{self, JoinHandle, Thread};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// The thread pools the backends and transports of a process share, one
+/// per thread count: the live pool of `threads` threads, or a new one from
+/// `start` (a pool lives while something holds it). The progress threads
+/// here and the tcp backend's I/O threads of either side use it.
+pub(crate) fn process_pool<T, E>(
+    pools: &Mutex<Vec<(usize, Weak<T>)>>,
+    threads: usize,
+    start: impl FnOnce(usize) -> Result<T, E>,
+) -> Result<Arc<T>, E> {
+    let threads = threads.max(1);
+    let mut pools = lock(pools);
+    pools.retain(|(_, p)| p.strong_count() > 0);
+    if let Some(p) = pools
+        .iter()
+        .filter(|(n, _)| *n == threads)
+        .find_map(|(_, p)| p.upgrade())
+    {
+        return Ok(p);
+    }
+    let pool = Arc::new(start(threads)?);
+    pools.push((threads, Arc::downgrade(&pool)));
+    Ok(pool)
 }
 
-/// How long a member with nothing in flight waits before its next poll
-/// (a safety net: its backend wakes it for anything that arrives).
-const IDLE: Duration = Duration::from_millis(50);
-/// Re-poll of a member with work in flight whose backend gives no
-/// [`poll_by`](crate::Backend::poll_by).
-const BUSY: Duration = Duration::from_millis(1);
 /// Polls of one member in a row while it keeps yielding results, before
 /// the others get their turn.
 const ROUNDS: usize = 8;
@@ -112,20 +126,14 @@ pub(crate) struct ProgressPool {
     next: AtomicUsize,
 }
 
-static POOL: Mutex<Weak<ProgressPool>> = Mutex::new(Weak::new());
+static POOLS: Mutex<Vec<(usize, Weak<ProgressPool>)>> = Mutex::new(Vec::new());
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl ProgressPool {
     /// The process's pool, started if no live transport holds it.
     pub(crate) fn for_process() -> std::io::Result<Arc<Self>> {
-        let mut pool = lock(&POOL);
-        if let Some(p) = pool.upgrade() {
-            return Ok(p);
-        }
         let n = thread::available_parallelism().map_or(2, |n| n.get().min(4));
-        let p = Arc::new(Self::start(n)?);
-        *pool = Arc::downgrade(&p);
-        Ok(p)
+        process_pool(&POOLS, n, Self::start)
     }
 
     fn start(n: usize) -> std::io::Result<Self> {
@@ -134,7 +142,7 @@ impl ProgressPool {
             threads: Vec::new(),
             next: AtomicUsize::new(0),
         };
-        for i in 0..n.max(1) {
+        for i in 0..n {
             let home = Arc::new(Home {
                 ready: Mutex::new(Vec::new()),
                 thread: OnceLock::new(),
@@ -222,7 +230,7 @@ fn run(home: &Home) {
             Some(&Reverse((at, _))) => {
                 thread::park_timeout(at.saturating_duration_since(Instant::now()))
             }
-            None => thread::park_timeout(IDLE),
+            None => thread::park_timeout(IDLE_PARK),
         }
     }
 }
@@ -266,9 +274,9 @@ fn turn(
         // Still yielding after its rounds: again at the next turn.
         now
     } else if p.in_flight > 0 {
-        p.poll_by.map_or(now + BUSY, |t| t.min(now + IDLE))
+        now + busy_park(p.poll_by)
     } else {
-        now + IDLE
+        now + IDLE_PARK
     };
     timers.push(Reverse((at, m.id)));
     members.insert(m.id, (m, at));

@@ -128,7 +128,7 @@ impl IoPool {
     /// The process's pool of `threads` threads, started if no live backend
     /// holds one.
     pub(crate) fn for_process(threads: usize) -> Result<Arc<Self>, DataError> {
-        super::shared::process_pool(&POOLS, threads, Self::start)
+        crate::progress::process_pool(&POOLS, threads, Self::start)
     }
 
     /// Starts `threads` I/O threads.

@@ -33,6 +33,7 @@ use super::wire::{Hello, Request, RequestKind, Status, HELLO_LEN, REQUEST_LEN, T
 use crate::error::DataError;
 use crate::ids::{FastMap, PeerId, RemoteKey};
 use crate::memory::Region;
+use crate::progress::process_pool;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use std::collections::{BTreeSet, HashMap};
@@ -539,7 +540,7 @@ static NEXT_SERVER: AtomicU64 = AtomicU64::new(1);
 
 impl ServePool {
     fn for_process(threads: usize) -> Result<Arc<Self>, DataError> {
-        super::shared::process_pool(&POOLS, threads, Self::start)
+        process_pool(&POOLS, threads, Self::start)
     }
 
     fn start(n: usize) -> Result<Self, DataError> {
@@ -883,16 +884,17 @@ impl Worker {
         }
         // Past this thread's unauthenticated cap for the server, its
         // oldest goes.
-        let here = self.servers.entry(server.id).or_default();
-        while here.unauth.len() >= server.unauth_per_thread {
-            let Some((deadline, token)) = here.unauth.pop_first() else {
+        while let Some(here) = self.servers.get_mut(&server.id) {
+            if here.unauth.len() < server.unauth_per_thread {
+                break;
+            }
+            let Some((_, token)) = here.unauth.pop_first() else {
                 break;
             };
-            self.deadlines.remove(&(deadline, token));
-            if self.conns.remove(&token).is_some() {
-                here.conns -= 1;
+            if self.conns.contains_key(&token) {
                 bump(&server.counters.unauthenticated_evicted, 1);
             }
+            self.close(token);
         }
         tune_socket(socket2::SockRef::from(&stream), server.socket);
         let token = self.token();
@@ -1040,17 +1042,10 @@ impl Worker {
                 return;
             }
             self.deadlines.pop_first();
-            let Some(conn) = self.conns.remove(&token) else {
-                continue;
-            };
-            bump(&conn.server.counters.auth_timeouts, 1);
-            if let Some(here) = self.servers.get_mut(&conn.server.id) {
-                here.unauth.remove(&(deadline, token));
-                here.conns -= 1;
-                if here.conns == 0 {
-                    self.servers.remove(&conn.server.id);
-                }
+            if let Some(conn) = self.conns.get(&token) {
+                bump(&conn.server.counters.auth_timeouts, 1);
             }
+            self.close(token);
         }
     }
 }

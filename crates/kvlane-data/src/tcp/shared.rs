@@ -5,7 +5,7 @@ use crate::ids::{FastMap, PeerId, TransferId};
 use crate::transfer::Completion;
 use bytes::Bytes;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
 
 /// A map keyed by transfer id.
@@ -14,29 +14,6 @@ pub(crate) type IdMap<V> = FastMap<TransferId, V>;
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Tables behind these locks stay consistent if a holder panicked.
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The thread pools the backends of a process share, one per thread
-/// count: the live pool of `threads` threads, or a new one from `start`
-/// (a pool lives while a backend holds it).
-pub(crate) fn process_pool<T, E>(
-    pools: &Mutex<Vec<(usize, Weak<T>)>>,
-    threads: usize,
-    start: impl FnOnce(usize) -> Result<T, E>,
-) -> Result<Arc<T>, E> {
-    let threads = threads.max(1);
-    let mut pools = lock(pools);
-    pools.retain(|(_, p)| p.strong_count() > 0);
-    if let Some(p) = pools
-        .iter()
-        .filter(|(n, _)| *n == threads)
-        .find_map(|(_, p)| p.upgrade())
-    {
-        return Ok(p);
-    }
-    let pool = Arc::new(start(threads)?);
-    pools.push((threads, Arc::downgrade(&pool)));
-    Ok(pool)
 }
 
 /// State shared by the backend and its I/O threads.

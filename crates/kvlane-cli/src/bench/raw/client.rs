@@ -133,15 +133,18 @@ impl RawClient {
     ) -> Result<(), BenchError> {
         let groups = self.deal(block, batch);
         let footprint = (groups * batch) as u64 * block;
-        if self.memory.as_ref().is_none_or(|m| m.len() < footprint) {
-            let m = buffer(footprint as usize, 0x5a).map_err(|source| BenchError::RawTcp {
-                addr: self.addr,
-                stream: 0,
-                source,
-            })?;
-            self.memory = Some(m);
-        }
-        let memory = self.memory.clone().unwrap_or_else(|| unreachable!());
+        let memory = match &self.memory {
+            Some(m) if m.len() >= footprint => m.clone(),
+            _ => {
+                let m = buffer(footprint as usize, 0x5a).map_err(|source| BenchError::RawTcp {
+                    addr: self.addr,
+                    stream: 0,
+                    source,
+                })?;
+                self.memory = Some(m.clone());
+                m
+            }
+        };
         let t0 = Instant::now();
         self.arrived.clear();
         self.arrived.resize(groups * batch, t0);
