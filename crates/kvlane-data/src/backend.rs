@@ -196,6 +196,15 @@ pub trait Backend: Send + 'static {
         None
     }
 
+    /// Whether the last [`submit`](Self::submit) left something that only
+    /// `poll` moves on: work it staged, a completion it queued, or a
+    /// deadline earlier than [`poll_by`](Self::poll_by) said before. A
+    /// driver is woken after a submission only when this is true (or it
+    /// skipped the backend meanwhile). Default `true`: always.
+    fn poll_after_submit(&self) -> bool {
+        true
+    }
+
     /// Counters of the tcp target side (connections refused, requests
     /// served and refused), summed over the rails of a multi-rail tcp
     /// backend; `None` for other backends.
@@ -275,6 +284,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn poll_by(&self) -> Option<std::time::Instant> {
         (**self).poll_by()
+    }
+    fn poll_after_submit(&self) -> bool {
+        (**self).poll_after_submit()
     }
     fn endpoint_per_peer(&self) -> bool {
         (**self).endpoint_per_peer()

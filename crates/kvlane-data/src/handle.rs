@@ -155,6 +155,9 @@ pub(crate) struct Shared {
     slots: Mutex<HashMap<TransferId, Arc<Slot>>>,
     notifications: mpsc::UnboundedSender<Notification>,
     stop: AtomicBool,
+    /// A driver found the backend locked and skipped it: the holder wakes
+    /// it after letting go (see [`poll_once`]).
+    skipped: AtomicBool,
 }
 
 /// What one poll of a backend found.
@@ -225,13 +228,26 @@ impl Shared {
 /// Polls `shared`'s backend once unless its lock is taken (then `None`:
 /// the holder wakes the driver when it lets go).
 pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResult> {
-    let r = match shared.backend.try_lock() {
-        Ok(mut b) => Shared::poll_backend(&mut **b, polled),
-        Err(std::sync::TryLockError::Poisoned(e)) => {
-            Shared::poll_backend(&mut **e.into_inner(), polled)
+    let mut b = match shared.backend.try_lock() {
+        Ok(b) => b,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            // Say so, then try once more: a holder that let go before the
+            // flag was set is not there any more, and one that still holds
+            // the lock sees the flag after letting go (the fences order
+            // this store before the retry, and the holder's unlock before
+            // its read of the flag).
+            shared.skipped.store(true, Ordering::Relaxed);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            match shared.backend.try_lock() {
+                Ok(b) => b,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
         }
-        Err(std::sync::TryLockError::WouldBlock) => return None,
     };
+    let r = Shared::poll_backend(&mut **b, polled);
+    drop(b);
     shared.resolve(polled);
     Some(r)
 }
@@ -306,6 +322,7 @@ impl Transport {
             slots: Mutex::new(HashMap::new()),
             notifications: tx,
             stop: AtomicBool::new(false),
+            skipped: AtomicBool::new(false),
         });
         let spawn_err = |source| DataError::Io {
             op: "spawn progress thread".into(),
@@ -426,10 +443,19 @@ impl Transport {
             }
             slots.insert(id, slot.clone());
         }
-        let r = lock(&self.shared.backend).submit(transfer);
-        // Also after a refusal: a shared driver skipped the backend while
-        // it was locked here.
-        self.driver.kick();
+        let (r, due) = {
+            let mut b = lock(&self.shared.backend);
+            let r = b.submit(transfer);
+            (r, b.poll_after_submit())
+        };
+        // A wake-up per submission cost the driver thousands of context
+        // switches a second (tcp sends a full chunk from `submit`; only
+        // staged work needs the poll). Also after a refusal: a driver that
+        // skipped the backend while it was locked here is woken.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if due || self.shared.skipped.swap(false, Ordering::Relaxed) {
+            self.driver.kick();
+        }
         if let Err(e) = r {
             lock(&self.shared.slots).remove(&id);
             return Err(e);

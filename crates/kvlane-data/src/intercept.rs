@@ -123,6 +123,9 @@ impl Backend for Intercept {
     fn poll_by(&self) -> Option<std::time::Instant> {
         self.inner.poll_by()
     }
+    fn poll_after_submit(&self) -> bool {
+        self.inner.poll_after_submit()
+    }
     fn link_up(&self) -> bool {
         self.inner.link_up() && !self.link.as_ref().is_some_and(|down| down())
     }

@@ -406,6 +406,59 @@ mod faults {
         assert_eq!(b.in_flight(), 0);
     }
 
+    /// The driver is woken after a submission only for what only `poll`
+    /// moves on: staged small chunks, a failure queued by `submit`, a
+    /// deadline sooner than the driver's longest sleep. A full chunk goes
+    /// to its stream from `submit` itself.
+    #[test]
+    fn poll_after_submit_says_what_only_poll_moves() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let far = Instant::now() + Duration::from_secs(30);
+        b.submit(write(peer, &local, ad.key, 0, 1 << 20).with_deadline(far))
+            .unwrap();
+        assert!(!b.poll_after_submit(), "a 1 MiB write was staged");
+        b.submit(write(peer, &local, ad.key, 0, 4096).with_deadline(far))
+            .unwrap();
+        assert!(
+            b.poll_after_submit(),
+            "a staged 4 KiB write asks for no poll"
+        );
+        let mut sink = Vec::new();
+        b.poll(&mut sink);
+        let soon = Instant::now() + Duration::from_millis(10);
+        b.submit(write(peer, &local, ad.key, 0, 1 << 20).with_deadline(soon))
+            .unwrap();
+        assert!(b.poll_after_submit(), "a 10 ms deadline asks for no poll");
+        // Past the remote region: failed by `submit`, delivered by `poll`.
+        b.submit(write(peer, &local, ad.key, LEN - 4096, 8192).with_deadline(far))
+            .unwrap();
+        assert!(b.poll_after_submit(), "a queued failure asks for no poll");
+    }
+
+    /// Through a `Transport`: a large transfer, whose submission wakes
+    /// nobody, still times out at its deadline against a stalled target
+    /// (the driver's own schedule notices it).
+    #[test]
+    fn an_unwoken_large_transfer_still_times_out_through_a_transport() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (b, peer, local) = initiator(&ep, ad);
+        let t = kvlane_data::Transport::new(b).unwrap();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let mut h = t
+            .submit(write(peer, &local, ad.key, 0, 1 << 20).with_deadline(deadline))
+            .unwrap();
+        let r = h
+            .wait_timeout(Duration::from_secs(10))
+            .expect("no result 10 s after a 200 ms deadline");
+        assert!(r.as_ref().is_err_and(|e| e.is_timeout()), "{r:?}");
+        assert!(Instant::now() >= deadline, "timed out early");
+    }
+
     /// A READ answered after its deadline: the timeout is reported at the
     /// deadline and the late payload never reaches local memory (the
     /// caller may already reuse it).

@@ -129,11 +129,14 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
 
-/// Buffer size of the buffered socket readers and writers.
 /// Small chunks are handed to a stream's sender in groups of up to this
 /// many (the rest at the next `poll`): one wake-up per group instead of
 /// one per request.
 const STAGE_JOBS: usize = 64;
+/// Chunks of this size and up go to their stream's sender from `submit`
+/// itself; only smaller ones are staged for `poll` (so a submission of
+/// large blocks needs no wake-up of the driver).
+const SEND_NOW: u64 = 64 << 10;
 
 /// Settings of a [`TcpBackend`].
 #[derive(Clone, Debug)]
@@ -383,6 +386,9 @@ pub struct TcpBackend {
     in_flight: IdMap<Arc<XferState>>,
     ready: Vec<Completion>,
     next_deadline: Option<Instant>,
+    /// The last `submit` left work only `poll` moves on
+    /// ([`Backend::poll_after_submit`]).
+    poll_due: bool,
     drained: Vec<Completion>,
     // Dropped after the peers are failed in `Drop`: the initiator's I/O
     // threads, then the target's.
@@ -446,6 +452,7 @@ impl TcpBackend {
             in_flight: IdMap::default(),
             ready: Vec::new(),
             next_deadline: None,
+            poll_due: false,
             drained: Vec::new(),
             pool,
             server,
@@ -543,6 +550,7 @@ impl TcpBackend {
     }
 
     fn fail_now(&mut self, t: &Transfer, e: DataError) {
+        self.poll_due = true;
         self.ready.push(Completion {
             id: t.id,
             peer: t.peer,
@@ -696,6 +704,9 @@ impl Backend for TcpBackend {
     }
 
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
+        // A deadline sooner than the driver's longest sleep needs a poll
+        // scheduled by it; so do staged chunks and a failure queued here.
+        self.poll_due = t.deadline < Instant::now() + crate::handle::IDLE_PARK;
         if !self.peers.contains_key(&t.peer) {
             return Err(SubmitError::Rejected(DataError::UnknownPeer(t.peer)));
         }
@@ -763,12 +774,13 @@ impl Backend for TcpBackend {
                     local_offset: seg.local_offset + done,
                     xfer: x.clone(),
                 });
-                if staged.len() >= STAGE_JOBS || len >= chunk {
+                if staged.len() >= STAGE_JOBS || len >= chunk.min(SEND_NOW) {
                     conn.send_jobs(i, std::mem::take(staged));
                 }
                 done += len;
             }
         }
+        self.poll_due |= slot.staged.iter().any(|s| !s.is_empty());
         conn.release(&x, false);
         Ok(())
     }
@@ -833,6 +845,10 @@ impl Backend for TcpBackend {
         } else {
             Some(Instant::now())
         }
+    }
+
+    fn poll_after_submit(&self) -> bool {
+        self.poll_due
     }
 
     fn set_waker(&mut self, waker: Waker) {
