@@ -4,12 +4,11 @@
 
 use crate::backend::Backend;
 use crate::error::{DataError, SubmitError};
-use crate::ids::RegionId;
+use crate::ids::{FastMap, RegionId};
 use crate::ids::{PeerId, TransferId};
 use crate::memory::{Region, RemoteRegion};
 use crate::progress::{Member, ProgressPool};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,6 +38,10 @@ struct SlotState {
     result: Option<Result<(), DataError>>,
     waker: Option<Waker>,
     on_done: Option<OnDone>,
+    /// Threads blocked in `wait`: the condition variable is signalled only
+    /// for them (a signal is a system call even when nobody waits, and a
+    /// batch's handles are mostly done before they are waited on).
+    waiting: usize,
 }
 
 #[derive(Default)]
@@ -53,12 +56,14 @@ impl Slot {
         if let Some(f) = on_done {
             f(&result);
         }
-        let waker = {
+        let (waker, waiting) = {
             let mut s = lock(&self.state);
             s.result = Some(result);
-            s.waker.take()
+            (s.waker.take(), s.waiting > 0)
         };
-        self.done.notify_all();
+        if waiting {
+            self.done.notify_all();
+        }
         if let Some(w) = waker {
             w.wake();
         }
@@ -114,7 +119,9 @@ impl TransferHandle {
             if let Some(r) = s.result.take() {
                 return r;
             }
+            s.waiting += 1;
             s = self.slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            s.waiting -= 1;
         }
     }
 
@@ -127,12 +134,14 @@ impl TransferHandle {
                 return Some(r);
             }
             let left = end.checked_duration_since(Instant::now())?;
+            s.waiting += 1;
             s = self
                 .slot
                 .done
                 .wait_timeout(s, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            s.waiting -= 1;
         }
     }
 }
@@ -152,7 +161,7 @@ impl Future for TransferHandle {
 
 pub(crate) struct Shared {
     backend: Mutex<Box<dyn Backend>>,
-    slots: Mutex<HashMap<TransferId, Arc<Slot>>>,
+    slots: Mutex<FastMap<TransferId, Arc<Slot>>>,
     notifications: mpsc::UnboundedSender<Notification>,
     stop: AtomicBool,
     /// A driver found the backend locked and skipped it: the holder wakes
@@ -175,6 +184,8 @@ pub(crate) struct PollResult {
 pub(crate) struct Polled {
     completions: Vec<Completion>,
     notes: Vec<Notification>,
+    /// The slots of `completions`, taken out of the map.
+    ready: Vec<(Arc<Slot>, Result<(), DataError>)>,
 }
 
 impl Shared {
@@ -198,13 +209,14 @@ impl Shared {
     fn resolve(&self, polled: &mut Polled) {
         if !polled.completions.is_empty() {
             let mut slots = lock(&self.slots);
-            let ready: Vec<_> = polled
-                .completions
-                .drain(..)
-                .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result)))
-                .collect();
+            polled.ready.extend(
+                polled
+                    .completions
+                    .drain(..)
+                    .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result))),
+            );
             drop(slots);
-            for (slot, result) in ready {
+            for (slot, result) in polled.ready.drain(..) {
                 slot.complete(result);
             }
         }
@@ -319,7 +331,7 @@ impl Transport {
         let busy = backend.needs_busy_poll();
         let shared = Arc::new(Shared {
             backend: Mutex::new(Box::new(backend)),
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(FastMap::default()),
             notifications: tx,
             stop: AtomicBool::new(false),
             skipped: AtomicBool::new(false),
