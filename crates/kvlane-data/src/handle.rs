@@ -264,6 +264,25 @@ pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResu
     Some(r)
 }
 
+/// Polls `shared`'s backend on the calling thread if nobody holds it (a
+/// thread that woke it, see `progress.rs`); false when it did not, or a
+/// driver skipped the backend while it was held here: then the driver is
+/// to be woken.
+pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> bool {
+    let mut b = match shared.backend.try_lock() {
+        Ok(b) => b,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return false,
+    };
+    Shared::poll_backend(&mut **b, polled);
+    drop(b);
+    shared.resolve(polled);
+    // Pairs with the fence in `poll_once`: a driver that found the lock
+    // taken either got it on its retry or its flag is seen here.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    !shared.skipped.swap(false, Ordering::Relaxed)
+}
+
 /// What drives a transport's backend.
 enum Driver {
     /// A thread of its own (backends that need busy polling).

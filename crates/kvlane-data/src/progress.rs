@@ -21,8 +21,20 @@
 //! member when it lets the lock go. A panic while polling a member fails
 //! that transport's in-flight transfers and retires the member; the thread
 //! and the other members go on.
+//!
+//! A wake-up from a thread that does not hold the backend (a tcp I/O
+//! thread that just read the last answer of a transfer) polls the member
+//! right there instead of handing it to its progress thread: the waiting
+//! thread is woken by the thread that finished the transfer, one context
+//! switch instead of two (I/O thread, progress thread, waiter). An I/O
+//! thread defers its wake-ups to the end of its event loop's turn
+//! ([`WakeBatch`]), so a turn that finished a whole batch polls once. A
+//! backend found locked, or a driver that skipped it meanwhile, is left to
+//! the progress thread as before; the progress thread still re-polls every
+//! member by its deadlines.
 
-use crate::handle::{busy_park, lock, poll_once, Polled, Shared, IDLE_PARK};
+use crate::handle::{busy_park, lock, poll_inline, poll_once, Polled, Shared, IDLE_PARK};
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::collections::HashMap;
@@ -81,6 +93,32 @@ impl Member {
         }
     }
 
+    /// Polls the backend on this thread when it is free; false when it
+    /// was not polled here, or a driver skipped it meanwhile (then the
+    /// caller wakes the member).
+    fn poll_here(&self) -> bool {
+        if thread::panicking() || self.retired.load(Ordering::Acquire) {
+            return false;
+        }
+        INLINE.with(|p| {
+            // Re-entered from this thread's own poll: leave it to the pool.
+            let Ok(mut polled) = p.try_borrow_mut() else {
+                return false;
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                poll_inline(&self.shared, &mut polled)
+            }));
+            r.unwrap_or_else(|_| {
+                tracing::error!(
+                    "a kvlane backend panicked while polled; failing its in-flight transfers"
+                );
+                *polled = Polled::default();
+                self.shared.fail_all_panicked();
+                true
+            })
+        })
+    }
+
     /// Its transport is shutting down: the thread drops it at its next
     /// turn (promptly: it is woken).
     pub(crate) fn retire(self: &Arc<Self>) {
@@ -98,8 +136,68 @@ impl Wake for MemberWaker {
     }
     fn wake_by_ref(self: &Arc<Self>) {
         if let Some(m) = self.0.upgrade() {
-            m.wake();
+            if !m.poll_here() {
+                m.wake();
+            }
         }
+    }
+}
+
+thread_local! {
+    /// The buffers of the polls a thread makes for a member it woke.
+    static INLINE: RefCell<Polled> = RefCell::new(Polled::default());
+    /// Whether this thread defers its wake-ups ([`WakeBatch`]), and the
+    /// ones it deferred.
+    static DEFERRED: RefCell<(bool, Vec<Waker>)> = const { RefCell::new((false, Vec::new())) };
+}
+
+/// Wakes `waker` now, or at the end of this thread's [`WakeBatch`].
+pub(crate) fn wake(waker: Waker) {
+    let now = DEFERRED
+        .try_with(|d| {
+            let mut d = d.borrow_mut();
+            if d.0 {
+                d.1.push(waker.clone());
+                false
+            } else {
+                true
+            }
+        })
+        .unwrap_or(true);
+    if now {
+        waker.wake();
+    }
+}
+
+/// While one lives, this thread's [`wake`]s are deferred; they run when it
+/// drops, each once per backend that asked (a backend asks once until it
+/// is polled). An I/O thread holds one for each turn of its event loop.
+pub(crate) struct WakeBatch(());
+
+impl WakeBatch {
+    pub(crate) fn begin() -> Self {
+        DEFERRED.with(|d| d.borrow_mut().0 = true);
+        Self(())
+    }
+}
+
+impl Drop for WakeBatch {
+    fn drop(&mut self) {
+        let mut wakers = DEFERRED.with(|d| {
+            let mut d = d.borrow_mut();
+            d.0 = false;
+            std::mem::take(&mut d.1)
+        });
+        // Wake-ups made while these run happen at once.
+        for w in wakers.drain(..) {
+            w.wake();
+        }
+        DEFERRED.with(|d| {
+            let mut d = d.borrow_mut();
+            if d.1.is_empty() {
+                d.1 = wakers;
+            }
+        });
     }
 }
 

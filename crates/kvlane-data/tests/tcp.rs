@@ -679,6 +679,61 @@ mod transport {
         got.sort_unstable();
         assert_eq!(got, (0..16).collect::<Vec<u8>>());
     }
+
+    /// The I/O thread that reads a transfer's last answer resolves its
+    /// handle (polling the backend itself), not a progress thread it
+    /// would wake: one thread hop less between the bytes and the waiter.
+    #[test]
+    fn an_io_thread_resolves_the_transfers_it_finishes() {
+        // Large enough to be sent from `submit`: no progress thread is
+        // woken on the way out either.
+        const LEN: usize = 256 << 10;
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let src = Region::from_vec(vec![7u8; LEN], Access::ALL).unwrap();
+        let dst = Region::alloc(LEN, Access::ALL).unwrap();
+        let src_ad = init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
+        let init = Transport::new(init).unwrap();
+        let _target = Transport::new(target).unwrap();
+        let mut threads = Vec::new();
+        for _ in 0..20 {
+            let t = Transfer::new(
+                peer,
+                Op::Write,
+                vec![Descriptor {
+                    region: src.id(),
+                    offset: 0,
+                    len: LEN as u64,
+                }],
+                vec![RemoteDescriptor {
+                    key: dst_ad.key,
+                    offset: 0,
+                    len: LEN as u64,
+                }],
+            );
+            let (tx, rx) = std::sync::mpsc::channel();
+            let h = init
+                .submit_then(
+                    t,
+                    Box::new(move |_| {
+                        let name = std::thread::current().name().map(str::to_owned);
+                        let _ = tx.send(name.unwrap_or_default());
+                    }),
+                )
+                .unwrap();
+            h.wait().expect("256 KiB write");
+            threads.push(rx.recv().unwrap());
+        }
+        assert_eq!(dst.to_vec().unwrap(), vec![7u8; LEN]);
+        // A progress thread may get to one first now and then (its timer);
+        // never to all of them.
+        assert!(
+            threads.iter().any(|n| n.starts_with("kvlane-tcp-init")),
+            "every transfer was resolved elsewhere: {threads:?}"
+        );
+    }
 }
 
 /// Refusals that only the target can make (the initiator's own checks

@@ -253,6 +253,8 @@ impl Worker {
             if self.inbox.stop.load(Ordering::Acquire) {
                 return;
             }
+            // The transfers this turn finished are resolved at its end.
+            let _wakes = crate::progress::WakeBatch::begin();
             let again = std::mem::take(&mut self.again);
             for ev in &events {
                 match ev.token() {

@@ -780,6 +780,8 @@ impl Worker {
             if self.home.stop.load(Ordering::Acquire) {
                 return;
             }
+            // Notifications this turn received are delivered at its end.
+            let _wakes = crate::progress::WakeBatch::begin();
             let again = std::mem::take(&mut self.again);
             for ev in &events {
                 match ev.token() {

@@ -49,9 +49,13 @@ impl Shared {
         }
     }
 
+    /// Wakes the poller (deferred to the end of an I/O thread's turn; the
+    /// waker may poll the backend right here, so it is not called under
+    /// the lock).
     pub(crate) fn wake(&self) {
-        if let Some(w) = lock(&self.waker).as_ref() {
-            w.wake_by_ref();
+        let w = lock(&self.waker).clone();
+        if let Some(w) = w {
+            crate::progress::wake(w);
         }
     }
 }
