@@ -237,31 +237,55 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// The backend, unless another thread holds it.
+    fn try_backend(&self) -> Option<MutexGuard<'_, Box<dyn Backend>>> {
+        match self.backend.try_lock() {
+            Ok(b) => Some(b),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Polls the locked backend, lets it go, then resolves what it found.
+    fn poll_locked(
+        &self,
+        mut b: MutexGuard<'_, Box<dyn Backend>>,
+        polled: &mut Polled,
+    ) -> PollResult {
+        let r = Self::poll_backend(&mut **b, polled);
+        drop(b);
+        self.resolve(polled);
+        r
+    }
+
+    /// Called by a holder of the backend after letting it go: whether a
+    /// driver skipped it meanwhile (and is to be woken). Pairs with the
+    /// fence in [`poll_once`]: a driver that found the lock taken either
+    /// got it on its retry or its flag is seen here.
+    fn take_skipped(&self) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.skipped.swap(false, Ordering::Relaxed)
+    }
+}
+
 /// Polls `shared`'s backend once unless its lock is taken (then `None`:
 /// the holder wakes the driver when it lets go).
 pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResult> {
-    let mut b = match shared.backend.try_lock() {
-        Ok(b) => b,
-        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => {
+    let b = match shared.try_backend() {
+        Some(b) => b,
+        None => {
             // Say so, then try once more: a holder that let go before the
             // flag was set is not there any more, and one that still holds
             // the lock sees the flag after letting go (the fences order
             // this store before the retry, and the holder's unlock before
-            // its read of the flag).
+            // its read of the flag, see `take_skipped`).
             shared.skipped.store(true, Ordering::Relaxed);
             std::sync::atomic::fence(Ordering::SeqCst);
-            match shared.backend.try_lock() {
-                Ok(b) => b,
-                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return None,
-            }
+            shared.try_backend()?
         }
     };
-    let r = Shared::poll_backend(&mut **b, polled);
-    drop(b);
-    shared.resolve(polled);
-    Some(r)
+    Some(shared.poll_locked(b, polled))
 }
 
 /// Polls `shared`'s backend on the calling thread if nobody holds it (a
@@ -269,18 +293,11 @@ pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResu
 /// driver skipped the backend while it was held here: then the driver is
 /// to be woken.
 pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> bool {
-    let mut b = match shared.backend.try_lock() {
-        Ok(b) => b,
-        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return false,
+    let Some(b) = shared.try_backend() else {
+        return false;
     };
-    Shared::poll_backend(&mut **b, polled);
-    drop(b);
-    shared.resolve(polled);
-    // Pairs with the fence in `poll_once`: a driver that found the lock
-    // taken either got it on its retry or its flag is seen here.
-    std::sync::atomic::fence(Ordering::SeqCst);
-    !shared.skipped.swap(false, Ordering::Relaxed)
+    shared.poll_locked(b, polled);
+    !shared.take_skipped()
 }
 
 /// What drives a transport's backend.
@@ -483,8 +500,7 @@ impl Transport {
         // switches a second (tcp sends a full chunk from `submit`; only
         // staged work needs the poll). Also after a refusal: a driver that
         // skipped the backend while it was locked here is woken.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if due || self.shared.skipped.swap(false, Ordering::Relaxed) {
+        if due || self.shared.take_skipped() {
             self.driver.kick();
         }
         if let Err(e) = r {
@@ -628,8 +644,7 @@ fn progress_loop(shared: &Shared) {
     shared.set_waker(waker);
     let mut polled = Polled::default();
     while !shared.stop.load(Ordering::Acquire) {
-        let p = Shared::poll_backend(&mut **lock(&shared.backend), &mut polled);
-        shared.resolve(&mut polled);
+        let p = shared.poll_locked(lock(&shared.backend), &mut polled);
         if p.results > 0 {
             continue;
         }

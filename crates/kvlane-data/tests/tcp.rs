@@ -351,7 +351,7 @@ mod faults {
         (b, peer, local)
     }
 
-    fn write(
+    pub(super) fn write(
         peer: kvlane_data::PeerId,
         local: &Region,
         key: RemoteKey,
@@ -699,20 +699,7 @@ mod transport {
         let _target = Transport::new(target).unwrap();
         let mut threads = Vec::new();
         for _ in 0..20 {
-            let t = Transfer::new(
-                peer,
-                Op::Write,
-                vec![Descriptor {
-                    region: src.id(),
-                    offset: 0,
-                    len: LEN as u64,
-                }],
-                vec![RemoteDescriptor {
-                    key: dst_ad.key,
-                    offset: 0,
-                    len: LEN as u64,
-                }],
-            );
+            let t = super::faults::write(peer, &src, dst_ad.key, 0, LEN as u64);
             let (tx, rx) = std::sync::mpsc::channel();
             let h = init
                 .submit_then(
