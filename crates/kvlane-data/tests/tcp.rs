@@ -688,8 +688,18 @@ mod transport {
         // Large enough to be sent from `submit`: no progress thread is
         // woken on the way out either.
         const LEN: usize = 256 << 10;
-        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
-        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        // I/O threads of their own: the process's default pool is shared
+        // with the tests running beside this one, and a turn spent on
+        // their megabytes defers this test's wake-ups past the progress
+        // thread's 1 ms re-poll (seen in CI: all 20 on the progress
+        // thread). Pools are keyed by thread count; no other test here
+        // asks for 5.
+        let config = TcpConfig {
+            io_threads: 5,
+            ..TcpConfig::default()
+        };
+        let mut init = TcpBackend::new(config.clone()).unwrap();
+        let mut target = TcpBackend::new(config).unwrap();
         let src = Region::from_vec(vec![7u8; LEN], Access::ALL).unwrap();
         let dst = Region::alloc(LEN, Access::ALL).unwrap();
         let src_ad = init.register(&src).unwrap();
