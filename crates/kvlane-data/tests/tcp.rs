@@ -351,6 +351,83 @@ mod faults {
         (b, peer, local)
     }
 
+    /// The I/O thread that reads a transfer's last answer resolves its
+    /// handle (polling the backend itself), not a progress thread it
+    /// would wake: one thread hop less between the bytes and the waiter.
+    #[test]
+    fn an_io_thread_resolves_the_transfers_it_finishes() {
+        use kvlane_data::tcp::wire::{Request, Response, Status, REQUEST_LEN};
+        use kvlane_data::Transport;
+        // Each WRITE answered 20 ms after its bytes: by then `submit` has
+        // long let the backend go, so where the answer is handled does not
+        // hang on how the submitting thread was scheduled (in CI, a
+        // preempted submitter still held the lock as a real target's
+        // answer came: all 20 went to the progress thread).
+        let (ep, ad) = fake_target(|mut s| {
+            let mut h = [0u8; REQUEST_LEN];
+            let mut sink = vec![0u8; 1 << 20];
+            while s.read_exact(&mut h).is_ok() {
+                let Ok(req) = Request::decode(&h) else { return };
+                let mut left = req.payload_len() as usize;
+                while left > 0 {
+                    let n = left.min(sink.len());
+                    if s.read_exact(&mut sink[..n]).is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                let resp = Response {
+                    status: Status::Ok,
+                    tag: req.tag,
+                };
+                if s.write_all(&resp.encode()).is_err() {
+                    return;
+                }
+            }
+        });
+        // I/O threads of its own (pools are keyed by thread count; no
+        // other test here asks for 5): the default pool is shared with
+        // the tests running beside this one, whose traffic would lengthen
+        // the turns of the threads this one's answers arrive on.
+        let mut b = TcpBackend::new(TcpConfig {
+            io_threads: 5,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let local = Region::from_vec(vec![7u8; 256 << 10], Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        let init = Transport::new(b).unwrap();
+        let mut threads = Vec::new();
+        for _ in 0..20 {
+            // Large enough to be sent from `submit`: no progress thread
+            // is woken on the way out either.
+            let t = write(peer, &local, ad.key, 0, 256 << 10);
+            let (tx, rx) = std::sync::mpsc::channel();
+            let mut h = init
+                .submit_then(
+                    t,
+                    Box::new(move |_| {
+                        let name = std::thread::current().name().map(str::to_owned);
+                        let _ = tx.send(name.unwrap_or_default());
+                    }),
+                )
+                .unwrap();
+            h.wait_timeout(Duration::from_secs(10))
+                .expect("no result within 10 s")
+                .expect("256 KiB write");
+            threads.push(rx.recv().unwrap());
+        }
+        // A progress thread may get to one first now and then (its
+        // re-poll); never to all of them.
+        assert!(
+            threads.iter().any(|n| n.starts_with("kvlane-tcp-init")),
+            "every transfer was resolved elsewhere: {threads:?}"
+        );
+    }
+
     pub(super) fn write(
         peer: kvlane_data::PeerId,
         local: &Region,
@@ -678,58 +755,6 @@ mod transport {
         }
         got.sort_unstable();
         assert_eq!(got, (0..16).collect::<Vec<u8>>());
-    }
-
-    /// The I/O thread that reads a transfer's last answer resolves its
-    /// handle (polling the backend itself), not a progress thread it
-    /// would wake: one thread hop less between the bytes and the waiter.
-    #[test]
-    fn an_io_thread_resolves_the_transfers_it_finishes() {
-        // Large enough to be sent from `submit`: no progress thread is
-        // woken on the way out either.
-        const LEN: usize = 256 << 10;
-        // I/O threads of their own: the process's default pool is shared
-        // with the tests running beside this one, and a turn spent on
-        // their megabytes defers this test's wake-ups past the progress
-        // thread's 1 ms re-poll (seen in CI: all 20 on the progress
-        // thread). Pools are keyed by thread count; no other test here
-        // asks for 5.
-        let config = TcpConfig {
-            io_threads: 5,
-            ..TcpConfig::default()
-        };
-        let mut init = TcpBackend::new(config.clone()).unwrap();
-        let mut target = TcpBackend::new(config).unwrap();
-        let src = Region::from_vec(vec![7u8; LEN], Access::ALL).unwrap();
-        let dst = Region::alloc(LEN, Access::ALL).unwrap();
-        let src_ad = init.register(&src).unwrap();
-        let dst_ad = target.register(&dst).unwrap();
-        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
-        let init = Transport::new(init).unwrap();
-        let _target = Transport::new(target).unwrap();
-        let mut threads = Vec::new();
-        for _ in 0..20 {
-            let t = super::faults::write(peer, &src, dst_ad.key, 0, LEN as u64);
-            let (tx, rx) = std::sync::mpsc::channel();
-            let h = init
-                .submit_then(
-                    t,
-                    Box::new(move |_| {
-                        let name = std::thread::current().name().map(str::to_owned);
-                        let _ = tx.send(name.unwrap_or_default());
-                    }),
-                )
-                .unwrap();
-            h.wait().expect("256 KiB write");
-            threads.push(rx.recv().unwrap());
-        }
-        assert_eq!(dst.to_vec().unwrap(), vec![7u8; LEN]);
-        // A progress thread may get to one first now and then (its timer);
-        // never to all of them.
-        assert!(
-            threads.iter().any(|n| n.starts_with("kvlane-tcp-init")),
-            "every transfer was resolved elsewhere: {threads:?}"
-        );
     }
 }
 
