@@ -656,6 +656,16 @@ impl Rails {
 }
 
 impl Rails {
+    /// Whether any rail of any peer is lost, being dialed again or
+    /// re-paired.
+    fn recovering(&self) -> bool {
+        self.peers.values().any(|p| {
+            p.rails
+                .iter()
+                .any(|rp| rp.lost || rp.redialing || !matches!(rp.rejoin, Rejoin::Idle))
+        })
+    }
+
     /// Dials lost rails again once they are due, and installs the dials
     /// that finished. The dial itself runs on a thread of its own.
     fn redial(&mut self, now: Instant) {
@@ -1293,6 +1303,34 @@ impl Backend for Rails {
 
     fn needs_busy_poll(&self) -> bool {
         self.rails.iter().any(|r| r.backend.needs_busy_poll())
+    }
+
+    /// The earliest of the rails' own answers and the next link read;
+    /// unknown (a driver re-polls about every millisecond) while a rail
+    /// with work in flight says nothing, parts wait for room, or a lost rail is being
+    /// recovered: those move on timers of this backend's own that
+    /// only `poll` looks at.
+    fn poll_by(&self) -> Option<Instant> {
+        if !self.done.is_empty() {
+            return Some(Instant::now());
+        }
+        if !self.pending.is_empty() || self.recovering() {
+            return None;
+        }
+        let links = self.links_read.map_or_else(Instant::now, |t| t + LINK_POLL);
+        // A rail with nothing in flight has nothing to be due for.
+        self.rails
+            .iter()
+            .filter(|r| r.backend.in_flight() > 0)
+            .try_fold(links, |at, r| Some(at.min(r.backend.poll_by()?)))
+    }
+
+    /// What a rail's last submission left to `poll`, or a part that is
+    /// waiting here for room, or a completion `submit` queued.
+    fn poll_after_submit(&self) -> bool {
+        !self.done.is_empty()
+            || !self.pending.is_empty()
+            || self.rails.iter().any(|r| r.backend.poll_after_submit())
     }
 
     fn tcp_counters(&self) -> Option<crate::TcpCounters> {

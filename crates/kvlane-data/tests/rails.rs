@@ -239,6 +239,41 @@ fn a_region_with_preferred_rails_uses_only_those_while_they_work() {
     assert_eq!(p.init.rail_stats()[0].parts, 1);
 }
 
+/// A driver learns from the rails when to poll them next (not every
+/// millisecond) and whether a submission needs a poll at all.
+#[test]
+fn rails_tell_their_driver_when_they_are_due() {
+    let mut p = pair(
+        rails(2, RailsConfig::default()),
+        Box::new(rails(2, RailsConfig::default())),
+    );
+    run(&mut p, Op::Write, 0, 4096).unwrap();
+    // Idle: due by the next link read at the latest.
+    let now = Instant::now();
+    let at = p.init.poll_by().expect("idle rails say when they are due");
+    assert!(at <= now + LINK_POLL, "due {:?} after now", at - now);
+    // A small write staged for a rail's I/O thread, with a deadline
+    // sooner than a driver's longest sleep: a poll is due, by then.
+    let deadline = Instant::now() + Duration::from_millis(10);
+    let t = transfer(&p, Op::Write, 0, 4096).with_deadline(deadline);
+    let id = t.id;
+    p.init.submit(t).unwrap();
+    assert!(p.init.poll_after_submit());
+    let at = p
+        .init
+        .poll_by()
+        .expect("a transfer in flight with a deadline");
+    assert!(at <= deadline, "due {:?} after its deadline", at - deadline);
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    while !out.iter().any(|c: &Completion| c.id == id) {
+        assert!(Instant::now() < end, "transfer {id} never completed");
+        p.init.poll(&mut out);
+        let _ = p.target.poll(&mut Vec::new());
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 #[test]
 fn a_failing_rail_hands_its_work_to_the_other_and_is_taken_back_after() {
     let broken = Arc::new(AtomicBool::new(false));
