@@ -184,8 +184,12 @@ impl AgentBuilder {
     /// default: the agent dials a data endpoint only on the host of its
     /// control connection to that peer (the address it dialed, or where an
     /// inbound connection says it comes from), loopback counting as one
-    /// host, so a peer cannot make it connect to a third host. Turn it on
-    /// for targets that `advertise` another host on purpose.
+    /// host, so a peer cannot make it connect to a third host. With
+    /// several rails, every rail the agent pairs is held to that host:
+    /// peers whose rails listen on other addresses of their host (one per
+    /// NIC) need this on, since nothing tells another address of the
+    /// peer's host from a third host. Turn it on also for targets that
+    /// `advertise` another host on purpose.
     pub fn dial_any_data_host(mut self, yes: bool) -> Self {
         self.dial_any_data_host = yes;
         self
@@ -291,6 +295,7 @@ impl AgentBuilder {
         let mut local = LocalInfo::new(self.engine_id.clone(), self.ranks, self.fingerprint);
         local = local.with_data_plane(blob);
         let incarnation = local.incarnation;
+        let data_rails = backend.rail_stats().len().max(1);
         let transport = Transport::new(backend)?;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
         let (events, _) = broadcast::channel(1024);
@@ -311,6 +316,7 @@ impl AgentBuilder {
             notes_dropped: Default::default(),
             notes_refused: Default::default(),
             dial_any_data_host: self.dial_any_data_host,
+            data_rails,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
             per_peer,

@@ -224,7 +224,7 @@ impl Inner {
     fn dialable(&self, t: &Target, endpoint: &Endpoint) -> Result<Endpoint, Error> {
         let endpoint = endpoint.reached_at(t.peer_host)?;
         if !self.dial_any_data_host {
-            crate::dial::check(&t.addr, &endpoint, t.peer_host)?;
+            crate::dial::check(&t.addr, &endpoint, t.peer_host, self.data_rails)?;
         }
         Ok(endpoint)
     }

@@ -18,16 +18,39 @@ fn canonical(ip: IpAddr) -> IpAddr {
 
 /// Whether `endpoint` (already [`Endpoint::reached_at`] the control host)
 /// may be dialed for the peer at `peer` whose control connection is on
-/// `control_host`. Loopback addresses count as one host. Only tcp
-/// endpoints carry an address.
+/// `control_host`, by a backend of `rails` rails: each rail it would pair
+/// is held to that host (a multi-rail peer whose other rails sit on other
+/// addresses of its host needs `dial_any_data_host`: nothing here can tell
+/// another address of the peer's host from a third host). Loopback
+/// addresses count as one host. Only tcp endpoints carry an address.
 pub(crate) fn check(
     peer: &str,
     endpoint: &Endpoint,
     control_host: Option<IpAddr>,
+    rails: usize,
 ) -> Result<(), Error> {
     if endpoint.backend != BackendKind::Tcp {
         return Ok(());
     }
+    let theirs = endpoint.rails();
+    let many = theirs.len() > 1 && rails > 1;
+    for (i, rail) in theirs.iter().take(rails.max(1)).enumerate() {
+        let what = if many {
+            format!("the data endpoint of its rail {i}")
+        } else {
+            "its data endpoint".to_owned()
+        };
+        check_one(peer, &what, rail, control_host)?;
+    }
+    Ok(())
+}
+
+fn check_one(
+    peer: &str,
+    what: &str,
+    endpoint: &Endpoint,
+    control_host: Option<IpAddr>,
+) -> Result<(), Error> {
     let ep = TcpEndpoint::from_endpoint(endpoint)?;
     let data = canonical(ep.addr.ip());
     let allow = "(AgentBuilder::dial_any_data_host, `--dial-any-data-host`, allows it)";
@@ -35,8 +58,8 @@ pub(crate) fn check(
         return Err(Error::msg(
             ErrorKind::Refused,
             format!(
-                "{peer}: not dialing its data endpoint {} (the target listens on {}): the host \
-                 of its control connection is not known here {allow}",
+                "{peer}: not dialing {what} {} (the target listens on {}): the host of its \
+                 control connection is not known here {allow}",
                 ep.addr, ep.listen
             ),
         ));
@@ -47,8 +70,8 @@ pub(crate) fn check(
     Err(Error::msg(
         ErrorKind::Refused,
         format!(
-            "{peer}: not dialing its data endpoint {} (the target listens on {}): it is not on \
-             {host}, the host of its control connection {allow}",
+            "{peer}: not dialing {what} {} (the target listens on {}): it is not on {host}, the \
+             host of its control connection {allow}",
             ep.addr, ep.listen
         ),
     ))

@@ -118,6 +118,9 @@ pub(crate) struct Inner {
     /// Dial data endpoints on any host, not only on the host of the
     /// control connection (see the `dial` module).
     pub(crate) dial_any_data_host: bool,
+    /// Rails of this agent's data plane (1 for one device): how many of a
+    /// peer's rails it pairs.
+    pub(crate) data_rails: usize,
     pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
     /// The runtime the agent was built on (posts from plain threads use it).
     pub(crate) runtime: tokio::runtime::Handle,

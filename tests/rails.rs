@@ -87,3 +87,67 @@ async fn blocks_are_striped_over_two_tcp_rails_and_counted_per_rail() {
     prefill.close().await;
     decode.close().await;
 }
+
+/// This machine's address on its default route (no packet is sent).
+fn routable_local_ip() -> std::net::IpAddr {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    s.connect("192.0.2.1:9")
+        .expect("this test needs an IPv4 default route (a non-loopback local address)");
+    let ip = s.local_addr().unwrap().ip();
+    assert!(!ip.is_loopback(), "no non-loopback local address: {ip}");
+    ip
+}
+
+/// Every rail an agent pairs is held to the host of the control
+/// connection, not only the first: a peer whose second rail is on
+/// another host is refused, naming that rail and its address, unless
+/// `dial_any_data_host` allows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_rail_off_the_control_host_is_dialed_only_when_allowed() {
+    let other = routable_local_ip().to_string();
+    let (decode, _) = agent("decode", &format!("127.0.0.1:0,{other}:0"), 2).await;
+    let (prefill, _) = agent("prefill", "127.0.0.1:0,127.0.0.2:0", 1).await;
+    let e = prefill.connect(decode.local_addr()).await.unwrap_err();
+    let msg = e.to_string();
+    assert_eq!(e.kind(), kvlane::ErrorKind::Refused, "{msg}");
+    assert!(
+        msg.contains("rail 1") && msg.contains(&other) && msg.contains("127.0.0.1"),
+        "names the rail, its address and the control host: {msg}"
+    );
+    prefill.close().await;
+
+    // One rail: only the first of the peer's rails is paired, and it is on
+    // the control host.
+    let (single, _) = agent("single", "127.0.0.1:0", 3).await;
+    let peer = single.connect(decode.local_addr()).await.unwrap();
+    peer.read_blocks(0..1, &[0], &[1], None)
+        .unwrap()
+        .await
+        .unwrap();
+    single.close().await;
+
+    let len = layout().required_len().unwrap() as usize;
+    let allowed = Agent::builder()
+        .engine_id("prefill-2")
+        .backend(BackendChoice::Tcp)
+        .data_listen("127.0.0.1:0,127.0.0.2:0")
+        .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+        .dial_any_data_host(true)
+        .build()
+        .await
+        .unwrap();
+    let peer = allowed
+        .connect(decode.local_addr())
+        .await
+        .expect("allowed: rail 1 dialed at {other}");
+    // 8 MiB: striped, so both rails carry bytes.
+    let ids: Vec<u32> = (0..8).collect();
+    peer.read_blocks(0..2, &ids, &ids, None)
+        .unwrap()
+        .await
+        .unwrap();
+    let rails = allowed.rail_stats();
+    assert!(rails.iter().all(|r| r.bytes > 0), "{rails:?}");
+    allowed.close().await;
+    decode.close().await;
+}

@@ -788,16 +788,25 @@ fn rail_bytes(soak: &mut Soak, after_ms: u64) -> Vec<u64> {
 #[test]
 fn a_rail_whose_link_goes_down_hands_its_work_to_the_other_and_comes_back() {
     // Two hosts on two networks; serve and soak each use both as rails.
+    // Rail 1 is on another address than the control connection (one per
+    // network): each side dials it only with `--dial-any-data-host`.
     let net = Net::with_rails(2, 2);
     let rails_of = |h: usize| format!("{}:0,{}:0", net.ip_on(h, 0), net.ip_on(h, 1));
     let target = net.addr(0, PORT);
-    let _serve = serve(&net, 0, &target, &["--data-listen", &rails_of(0)]);
+    let any = "--dial-any-data-host";
+    let _serve = serve(&net, 0, &target, &["--data-listen", &rails_of(0), any]);
     let mut soak = Soak::start(
         &net,
         1,
         std::slice::from_ref(&target),
         "20s",
-        &["--data-listen", &rails_of(1), "--stats-interval", "250ms"],
+        &[
+            "--data-listen",
+            &rails_of(1),
+            "--stats-interval",
+            "250ms",
+            any,
+        ],
     );
     soak.wait_ok(&target, unix_ms(), Duration::from_secs(30));
     std::thread::sleep(Duration::from_secs(2));

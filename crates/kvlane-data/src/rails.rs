@@ -157,6 +157,22 @@ impl Endpoint {
             _ => self.clone(),
         }
     }
+
+    /// Every rail of a multi-rail endpoint, in order, or this endpoint
+    /// itself: what a backend of as many rails connects to.
+    pub fn rails(&self) -> Vec<Self> {
+        match decode_rails(self) {
+            Some(w) if !w.rails.is_empty() => w
+                .rails
+                .into_iter()
+                .map(|r| Self {
+                    backend: self.backend,
+                    data: r.data,
+                })
+                .collect(),
+            _ => vec![self.clone()],
+        }
+    }
 }
 
 /// Applies `f` to every rail of a multi-rail endpoint; `None` for a plain
