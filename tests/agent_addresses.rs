@@ -177,22 +177,12 @@ async fn a_group_with_a_rank_whose_data_plane_fails_leaves_no_rank_connected() {
     }
 }
 
-/// This machine's address on its default route (no packet is sent).
-fn routable_local_ip() -> std::net::IpAddr {
-    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-    s.connect("192.0.2.1:9")
-        .expect("this test needs an IPv4 default route (a non-loopback local address)");
-    let ip = s.local_addr().unwrap().ip();
-    assert!(!ip.is_loopback(), "no non-loopback local address: {ip}");
-    ip
-}
-
 /// A target that advertises a data address on another host than the one
 /// its control connection is on is not dialed (a peer cannot point the
 /// agent at a third host) unless `dial_any_data_host` allows it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_address_off_the_control_host_is_dialed_only_when_allowed() {
-    let other = routable_local_ip().to_string();
+    let other = common::routable_local_ip().to_string();
     let (b, _) = builder("decode", "0.0.0.0:0", 2);
     let decode = b.advertise(other.as_str()).build().await.unwrap();
     let addr = format!("127.0.0.1:{}", port_of(decode.local_addr()));

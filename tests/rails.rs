@@ -2,6 +2,8 @@
 //! addresses): block transfers are striped over both, byte-checked, and
 //! the per-rail counters show in `Agent::rail_stats` and the metrics.
 
+mod common;
+
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice};
 
@@ -88,23 +90,13 @@ async fn blocks_are_striped_over_two_tcp_rails_and_counted_per_rail() {
     decode.close().await;
 }
 
-/// This machine's address on its default route (no packet is sent).
-fn routable_local_ip() -> std::net::IpAddr {
-    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-    s.connect("192.0.2.1:9")
-        .expect("this test needs an IPv4 default route (a non-loopback local address)");
-    let ip = s.local_addr().unwrap().ip();
-    assert!(!ip.is_loopback(), "no non-loopback local address: {ip}");
-    ip
-}
-
 /// Every rail an agent pairs is held to the host of the control
 /// connection, not only the first: a peer whose second rail is on
 /// another host is refused, naming that rail and its address, unless
 /// `dial_any_data_host` allows it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_rail_off_the_control_host_is_dialed_only_when_allowed() {
-    let other = routable_local_ip().to_string();
+    let other = common::routable_local_ip().to_string();
     let (decode, _) = agent("decode", &format!("127.0.0.1:0,{other}:0"), 2).await;
     let (prefill, _) = agent("prefill", "127.0.0.1:0,127.0.0.2:0", 1).await;
     let e = prefill.connect(decode.local_addr()).await.unwrap_err();

@@ -1,5 +1,8 @@
 //! Helpers shared by the facade's integration tests.
 
+// Each test binary that includes this module uses some of them.
+#![allow(dead_code)]
+
 use kvlane::{Agent, AgentBuilder};
 
 /// Builds `n` agents on consecutive ports (`base + rank`), `make(rank,
@@ -26,4 +29,14 @@ pub(crate) async fn rank_agents(
         return (base, agents);
     }
     panic!("no free run of {n} ports");
+}
+
+/// This machine's address on its default route (no packet is sent).
+pub(crate) fn routable_local_ip() -> std::net::IpAddr {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    s.connect("192.0.2.1:9")
+        .expect("this test needs an IPv4 default route (a non-loopback local address)");
+    let ip = s.local_addr().unwrap().ip();
+    assert!(!ip.is_loopback(), "no non-loopback local address: {ip}");
+    ip
 }
