@@ -310,6 +310,7 @@ impl AgentBuilder {
             kv,
             regions: self.regions,
             peers: Mutex::new(HashMap::new()),
+            by_data_peer: Mutex::new(HashMap::new()),
             events,
             notifications: Mutex::new(Some(note_rx)),
             note_tx,

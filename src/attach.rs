@@ -415,6 +415,7 @@ impl Inner {
         if !connected {
             if entry.served_peer.is_none() {
                 entry.served_peer = Some(data_peer);
+                lock(&self.by_data_peer).insert(data_peer, t.id);
                 return Ok(());
             }
             drop(peers);
@@ -430,6 +431,7 @@ impl Inner {
             // generation ends.
             if self.per_peer && entry.served_peer.is_none() {
                 entry.served_peer = Some(data_peer);
+                lock(&self.by_data_peer).insert(data_peer, t.id);
                 return Ok(());
             }
             drop(peers);
@@ -438,6 +440,7 @@ impl Inner {
             return Ok(());
         }
         entry.data_peer = Some(data_peer);
+        lock(&self.by_data_peer).insert(data_peer, t.id);
         Ok(())
     }
 
@@ -533,7 +536,12 @@ impl Inner {
             let mut peers = lock(&self.peers);
             peers.get_mut(&id).map(|e| {
                 e.generation += 1;
-                [e.data_peer.take(), e.served_peer.take()]
+                let old = [e.data_peer.take(), e.served_peer.take()];
+                let mut index = lock(&self.by_data_peer);
+                for pid in old.iter().flatten() {
+                    index.remove(pid);
+                }
+                old
             })
         };
         lock(&self.offers).remove(&id);

@@ -106,6 +106,10 @@ pub(crate) struct Inner {
     /// Plain regions registered for span transfers.
     pub(crate) regions: Vec<Region>,
     pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
+    /// Data-plane peer -> the connection whose `data_peer` or
+    /// `served_peer` it is (what a data-plane notification's sender is
+    /// looked up by). Written under the `peers` lock, with the entry.
+    pub(crate) by_data_peer: Mutex<HashMap<PeerId, ConnectionId>>,
     pub(crate) events: broadcast::Sender<PeerEvent>,
     pub(crate) notifications: Mutex<Option<mpsc::Receiver<Notification>>>,
     /// Bounded ([`AgentBuilder::notification_capacity`](crate::AgentBuilder::notification_capacity)):
@@ -165,9 +169,10 @@ impl Inner {
     /// speak for another engine): counted, logged at debug.
     pub(crate) fn deliver_data(&self, n: kvlane_data::Notification) {
         let engine = n.from.and_then(|pid| {
+            let id = *lock(&self.by_data_peer).get(&pid)?;
             lock(&self.peers)
-                .values()
-                .find(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
+                .get(&id)
+                .filter(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
                 .map(|e| e.engine_id.clone())
         });
         let note = crate::frames::notification(n.payload.to_vec(), || {
