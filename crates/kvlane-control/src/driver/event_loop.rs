@@ -226,7 +226,10 @@ impl<C: Channel> Driver<C> {
                     })
                     .collect();
                 peers.sort_by_key(|p| p.id);
-                let _ = reply.send((peers, self.reg.stats()));
+                let _ = reply.send(peers);
+            }
+            Command::Stats { reply } => {
+                let _ = reply.send(self.reg.stats());
             }
             Command::Close { reply } => {
                 let _ = reply.send(());

@@ -98,7 +98,12 @@ enum Command {
         reply: oneshot::Sender<Result<(), ControlError>>,
     },
     Snapshot {
-        reply: oneshot::Sender<(Vec<PeerSnapshot>, Stats)>,
+        reply: oneshot::Sender<Vec<PeerSnapshot>>,
+    },
+    /// The counters alone (an agent reads them every second: no copy of
+    /// every peer for that).
+    Stats {
+        reply: oneshot::Sender<Stats>,
     },
     Close {
         reply: oneshot::Sender<()>,
@@ -361,7 +366,8 @@ impl ControlNode {
         .await
     }
 
-    async fn snapshot(&self) -> Result<(Vec<PeerSnapshot>, Stats), ControlError> {
+    /// Current peers.
+    pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
         self.call(
             "snapshot",
             |reply| Command::Snapshot { reply },
@@ -370,16 +376,12 @@ impl ControlNode {
         .await
     }
 
-    /// Current peers.
-    pub async fn peers(&self) -> Result<Vec<PeerSnapshot>, ControlError> {
-        Ok(self.snapshot().await?.0)
-    }
-
     /// Counters of dropped frames (malformed, oversized, unknown type) and
     /// of refused or dropped inbound peers (`refused_inbound`,
     /// `handshakes_evicted`, `incarnations_evicted`).
     pub async fn stats(&self) -> Result<Stats, ControlError> {
-        Ok(self.snapshot().await?.1)
+        self.call("stats", |reply| Command::Stats { reply }, DRIVER_GRACE)
+            .await
     }
 
     /// Closes every connection, flushing pending frames (bounded by
