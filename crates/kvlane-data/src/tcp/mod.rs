@@ -130,12 +130,12 @@ use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
 
 /// Small chunks are handed to a stream's sender in groups of up to this
-/// many (the rest at the next `poll`): one wake-up per group instead of
-/// one per request.
+/// many, the rest as `submit` returns: one hand-over (and at most one
+/// wake-up of the sender) per group instead of one per request.
 const STAGE_JOBS: usize = 64;
-/// Chunks of this size and up go to their stream's sender from `submit`
-/// itself; only smaller ones are staged for `poll` (so a submission of
-/// large blocks needs no wake-up of the driver).
+/// Chunks of this size and up go to their stream's sender at once, so
+/// the first bytes of a large submission are on the wire before the rest
+/// is planned.
 const SEND_NOW: u64 = 64 << 10;
 
 /// Settings of a [`TcpBackend`].
@@ -366,10 +366,6 @@ pub(crate) use crate::ids::FastMap;
 struct PeerSlot {
     conn: Option<Arc<PeerConn>>,
     regions: FastMap<RemoteKey, RemoteRegion>,
-    /// Chunks submitted but not yet handed to their stream, per stream:
-    /// `submit` hands them over in groups (one wake-up of the sender per
-    /// group), `poll` hands over the rest.
-    staged: Vec<Vec<Job>>,
 }
 
 /// Software one-sided RDMA over TCP (see the [module docs](self)).
@@ -390,6 +386,9 @@ pub struct TcpBackend {
     /// ([`Backend::poll_after_submit`]).
     poll_due: bool,
     drained: Vec<Completion>,
+    /// The chunks of the submission being planned, per stream, not yet
+    /// handed over (empty between submissions; kept for its buffers).
+    stage: Vec<Vec<Job>>,
     // Dropped after the peers are failed in `Drop`: the initiator's I/O
     // threads, then the target's.
     pool: Arc<IoPool>,
@@ -454,6 +453,7 @@ impl TcpBackend {
             next_deadline: None,
             poll_due: false,
             drained: Vec::new(),
+            stage: Vec::new(),
             pool,
             server,
         })
@@ -535,18 +535,6 @@ impl TcpBackend {
                 })?;
         }
         Ok(conn)
-    }
-
-    /// Hands every staged chunk to its stream's sender.
-    fn send_staged(&mut self) {
-        for slot in self.peers.values_mut() {
-            let Some(conn) = &slot.conn else { continue };
-            for (i, staged) in slot.staged.iter_mut().enumerate() {
-                if !staged.is_empty() {
-                    conn.send_jobs(i, std::mem::take(staged));
-                }
-            }
-        }
     }
 
     fn fail_now(&mut self, t: &Transfer, e: DataError) {
@@ -634,7 +622,6 @@ impl Backend for TcpBackend {
             PeerSlot {
                 conn: None,
                 regions: FastMap::default(),
-                staged: Vec::new(),
             },
         );
         Ok((peer, endpoint.to_endpoint()))
@@ -685,7 +672,6 @@ impl Backend for TcpBackend {
             conn.fail("peer removed while connecting", None);
             return Err(DataError::UnknownPeer(peer));
         };
-        slot.staged.clear();
         if let Some(old) = slot.conn.replace(conn) {
             old.fail("peer reconnected", None);
         }
@@ -705,7 +691,8 @@ impl Backend for TcpBackend {
 
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
         // A deadline sooner than the driver's longest sleep needs a poll
-        // scheduled by it; so do staged chunks and a failure queued here.
+        // scheduled by it; so does a failure queued here. Every chunk goes
+        // to its stream before `submit` returns.
         self.poll_due = t.deadline < Instant::now() + crate::handle::IDLE_PARK;
         if !self.peers.contains_key(&t.peer) {
             return Err(SubmitError::Rejected(DataError::UnknownPeer(t.peer)));
@@ -751,11 +738,8 @@ impl Backend for TcpBackend {
             Op::Write => RequestKind::Write,
         };
         // `validate` resolved every segment, so `segments` succeeds.
-        let Some(slot) = self.peers.get_mut(&t.peer) else {
-            return Ok(());
-        };
-        let streams = conn.streams();
-        slot.staged.resize_with(streams, Vec::new);
+        let stage = &mut self.stage;
+        stage.resize_with(conn.streams(), Vec::new);
         for seg in t.segments().into_iter().flatten() {
             let Some(region) = self.registry.get(seg.region) else {
                 continue;
@@ -764,7 +748,7 @@ impl Backend for TcpBackend {
             while done < seg.len {
                 let len = chunk.min(seg.len - done);
                 let i = conn.add_chunk(&x, len, chunk);
-                let staged = &mut slot.staged[i];
+                let staged = &mut stage[i];
                 staged.push(Job {
                     kind,
                     key: seg.key,
@@ -780,13 +764,20 @@ impl Backend for TcpBackend {
                 done += len;
             }
         }
-        self.poll_due |= slot.staged.iter().any(|s| !s.is_empty());
+        // The rest goes to its streams now: one hand-over per stream, and
+        // no driver wake-up to carry it (measured, batch-1 4 KiB READ:
+        // 2.2-2.6x a TCP ping-pong's round trip with staging for `poll`,
+        // 0.9-1.7x without).
+        for (i, staged) in stage.iter_mut().enumerate() {
+            if !staged.is_empty() {
+                conn.send_jobs(i, std::mem::take(staged));
+            }
+        }
         conn.release(&x, false);
         Ok(())
     }
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
-        self.send_staged();
         let before = completions.len();
         completions.append(&mut self.ready);
         std::mem::swap(&mut self.drained, &mut lock(&self.shared.completions));
@@ -824,7 +815,6 @@ impl Backend for TcpBackend {
         let Some(slot) = self.peers.get_mut(&peer) else {
             return false;
         };
-        slot.staged.clear();
         if let Some(conn) = slot.conn.take() {
             conn.fail("connection dropped", None);
         }
@@ -836,8 +826,8 @@ impl Backend for TcpBackend {
     }
 
     /// Completions and notifications are announced by the I/O threads
-    /// through the waker, staged chunks are sent by the `poll` that every
-    /// submission is followed by; what only `poll` notices is a deadline.
+    /// through the waker, and `submit` hands every chunk to its stream;
+    /// what only `poll` notices is a deadline.
     /// With nothing in flight there is none and the driver parks idle.
     fn poll_by(&self) -> Option<Instant> {
         if self.ready.is_empty() {
