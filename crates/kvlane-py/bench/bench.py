@@ -224,3 +224,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if any(m.startswith("nixl") for m in sys.modules):
+        # NIXL's package (nixl-cu12 with UCX) crashes with SIGSEGV as the
+        # interpreter shuts down, after every row is out (seen here with
+        # --impl nixl_cu12._api alone): leave without running its
+        # teardown, so the exit status says how the bench went.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
