@@ -497,8 +497,9 @@ impl Transport {
             (r, b.poll_after_submit())
         };
         // A wake-up per submission cost the driver thousands of context
-        // switches a second (tcp sends a full chunk from `submit`; only
-        // staged work needs the poll). Also after a refusal: a driver that
+        // switches a second (tcp hands every chunk to its stream from
+        // `submit`; only a deadline or a queued failure needs the poll).
+        // Also after a refusal: a driver that
         // skipped the backend while it was locked here is woken.
         if due || self.shared.take_skipped() {
             self.driver.kick();

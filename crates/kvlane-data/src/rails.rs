@@ -149,13 +149,9 @@ impl Endpoint {
     /// The first rail of a multi-rail endpoint, or this endpoint itself:
     /// what a single-rail backend connects to.
     pub fn primary(&self) -> Self {
-        match decode_rails(self) {
-            Some(w) if !w.rails.is_empty() => Self {
-                backend: self.backend,
-                data: w.rails[0].data.clone(),
-            },
-            _ => self.clone(),
-        }
+        let mut rails = self.rails();
+        // `rails` is never empty.
+        rails.swap_remove(0)
     }
 
     /// Every rail of a multi-rail endpoint, in order, or this endpoint
@@ -1323,9 +1319,9 @@ impl Backend for Rails {
 
     /// The earliest of the rails' own answers and the next link read;
     /// unknown (a driver re-polls about every millisecond) while a rail
-    /// with work in flight says nothing, parts wait for room, or a lost rail is being
-    /// recovered: those move on timers of this backend's own that
-    /// only `poll` looks at.
+    /// with work in flight says nothing, parts wait for room, or a lost
+    /// rail is being recovered: those move on timers of this backend's
+    /// own that only `poll` looks at.
     fn poll_by(&self) -> Option<Instant> {
         if !self.done.is_empty() {
             return Some(Instant::now());

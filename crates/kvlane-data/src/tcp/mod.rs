@@ -387,7 +387,7 @@ pub struct TcpBackend {
     poll_due: bool,
     drained: Vec<Completion>,
     /// The chunks of the submission being planned, per stream, not yet
-    /// handed over (empty between submissions; kept for its buffers).
+    /// handed over (empty between submissions).
     stage: Vec<Vec<Job>>,
     // Dropped after the peers are failed in `Drop`: the initiator's I/O
     // threads, then the target's.
