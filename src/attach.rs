@@ -119,6 +119,9 @@ impl Inner {
             // A repeated `Ready` in one generation (same incarnation):
             // the data peer attached for it stays.
             let attached = entry.data_peer.is_some() && entry.incarnation == info.incarnation;
+            if entry.metrics.is_none() || entry.engine_id != info.engine_id {
+                entry.metrics = Some(self.metrics.for_peer(&info.engine_id, self.rail));
+            }
             entry.engine_id.clone_from(&info.engine_id);
             entry.incarnation = info.incarnation;
             entry.kv.clone_from(&dp.kv);

@@ -47,7 +47,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// One transfer direction, as a label value.
@@ -334,6 +334,74 @@ impl prometheus_client::collector::Collector for RailsCollector {
     }
 }
 
+/// What one peer's successful transfers of one direction add to: its
+/// `transfers` (outcome `ok`) and `transfer_bytes` series and the
+/// direction's duration histogram.
+struct OkSeries {
+    transfers: Counter,
+    bytes: Counter,
+    duration: Histogram,
+}
+
+/// Records the ended transfers of one peer over one rail: the series a
+/// successful transfer adds to are looked up once per direction (on its
+/// first transfer, so nothing is exposed before), then each transfer is
+/// two atomic adds and a histogram observation, not three labelled
+/// look-ups with five string allocations (measured: 10% of the
+/// initiator's I/O thread at 4 KiB READs). Failures take the labelled
+/// path ([`Metrics::transfer`]).
+pub(crate) struct PeerMetrics {
+    metrics: Metrics,
+    peer: String,
+    rail: &'static str,
+    /// By direction: read, write.
+    ok: [OnceLock<OkSeries>; 2],
+}
+
+impl PeerMetrics {
+    /// Counts one ended transfer.
+    pub(crate) fn transfer(
+        &self,
+        op: Op,
+        bytes: u64,
+        elapsed: Duration,
+        outcome: Result<(), ErrorKind>,
+    ) {
+        if outcome.is_err() {
+            return self
+                .metrics
+                .transfer(&self.peer, op, self.rail, bytes, elapsed, outcome);
+        }
+        let label = OpLabel::from(op);
+        let series = self.ok[label as usize].get_or_init(|| {
+            let m = &self.metrics.inner;
+            OkSeries {
+                transfers: m
+                    .transfers
+                    .get_or_create(&TransferLabels {
+                        peer: self.peer.clone(),
+                        op: label,
+                        rail: self.rail.to_string(),
+                        outcome: "ok".to_string(),
+                    })
+                    .clone(),
+                bytes: m
+                    .bytes
+                    .get_or_create(&BytesLabels {
+                        peer: self.peer.clone(),
+                        op: label,
+                        rail: self.rail.to_string(),
+                    })
+                    .clone(),
+                duration: m.duration.get_or_create(&OpLabels { op: label }).clone(),
+            }
+        });
+        series.transfers.inc();
+        series.bytes.inc_by(bytes);
+        series.duration.observe(elapsed.as_secs_f64());
+    }
+}
+
 /// An agent's metrics. Cheap to clone; recording takes no lock the data
 /// path holds.
 #[derive(Clone)]
@@ -455,6 +523,16 @@ impl Metrics {
                     .inc();
             }
         }
+    }
+
+    /// One peer's recorder of ended transfers (see [`PeerMetrics`]).
+    pub(crate) fn for_peer(&self, peer: &str, rail: &'static str) -> Arc<PeerMetrics> {
+        Arc::new(PeerMetrics {
+            metrics: self.clone(),
+            peer: peer.to_owned(),
+            rail,
+            ok: [OnceLock::new(), OnceLock::new()],
+        })
     }
 
     /// Counts a transfer refused before it was posted.

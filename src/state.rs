@@ -5,11 +5,12 @@
 use crate::error::{Error, ErrorKind};
 use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{DpFrame, KvAdvert};
+use crate::metrics::PeerMetrics;
 use kvlane_control::{ConnectionId, ControlNode};
 use kvlane_data::{KvLayout, PeerId, Region, RemoteRegion, Transport};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -68,6 +69,9 @@ pub(crate) struct PeerEntry {
     /// closed); attachments begun in an older generation are discarded.
     pub(crate) generation: u64,
     pub(crate) attach: watch::Sender<Attach>,
+    /// Records this peer's ended transfers; made when its engine id is
+    /// learnt (`None` before).
+    pub(crate) metrics: Option<Arc<PeerMetrics>>,
 }
 
 impl PeerEntry {
@@ -82,6 +86,7 @@ impl PeerEntry {
             regions: Vec::new(),
             generation: 0,
             attach: watch::Sender::new(Attach::Idle),
+            metrics: None,
         }
     }
 

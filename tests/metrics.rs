@@ -50,6 +50,16 @@ async fn a_live_agent_counts_its_transfers_and_serves_them_over_http() {
             .await
             .unwrap();
     }
+    // Three more WRITEs posted as one batch (`Peer::post_batch`).
+    let prepared = (5..8u32)
+        .map(|i| {
+            peer.prepare(kvlane::data::Op::Write, 0..2, &[i], &[i], None)
+                .unwrap()
+        })
+        .collect();
+    for h in peer.post_batch(prepared) {
+        h.unwrap().await.unwrap();
+    }
     peer.read_blocks(0..1, &[0, 1], &[2, 3], None)
         .unwrap()
         .await
@@ -73,7 +83,7 @@ async fn a_live_agent_counts_its_transfers_and_serves_them_over_http() {
             text,
             &format!("kvlane_transfers_total{w}\",outcome=\"ok\"}}")
         ),
-        Some(5.0),
+        Some(8.0),
         "{text}"
     );
     assert_eq!(
@@ -84,11 +94,11 @@ async fn a_live_agent_counts_its_transfers_and_serves_them_over_http() {
         Some(1.0),
         "{text}"
     );
-    // 5 WRITEs of 2 layers x K and V x one 4 KiB block; a READ of 2 blocks
+    // 8 WRITEs of 2 layers x K and V x one 4 KiB block; a READ of 2 blocks
     // of one layer, K and V.
     assert_eq!(
         sample(text, &format!("kvlane_transfer_bytes_total{w}\"}}")),
-        Some(5.0 * 4.0 * 4096.0),
+        Some(8.0 * 4.0 * 4096.0),
         "{text}"
     );
     assert_eq!(
@@ -101,7 +111,7 @@ async fn a_live_agent_counts_its_transfers_and_serves_them_over_http() {
             text,
             r#"kvlane_transfer_duration_seconds_count{op="write"}"#
         ),
-        Some(5.0),
+        Some(8.0),
         "{text}"
     );
     assert!(sample(text, r#"kvlane_transfer_duration_seconds_sum{op="write"}"#).unwrap() > 0.0);

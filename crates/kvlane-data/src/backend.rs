@@ -142,6 +142,26 @@ pub trait Backend: Send + 'static {
     /// Queues a transfer. Never blocks.
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError>;
 
+    /// Queues several transfers, appending one result per transfer, in
+    /// order, to `results`; returns whether any of them left something
+    /// only `poll` moves on (what [`poll_after_submit`](Self::poll_after_submit)
+    /// says of one). The same as [`submit`](Self::submit) for each (the
+    /// default), except that a backend may hold their work back until the
+    /// last one is planned and hand it on together (tcp: one hand-over per
+    /// stream for the batch). Never blocks.
+    fn submit_batch(
+        &mut self,
+        transfers: Vec<Transfer>,
+        results: &mut Vec<Result<(), SubmitError>>,
+    ) -> bool {
+        let mut due = false;
+        for t in transfers {
+            results.push(self.submit(t));
+            due |= self.poll_after_submit();
+        }
+        due
+    }
+
     /// Makes progress and appends finished transfers to `completions`;
     /// returns how many were appended.
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize;
@@ -266,6 +286,13 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
         (**self).submit(transfer)
+    }
+    fn submit_batch(
+        &mut self,
+        transfers: Vec<Transfer>,
+        results: &mut Vec<Result<(), SubmitError>>,
+    ) -> bool {
+        (**self).submit_batch(transfers, results)
     }
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
         (**self).poll(completions)

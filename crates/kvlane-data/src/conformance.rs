@@ -163,16 +163,7 @@ pub fn run<B: Backend>(
                 Err(SubmitError::Rejected(e)) => panic!("transfer rejected at submit: {e}"),
             }
         }
-        init.poll(&mut done);
-        target.poll(&mut Vec::new());
-        target.poll_notifications(&mut notes);
-        for c in done.drain(..) {
-            assert!(
-                results.insert(c.id, c.result).is_none(),
-                "{} completed twice",
-                c.id
-            );
-        }
+        poll_pair(init, target, &mut done, &mut results, &mut notes);
         assert!(
             Instant::now() < end,
             "{} of {want} transfers still running",
@@ -181,6 +172,27 @@ pub fn run<B: Backend>(
         std::thread::yield_now();
     }
     (results, notes)
+}
+
+/// Polls both sides once: the initiator's completions go into `results`
+/// (each transfer once), the target's notifications into `notes`.
+fn poll_pair<B: Backend>(
+    init: &mut B,
+    target: &mut B,
+    done: &mut Vec<Completion>,
+    results: &mut HashMap<TransferId, Result<(), DataError>>,
+    notes: &mut Vec<Notification>,
+) {
+    init.poll(done);
+    target.poll(&mut Vec::new());
+    target.poll_notifications(notes);
+    for c in done.drain(..) {
+        assert!(
+            results.insert(c.id, c.result).is_none(),
+            "{} completed twice",
+            c.id
+        );
+    }
 }
 
 /// Runs one transfer and returns its result (submit-time rejection included).
@@ -393,6 +405,92 @@ pub fn many_in_flight<F: Fixture>(f: &F) {
         assert!(
             l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
             "block {i} misplaced"
+        );
+    }
+}
+
+/// A batch submitted in one call: 100 small WRITEs and 100 READs, one
+/// refused in the middle (lengths differ), one result each in order; the
+/// others all land, byte for byte.
+pub fn batch_submission<F: Fixture>(f: &F) {
+    const N: u64 = 100;
+    const BLOCK: u64 = 4096;
+    let mut s = setup(
+        f,
+        (2 * N * BLOCK) as usize,
+        (2 * N * BLOCK) as usize,
+        Access::ALL,
+        12,
+    );
+    let bad = N as usize / 2;
+    // WRITE local block i to remote block N-1-i; READ remote block N+i
+    // into local block N+i.
+    let mut transfers: Vec<Transfer> = (0..N)
+        .map(|i| transfer(&s, Op::Write, &[(i * BLOCK, (N - 1 - i) * BLOCK, BLOCK)]))
+        .chain((0..N).map(|i| {
+            let at = (N + i) * BLOCK;
+            transfer(&s, Op::Read, &[(at, at, BLOCK)])
+        }))
+        .collect();
+    transfers[bad].remote[0].len = BLOCK - 1;
+    let ids: Vec<TransferId> = transfers.iter().map(|t| t.id).collect();
+    let mut submitted = Vec::new();
+    s.init.submit_batch(transfers, &mut submitted);
+    assert_eq!(submitted.len(), ids.len(), "one result per transfer");
+    for (i, r) in submitted.iter().enumerate() {
+        match r {
+            Err(SubmitError::Rejected(DataError::LengthMismatch { .. })) if i == bad => {}
+            Ok(()) if i != bad => {}
+            other => panic!("transfer {i} of the batch: {other:?}"),
+        }
+    }
+    let want: Vec<TransferId> = ids
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != bad)
+        .map(|(_, &id)| id)
+        .collect();
+    let (mut results, mut notes) = (HashMap::new(), Vec::new());
+    let mut done: Vec<Completion> = Vec::new();
+    let end = Instant::now() + CASE_TIMEOUT;
+    while results.len() < want.len() {
+        poll_pair(
+            &mut s.init,
+            &mut s.target,
+            &mut done,
+            &mut results,
+            &mut notes,
+        );
+        assert!(
+            Instant::now() < end,
+            "{} of the batch's transfers hang",
+            want.len() - results.len()
+        );
+        std::thread::yield_now();
+    }
+    for id in &want {
+        assert!(
+            matches!(results.get(id), Some(Ok(()))),
+            "{id}: {:?}",
+            results.get(id)
+        );
+    }
+    assert!(!results.contains_key(&ids[bad]), "the refused transfer ran");
+    let (l, r) = (contents(&s.local), contents(&s.remote));
+    let b = BLOCK as usize;
+    for i in 0..N as usize {
+        if i == bad {
+            continue;
+        }
+        let j = N as usize - 1 - i;
+        assert!(
+            l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
+            "written block {i} misplaced"
+        );
+        let k = N as usize + i;
+        assert!(
+            l[k * b..(k + 1) * b] == r[k * b..(k + 1) * b],
+            "read block {k} differs"
         );
     }
 }
@@ -758,7 +856,7 @@ macro_rules! conformance_tests {
             write_read_roundtrip, large_transfer, many_in_flight, notification_after_data,
             bad_requests_refused, missing_permission_refused, deadline_expired,
             empty_and_zero_length, length_mismatch_rejected, queue_full_hands_back,
-            removed_peer_fails_in_flight);
+            removed_peer_fails_in_flight, batch_submission);
     };
     (@ignored $reason:literal; $fixture:expr; $($case:ident),*) => {
         $(
@@ -774,7 +872,7 @@ macro_rules! conformance_tests {
             write_read_roundtrip, large_transfer, many_in_flight, notification_after_data,
             bad_requests_refused, missing_permission_refused, deadline_expired,
             empty_and_zero_length, length_mismatch_rejected, queue_full_hands_back,
-            removed_peer_fails_in_flight);
+            removed_peer_fails_in_flight, batch_submission);
     };
     (@cases $fixture:expr; $($case:ident),*) => {
         $(

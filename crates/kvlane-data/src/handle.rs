@@ -52,21 +52,36 @@ struct Slot {
 
 impl Slot {
     fn complete(&self, result: Result<(), DataError>) {
+        self.run_on_done(&result);
+        self.publish(result);
+    }
+
+    /// Calls the transfer's `on_done`, if it has one (once).
+    fn run_on_done(&self, result: &Result<(), DataError>) {
         let on_done = lock(&self.state).on_done.take();
         if let Some(f) = on_done {
-            f(&result);
+            f(result);
         }
-        let (waker, waiting) = {
-            let mut s = lock(&self.state);
-            s.result = Some(result);
-            (s.waker.take(), s.waiting > 0)
-        };
+    }
+
+    /// Hands the result to the handle and wakes whoever waits for it.
+    fn publish(&self, result: Result<(), DataError>) {
+        let (waker, waiting) = self.set_result(result);
         if waiting {
             self.done.notify_all();
         }
         if let Some(w) = waker {
             w.wake();
         }
+    }
+
+    /// Hands the result to the handle; what is to be woken for it (the
+    /// task awaiting it, whether threads wait in `wait`), left to the
+    /// caller.
+    fn set_result(&self, result: Result<(), DataError>) -> (Option<Waker>, bool) {
+        let mut s = lock(&self.state);
+        s.result = Some(result);
+        (s.waker.take(), s.waiting > 0)
     }
 }
 
@@ -186,6 +201,10 @@ pub(crate) struct Polled {
     notes: Vec<Notification>,
     /// The slots of `completions`, taken out of the map.
     ready: Vec<(Arc<Slot>, Result<(), DataError>)>,
+    /// Slots with threads in `wait`, and tasks awaiting handles, to be
+    /// woken once every result of the poll is published.
+    waiting: Vec<Arc<Slot>>,
+    wakers: Vec<Waker>,
 }
 
 impl Shared {
@@ -216,8 +235,32 @@ impl Shared {
                     .filter_map(|c| slots.remove(&c.id).map(|s| (s, c.result))),
             );
             drop(slots);
+            // Every `on_done` first, then every result, then the wake-ups:
+            // a waiter finds the poll's whole batch done instead of going
+            // back to sleep for each. A batch's handles are waited for in
+            // order; resolved one by one, the waiting thread was woken
+            // once per transfer, and as it often shares a CPU with the
+            // I/O thread resolving them, it preempted that thread every
+            // time (4 KiB READ, batch 128: a context switch pair every
+            // 2.3 us, 128 per batch, one CPU busy and the other idle).
+            for (slot, result) in &polled.ready {
+                slot.run_on_done(result);
+            }
             for (slot, result) in polled.ready.drain(..) {
-                slot.complete(result);
+                let (waker, waiting) = slot.set_result(result);
+                if waiting {
+                    polled.waiting.push(slot);
+                }
+                polled.wakers.extend(waker);
+            }
+            // Woken once all are published: a waiter woken here (often
+            // on this CPU, where it preempts this thread) finds the
+            // batch done.
+            for slot in polled.waiting.drain(..) {
+                slot.done.notify_all();
+            }
+            for w in polled.wakers.drain(..) {
+                w.wake();
             }
         }
         for note in polled.notes.drain(..) {
@@ -509,6 +552,75 @@ impl Transport {
             return Err(e);
         }
         Ok(TransferHandle { id, peer, slot })
+    }
+
+    /// Submits several transfers in one call, each with its optional
+    /// `on_done` (as [`submit_then`](Self::submit_then)): one result per
+    /// transfer, in order. The backend is locked once and may hand the
+    /// batch's work on together (tcp: one hand-over, and at most one
+    /// wake-up of each stream's I/O thread, for the batch instead of one
+    /// per transfer), so a batch of small transfers costs about what one
+    /// transfer of as many blocks does. A transfer refused at submission
+    /// gets its error in its place and the others go on; its `on_done` is
+    /// not called.
+    pub fn submit_batch(
+        &self,
+        transfers: Vec<(Transfer, Option<OnDone>)>,
+    ) -> Vec<Result<TransferHandle, SubmitError>> {
+        let stopped = self.shared.stop.load(Ordering::Acquire);
+        let mut out: Vec<Result<TransferHandle, SubmitError>> = Vec::with_capacity(transfers.len());
+        let mut submit = Vec::with_capacity(transfers.len());
+        // Where in `out` each transfer handed to the backend is.
+        let mut at = Vec::with_capacity(transfers.len());
+        {
+            let mut slots = lock(&self.shared.slots);
+            for (t, on_done) in transfers {
+                let (id, peer) = (t.id, t.peer);
+                if stopped {
+                    out.push(Err(SubmitError::Rejected(DataError::Shutdown(id))));
+                    continue;
+                }
+                if slots.contains_key(&id) {
+                    out.push(Err(SubmitError::Rejected(DataError::DuplicateTransfer(id))));
+                    continue;
+                }
+                let mut slot = Slot::default();
+                slot.state
+                    .get_mut()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .on_done = on_done;
+                let slot = Arc::new(slot);
+                slots.insert(id, slot.clone());
+                at.push(out.len());
+                out.push(Ok(TransferHandle { id, peer, slot }));
+                submit.push(t);
+            }
+        }
+        if submit.is_empty() {
+            return out;
+        }
+        let mut results = Vec::with_capacity(submit.len());
+        let due = lock(&self.shared.backend).submit_batch(submit, &mut results);
+        if due || self.shared.take_skipped() {
+            self.driver.kick();
+        }
+        debug_assert_eq!(results.len(), at.len(), "one result per transfer");
+        let mut results = results.into_iter();
+        for &i in &at {
+            // A backend that answered fewer than it was given left the
+            // rest unsubmitted: refused, never left to wait.
+            let r = results.next().unwrap_or_else(|| {
+                let id = out[i].as_ref().map_or(TransferId(0), TransferHandle::id);
+                Err(SubmitError::Rejected(DataError::Shutdown(id)))
+            });
+            if let Err(e) = r {
+                if let Ok(h) = &out[i] {
+                    lock(&self.shared.slots).remove(&h.id);
+                }
+                out[i] = Err(e);
+            }
+        }
+        out
     }
 
     /// Submits, and when the queue is full waits for room (up to the

@@ -167,6 +167,67 @@ mod transport {
         );
     }
 
+    /// `submit_batch`: one handle per transfer, in order; a refused
+    /// transfer (its id already in flight) gets its error and the rest
+    /// land; each `on_done` is called once.
+    #[test]
+    fn a_batch_gets_a_handle_per_transfer_and_refusals_in_place() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let (t, _target, src, dst, ad, peer) = pair();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut batch: Vec<(Transfer, Option<kvlane_data::OnDone>)> = (0..8u64)
+            .map(|i| {
+                let c = calls.clone();
+                let on_done: kvlane_data::OnDone = Box::new(move |r| {
+                    assert!(r.is_ok(), "{r:?}");
+                    c.fetch_add(1, Ordering::AcqRel);
+                });
+                (write(peer, &src, ad.key, i * 1024), Some(on_done))
+            })
+            .collect();
+        // The same id twice: the second is refused, the first runs.
+        let again = batch[3].0.clone();
+        batch.insert(4, (again, None));
+        let handles = t.submit_batch(batch);
+        assert_eq!(handles.len(), 9);
+        for (i, h) in handles.into_iter().enumerate() {
+            match h {
+                Err(kvlane_data::SubmitError::Rejected(DataError::DuplicateTransfer(_)))
+                    if i == 4 => {}
+                Ok(h) if i != 4 => h.wait().unwrap(),
+                other => panic!("transfer {i} of the batch: {other:?}"),
+            }
+        }
+        assert_eq!(calls.load(Ordering::Acquire), 8);
+        assert_eq!(dst.to_vec().unwrap()[..8192], src.to_vec().unwrap()[..8192]);
+    }
+
+    /// The handles one poll resolves are published together, after every
+    /// `on_done` ran: a thread woken by the first finds the second done.
+    /// (Resolved one by one, the waiter was woken once per transfer, each
+    /// time preempting the resolving thread.) The second's `on_done`
+    /// sleeps, so resolving them one by one fails this every time.
+    #[test]
+    fn a_waiter_woken_by_a_poll_finds_all_of_its_results() {
+        let (t, _target, src, _dst, ad, peer) = pair();
+        let slow: kvlane_data::OnDone =
+            Box::new(|_| std::thread::sleep(Duration::from_millis(100)));
+        let batch = vec![
+            (write(peer, &src, ad.key, 0), None),
+            (write(peer, &src, ad.key, 1024), Some(slow)),
+        ];
+        let mut handles = t.submit_batch(batch).into_iter();
+        let first = handles.next().unwrap().unwrap();
+        let second = handles.next().unwrap().unwrap();
+        first.wait().unwrap();
+        assert!(
+            second.is_done(),
+            "woken by the first result before the second was published"
+        );
+        second.wait().unwrap();
+    }
+
     #[test]
     fn duplicate_ids_are_rejected() {
         let (t, _target, src, _dst, ad, peer) = pair();

@@ -510,6 +510,39 @@ mod faults {
         assert!(b.poll_after_submit(), "a queued failure asks for no poll");
     }
 
+    /// `submit_batch` answers for the whole batch what `poll_after_submit`
+    /// answers for one submission.
+    #[test]
+    fn a_batch_asks_for_a_poll_when_any_of_it_needs_one() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let (mut b, peer, local) = initiator(&ep, ad);
+        let far = Instant::now() + Duration::from_secs(30);
+        let mut results = Vec::new();
+        let quiet = (0..4)
+            .map(|k| write(peer, &local, ad.key, k * 4096, 4096).with_deadline(far))
+            .collect();
+        assert!(
+            !b.submit_batch(quiet, &mut results),
+            "small writes with far deadlines wait for no poll"
+        );
+        assert_eq!(results.len(), 4);
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        results.clear();
+        // A queued failure first, then a write that needs no poll: the
+        // batch still asks for one.
+        let mixed = vec![
+            write(peer, &local, ad.key, LEN - 4096, 8192).with_deadline(far),
+            write(peer, &local, ad.key, 0, 4096).with_deadline(far),
+        ];
+        assert!(
+            b.submit_batch(mixed, &mut results),
+            "a queued failure in a batch asks for no poll"
+        );
+        assert_eq!(results.len(), 2);
+    }
+
     /// Small chunks reach the target with no `poll` after their `submit`
     /// (nothing is left staged for a driver that is not woken).
     #[test]

@@ -52,6 +52,11 @@ pub(crate) struct BenchArgs {
     /// Transfers posted per batch (comma list).
     #[arg(long, value_delimiter = ',', default_value = "128")]
     batch: Vec<usize>,
+    /// How a batch is posted: `each`, one call per transfer; `batch`, all
+    /// its transfers in one call (`Peer::post_batch`), as raw-tcp deals a
+    /// batch to its streams. `--role initiator` only; rows carry `post`.
+    #[arg(long, value_enum, default_value = "each")]
+    post: super::PostMode,
     /// Measuring time per point (e.g. 2s, 500ms).
     #[arg(long, default_value = "1s", value_parser = units::parse_duration)]
     duration: Duration,
@@ -293,6 +298,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         threads: args.threads,
         memory: args.memory.0,
         rails: args.rails as usize,
+        post: args.post,
     };
     let opts = remote::RemoteOpts {
         backend: if args.role == Role::Local {

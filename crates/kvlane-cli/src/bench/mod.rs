@@ -51,6 +51,31 @@ pub(crate) struct BenchPlan {
     pub(crate) memory: Option<GpuDevice>,
     /// Rails (devices, or tcp backends) per in-process backend; 1 = none.
     pub(crate) rails: usize,
+    /// How a batch's transfers are posted.
+    pub(crate) post: PostMode,
+}
+
+/// How a batch's transfers are handed to the backend (`--post`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum PostMode {
+    /// All of them in one call (`Peer::post_batch`,
+    /// `Backend::submit_batch`), as the raw-tcp baseline deals a batch to
+    /// its streams.
+    Batch,
+    /// One call per transfer (`Peer::post`, `Backend::submit`): what every
+    /// earlier row measured.
+    #[default]
+    Each,
+}
+
+impl PostMode {
+    /// As rows print it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Batch => "batch",
+            Self::Each => "each",
+        }
+    }
 }
 
 impl BenchPlan {
@@ -74,6 +99,9 @@ pub(crate) struct Row {
     pub(crate) op: String,
     pub(crate) block_size: u64,
     pub(crate) batch: usize,
+    /// How the batch was posted: `batch` (one call) or `each` (a call per
+    /// transfer); baselines deal a batch at once (`batch`).
+    pub(crate) post: &'static str,
     pub(crate) gbps: f64,
     pub(crate) lat_avg_us: f64,
     pub(crate) lat_p99_us: f64,

@@ -21,7 +21,7 @@ use super::announce::{announced_raw_port, host_of, raw_addr, target_engine_id};
 use super::raw::{RawClient, RawServer};
 use super::schedule::{rounds, run_for, Point, Slice};
 use super::stats::Sample;
-use super::{op_name, BenchError, BenchPlan, Row};
+use super::{op_name, BenchError, BenchPlan, PostMode, Row};
 use crate::units::fmt_size;
 use kvlane::data::{KvLayout, KvParts, LayoutOrder, Op};
 use kvlane::{Agent, BackendChoice, BlockingAgent, Error, Peer, TransferHandle};
@@ -254,6 +254,7 @@ fn against(
                             peer: &peer,
                             pages,
                             slots,
+                            post: plan.post,
                         };
                         at.measure(p.op, p.batch, slice, first)?
                     }
@@ -276,6 +277,7 @@ fn against(
             };
             let mut row = p.sample.row(name, op_name(p.op), block, p.batch);
             if side != Side::RawTcp {
+                row.post = plan.post.name();
                 row.memory = plan.memory_name();
                 row.rails = rails;
             }
@@ -317,6 +319,7 @@ struct Target<'a> {
     peer: &'a Peer,
     pages: u32,
     slots: u64,
+    post: PostMode,
 }
 
 impl Target<'_> {
@@ -351,6 +354,29 @@ impl Target<'_> {
         mut record: Option<&mut Sample>,
     ) -> Result<Vec<(Instant, TransferHandle)>, Error> {
         let mut posted = Vec::with_capacity(batch);
+        if self.post == PostMode::Batch {
+            // Prepared one by one, posted in one call; every transfer's
+            // latency counts from before that call.
+            let t0 = Instant::now();
+            let mut prepared = Vec::with_capacity(batch);
+            for i in 0..batch {
+                let first = (i as u64 % self.slots) as u32 * self.pages;
+                ids.clear();
+                ids.extend(first..first + self.pages);
+                prepared.push(self.peer.prepare(op, 0..1, ids, ids, None)?);
+            }
+            let t1 = Instant::now();
+            let handles = self.peer.post_batch(prepared);
+            let t2 = Instant::now();
+            if let Some(s) = record.as_deref_mut() {
+                s.prepare += t1 - t0;
+                s.post += t2 - t1;
+            }
+            for h in handles {
+                posted.push((t1, h?));
+            }
+            return Ok(posted);
+        }
         for i in 0..batch {
             let first = (i as u64 % self.slots) as u32 * self.pages;
             ids.clear();
