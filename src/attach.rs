@@ -415,35 +415,34 @@ impl Inner {
                 ),
             ));
         };
-        if !connected {
-            if entry.served_peer.is_none() {
-                entry.served_peer = Some(data_peer);
+        // Where the new data peer goes, if anywhere. Unconnected (prepared
+        // only): the served peer, unless there is one. A second attach in
+        // the same generation (a repeated Ready): the data peer in use
+        // stays, with the transfers in flight on it (replacing it would
+        // fail them with "peer removed"); with per-peer endpoints the
+        // other side may already use what the new one issued (its answer
+        // went out), so it is kept as the served peer until the
+        // generation ends.
+        let repeated = connected && entry.data_peer.is_some();
+        let slot = if !connected || repeated {
+            let keep = !connected || self.per_peer;
+            (keep && entry.served_peer.is_none()).then_some(&mut entry.served_peer)
+        } else {
+            Some(&mut entry.data_peer)
+        };
+        match slot {
+            Some(slot) => {
+                *slot = Some(data_peer);
                 lock(&self.by_data_peer).insert(data_peer, t.id);
-                return Ok(());
             }
-            drop(peers);
-            self.transport.with_backend(|b| b.remove_peer(data_peer));
-            return Ok(());
-        }
-        if entry.data_peer.is_some() {
-            // A second attach in the same generation (a repeated Ready):
-            // the data peer in use stays, with the transfers in flight on
-            // it; replacing it would fail them with "peer removed". With
-            // per-peer endpoints the other side may already use what the
-            // new one issued (its answer went out): it is kept until the
-            // generation ends.
-            if self.per_peer && entry.served_peer.is_none() {
-                entry.served_peer = Some(data_peer);
-                lock(&self.by_data_peer).insert(data_peer, t.id);
-                return Ok(());
+            None => {
+                drop(peers);
+                if repeated {
+                    debug!(peer = %t.id, "second attach in one generation: the first data peer stays");
+                }
+                self.transport.with_backend(|b| b.remove_peer(data_peer));
             }
-            drop(peers);
-            debug!(peer = %t.id, "second attach in one generation: the first data peer stays");
-            self.transport.with_backend(|b| b.remove_peer(data_peer));
-            return Ok(());
         }
-        entry.data_peer = Some(data_peer);
-        lock(&self.by_data_peer).insert(data_peer, t.id);
         Ok(())
     }
 

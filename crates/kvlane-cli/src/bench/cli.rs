@@ -316,6 +316,14 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.metrics.is_some() && args.role != Role::Target {
         return Err("--metrics serves the target agent's metrics: it needs --role target".into());
     }
+    if args.post == super::PostMode::Batch
+        && (args.role != Role::Initiator || !args.peers.is_empty())
+    {
+        return Err(
+            "--post batch posts through an agent's Peer::post_batch: it needs --role initiator"
+                .into(),
+        );
+    }
     if args.peers_worker {
         let addr = args
             .connect

@@ -135,7 +135,10 @@ pub(crate) fn run(
         for c in contenders {
             let row = match c {
                 Contender::Memcpy(m) => m.row(),
-                Contender::RawTcp(p) => p.sample.row("raw-tcp", op_name(p.op), block, p.batch),
+                Contender::RawTcp(p) => Row {
+                    post: "batch",
+                    ..p.sample.row("raw-tcp", op_name(p.op), block, p.batch)
+                },
                 Contender::Backend(index, p) => {
                     let kind = plan.backends[index];
                     Row {
@@ -197,6 +200,7 @@ mod tests {
             threads: 2,
             memory: None,
             rails: 1,
+            post: super::super::PostMode::Each,
         };
         let rows = rows_of(&plan, &loopback);
         assert_eq!(
@@ -233,6 +237,7 @@ mod tests {
             threads: 1,
             memory: None,
             rails: 1,
+            post: super::super::PostMode::Each,
         };
         let tcp = |_| -> Result<Box<dyn Backend>, BenchError> {
             Ok(Box::new(
@@ -269,6 +274,7 @@ mod tests {
             threads: 1,
             memory: None,
             rails: 1,
+            post: super::super::PostMode::Each,
         };
         let mut printed = 0;
         let e = run(

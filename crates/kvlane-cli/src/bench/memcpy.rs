@@ -79,7 +79,10 @@ impl MemcpyPoint {
     }
 
     pub(crate) fn row(self) -> Row {
-        self.sample.row("memcpy", "copy", self.block, self.batch)
+        Row {
+            post: "batch",
+            ..self.sample.row("memcpy", "copy", self.block, self.batch)
+        }
     }
 }
 

@@ -99,8 +99,9 @@ pub(crate) struct Row {
     pub(crate) op: String,
     pub(crate) block_size: u64,
     pub(crate) batch: usize,
-    /// How the batch was posted: `batch` (one call) or `each` (a call per
-    /// transfer); baselines deal a batch at once (`batch`).
+    /// How the batch was handed over: `batch` (one call) or `each` (a call
+    /// per transfer; in-process backends always). Baselines deal a batch
+    /// at once (`batch`).
     pub(crate) post: &'static str,
     pub(crate) gbps: f64,
     pub(crate) lat_avg_us: f64,

@@ -276,8 +276,12 @@ fn against(
                 &backend
             };
             let mut row = p.sample.row(name, op_name(p.op), block, p.batch);
+            row.post = if side == Side::RawTcp {
+                "batch"
+            } else {
+                plan.post.name()
+            };
             if side != Side::RawTcp {
-                row.post = plan.post.name();
                 row.memory = plan.memory_name();
                 row.rails = rails;
             }

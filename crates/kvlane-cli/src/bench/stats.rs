@@ -80,7 +80,7 @@ pub(crate) fn latency(lat: &mut [Duration]) -> Row {
         op: String::new(),
         block_size: 0,
         batch: 0,
-        post: "batch",
+        post: "each",
         gbps: 0.0,
         lat_avg_us: avg,
         lat_p99_us: p99,
