@@ -56,11 +56,15 @@ impl Slot {
         self.publish(result);
     }
 
-    /// Calls the transfer's `on_done`, if it has one (once).
+    /// Calls the transfer's `on_done`, if it has one (once). A panic in it
+    /// is logged and goes no further: the result is still published (and
+    /// those of the other transfers resolved with it).
     fn run_on_done(&self, result: &Result<(), DataError>) {
         let on_done = lock(&self.state).on_done.take();
         if let Some(f) = on_done {
-            f(result);
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(result))).is_err() {
+                tracing::error!("a transfer's on_done callback panicked; its result is delivered");
+            }
         }
     }
 

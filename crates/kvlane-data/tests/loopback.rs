@@ -203,6 +203,25 @@ mod transport {
         assert_eq!(dst.to_vec().unwrap()[..8192], src.to_vec().unwrap()[..8192]);
     }
 
+    /// A panicking `on_done` does not keep its handle, or the others
+    /// resolved with it, from their results.
+    #[test]
+    fn a_panicking_on_done_still_resolves_the_batch() {
+        let (t, _target, src, _dst, ad, peer) = pair();
+        let boom: kvlane_data::OnDone = Box::new(|_| panic!("test: on_done panics"));
+        let batch = vec![
+            (write(peer, &src, ad.key, 0), Some(boom)),
+            (write(peer, &src, ad.key, 1024), None),
+        ];
+        for h in t.submit_batch(batch) {
+            let mut h = h.unwrap();
+            let r = h
+                .wait_timeout(Duration::from_secs(10))
+                .expect("a handle of a panicking on_done's poll never resolved");
+            r.unwrap();
+        }
+    }
+
     /// The handles one poll resolves are published together, after every
     /// `on_done` ran: a thread woken by the first finds the second done.
     /// (Resolved one by one, the waiter was woken once per transfer, each

@@ -586,8 +586,10 @@ impl TcpBackend {
             Op::Read => RequestKind::Read,
             Op::Write => RequestKind::Write,
         };
-        // `validate` resolved every segment, so `segments` succeeds.
-        let at = match self.stage.iter().position(|(c, _)| Arc::ptr_eq(c, &conn)) {
+        // `validate` resolved every segment, so `segments` succeeds. The
+        // connection's staging, searched from the last one staged (a
+        // batch's transfers mostly go to one peer).
+        let at = match self.stage.iter().rposition(|(c, _)| Arc::ptr_eq(c, &conn)) {
             Some(at) => at,
             None => {
                 self.stage.push((
