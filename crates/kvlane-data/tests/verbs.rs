@@ -180,6 +180,7 @@ verbs_conformance!(
     length_mismatch_rejected,
     queue_full_hands_back,
     removed_peer_fails_in_flight,
+    batch_submission,
 );
 
 struct Pair {
