@@ -27,8 +27,8 @@ pub(crate) enum OpArg {
 pub(crate) enum Role {
     /// Both sides in this process (default).
     Local,
-    /// Serve memory for an initiator in another process or host, and a
-    /// raw TCP sink/source for its link-ceiling rows (any free port of the
+    /// Serve memory for an initiator in another process or host, and the
+    /// same memory over raw TCP for its link-ceiling rows (any free port of the
     /// `--listen` host, announced to the initiator in the handshake).
     Target,
     /// Measure against `--connect ADDR`, with `raw-tcp` rows of the same

@@ -82,10 +82,24 @@ pub(crate) fn run(
         let (mut raw_server, mut raw) = (None, None);
         if plan.baselines && plan.backends.contains(&BackendKind::Tcp) {
             let listen = "127.0.0.1:0";
-            let server = RawServer::bind(listen).map_err(|source| BenchError::RawListen {
-                addr: listen.into(),
-                source,
-            })?;
+            // The server serves the tcp pair's target memory (thread 0's;
+            // several threads' groups share it), as memcpy copies the
+            // pairs' own buffers; GPU pairs get host memory of that size.
+            let tcp = plan.backends.iter().position(|k| *k == BackendKind::Tcp);
+            let memory = match tcp.and_then(|i| pairs[i].first()) {
+                Some(p) if p.remote.device().is_none() => p.remote.clone(),
+                _ => {
+                    super::pair::filled(pool * block, None, 0x5a).map_err(|e| BenchError::Data {
+                        backend: "raw-tcp".into(),
+                        source: e,
+                    })?
+                }
+            };
+            let server =
+                RawServer::bind(listen, memory).map_err(|source| BenchError::RawListen {
+                    addr: listen.into(),
+                    source,
+                })?;
             raw = Some(RawClient::connect(server.local_addr(), threads)?);
             raw_server = Some(server);
             for &op in &plan.ops {

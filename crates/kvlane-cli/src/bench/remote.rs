@@ -6,7 +6,7 @@
 //! `B / 4 KiB` consecutive page ids, which the planner merges into one
 //! descriptor, so "prepare" measures real planning work.
 //!
-//! The ceiling: the target also serves a raw-tcp sink and source
+//! The ceiling: the target also serves its pool over raw tcp
 //! ([`RawServer`]) on the host it listens on, at any free port, and names
 //! that port in its engine id (`kvlane-bench-target raw-tcp=PORT`): the
 //! handshake is the one channel the initiator already has (and, with
@@ -85,19 +85,26 @@ pub(crate) async fn target(
     opts: &RemoteOpts,
     ceiling: bool,
 ) -> Result<(), BoxError> {
+    let layout = flat_layout(pool)?;
+    let region = super::pair::filled(layout.required_len().unwrap_or(pool), opts.memory, 0)?;
     let raw = if ceiling {
         let host = host_of(listen);
-        let server = RawServer::bind((host, 0)).map_err(|source| BenchError::RawListen {
-            addr: format!("{host}:0"),
-            source,
-        })?;
+        // The ceiling moves the same pool's bytes (a host copy of its size
+        // when the pool is GPU memory).
+        let memory = match region.device() {
+            None => region.clone(),
+            Some(_) => super::pair::filled(region.len(), None, 0)?,
+        };
+        let server =
+            RawServer::bind((host, 0), memory).map_err(|source| BenchError::RawListen {
+                addr: format!("{host}:0"),
+                source,
+            })?;
         Some(server)
     } else {
         None
     };
     let raw_port = raw.as_ref().map(|r| r.local_addr().port());
-    let layout = flat_layout(pool)?;
-    let region = super::pair::filled(layout.required_len().unwrap_or(pool), opts.memory, 0)?;
     let agent = builder(opts)
         .engine_id(target_engine_id(raw_port))
         .listen(listen)

@@ -1,10 +1,10 @@
-//! The sink and source end of the raw-tcp baseline: one thread per
-//! connection, in-process for the local bench, beside the agent for
-//! `--role target`.
+//! The serving end of the raw-tcp baseline: one thread per connection,
+//! in-process for the local bench, beside the agent for `--role target`,
+//! every connection reading and writing the one memory it was given.
 
-use super::{buffer, invalid, parse_header, read_into, HEADER_LEN, HELLO_TIMEOUT, IO_CHUNK, MAGIC};
+use super::{invalid, parse_header, HEADER_LEN, HELLO_TIMEOUT, IO_CHUNK, MAGIC};
 use kvlane_data::tcp::{FrameReader, FrameWriter};
-use kvlane_data::Op;
+use kvlane_data::{Op, Region};
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -26,16 +26,17 @@ const ACK_BATCH: u64 = 1 << 20;
 /// it delays only the opening of the baseline's streams.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 
-/// A raw-tcp sink and source, listening until dropped.
+/// A raw-tcp server of one memory, listening until dropped.
 pub(crate) struct RawServer {
     addr: SocketAddr,
     state: Arc<State>,
     accept: Option<JoinHandle<()>>,
 }
 
-#[derive(Default)]
 struct State {
     stop: AtomicBool,
+    /// What WRITEs land in and READs come from (host memory).
+    memory: Region,
     /// Open connections (clones, to close them when the server goes).
     conns: Mutex<HashMap<u64, TcpStream>>,
 }
@@ -45,13 +46,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl RawServer {
-    /// Listens on `addr` (port 0: any free port; see [`Self::local_addr`]).
-    pub(crate) fn bind(addr: impl ToSocketAddrs) -> io::Result<Self> {
+    /// Listens on `addr` (port 0: any free port; see [`Self::local_addr`])
+    /// and serves `memory`, which must be host memory.
+    pub(crate) fn bind(addr: impl ToSocketAddrs, memory: Region) -> io::Result<Self> {
+        if memory.device().is_some() {
+            return Err(invalid(
+                "the raw-tcp baseline serves host memory only".into(),
+            ));
+        }
         let listener = TcpListener::bind(addr)?;
         // Polled, so that dropping the server needs only the stop flag.
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(State::default());
+        let state = Arc::new(State {
+            stop: AtomicBool::new(false),
+            memory,
+            conns: Mutex::new(HashMap::new()),
+        });
         let s = state.clone();
         let accept = thread::Builder::new()
             .name("kvlane-raw-accept".into())
@@ -117,7 +128,7 @@ fn accept_loop(listener: &TcpListener, state: &Arc<State>) {
         let spawned = thread::Builder::new()
             .name("kvlane-raw-conn".into())
             .spawn(move || {
-                match serve(stream) {
+                match serve(stream, &st.memory) {
                     Ok(()) => tracing::debug!(%from, "raw-tcp client closed the connection"),
                     Err(e) if st.stop.load(Ordering::Acquire) => {
                         tracing::debug!(%from, error = %e, "raw-tcp connection closed at shutdown")
@@ -134,9 +145,10 @@ fn accept_loop(listener: &TcpListener, state: &Arc<State>) {
 }
 
 /// Serves one connection until the client closes it (`Ok`) or breaks the
-/// protocol or the connection (`Err`). Answers gather and leave together,
-/// in order, as the tcp backend's server sends them.
-fn serve(stream: TcpStream) -> io::Result<()> {
+/// protocol or the connection (`Err`): a request outside `memory` is a
+/// broken protocol. Answers gather and leave together, in order, as the
+/// tcp backend's server sends them.
+fn serve(stream: TcpStream, memory: &Region) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
@@ -150,11 +162,10 @@ fn serve(stream: TcpStream) -> io::Result<()> {
         ));
     }
     wr.put(&MAGIC);
+    wr.put(&memory.len().to_le_bytes());
     wr.flush()?;
     // Between the slices of other points a client stays silent for long.
     stream.set_read_timeout(None)?;
-    let sink = buffer(IO_CHUNK, 0)?;
-    let source = buffer(IO_CHUNK, 0xa5)?;
     // Payload bytes answered but not yet flushed.
     let mut unflushed = 0u64;
     loop {
@@ -172,16 +183,22 @@ fn serve(stream: TcpStream) -> io::Result<()> {
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return wr.flush(),
             Err(e) => return Err(e),
         }
-        let (op, len) = parse_header(&h)?;
+        let (op, offset, len) = parse_header(&h)?;
+        let size = memory.len();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(invalid(format!(
+                "a {len}-byte request at offset {offset}, outside the {size} bytes served"
+            )));
+        }
         unflushed += len;
-        let mut left = len;
-        while left > 0 {
-            let n = left.min(IO_CHUNK as u64);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(IO_CHUNK as u64);
             match op {
-                Op::Write => read_into(&mut rd, &sink, n)?,
-                Op::Read => wr.region(&source, 0, n)?,
+                Op::Write => rd.payload_into(memory, offset + done, n)?,
+                Op::Read => wr.region(memory, offset + done, n)?,
             }
-            left -= n;
+            done += n;
         }
         if op == Op::Write {
             wr.put(&len.to_le_bytes());
