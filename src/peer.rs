@@ -8,7 +8,7 @@ use crate::state::{lock, Inner, PeerEntry};
 use kvlane_control::ConnectionId;
 use kvlane_data::{
     plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, RemoteRegion,
-    Transfer,
+    Transfer, TransferId,
 };
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,6 +45,24 @@ impl PreparedTransfer {
     /// The peer incarnation it was planned against.
     pub fn incarnation(&self) -> u64 {
         self.incarnation
+    }
+
+    /// The same plan for one more post, with a transfer id and deadline of
+    /// its own (a plan posts once; this posts it again without planning
+    /// again). Still for the incarnation it was planned against: after
+    /// the peer restarted, posting it fails with [`ErrorKind::Stale`] as
+    /// the original would.
+    pub fn again(&self) -> Self {
+        let mut transfer = self.transfer.clone();
+        transfer.id = TransferId::next();
+        transfer.deadline = Instant::now() + DEFAULT_TRANSFER_DEADLINE;
+        Self {
+            conn: self.conn,
+            incarnation: self.incarnation,
+            data_peer: self.data_peer,
+            transfer,
+            notify_after_read: self.notify_after_read.clone(),
+        }
     }
 }
 

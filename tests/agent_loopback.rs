@@ -123,6 +123,11 @@ async fn restarted_peer_makes_prepared_transfers_stale() {
     let prepared = peer
         .prepare(kvlane::data::Op::Write, 0..4, &[1], &[1], None)
         .unwrap();
+    // One plan posts as often as needed, each post a transfer of its own.
+    let (a, b) = (prepared.again(), prepared.again());
+    let (ha, hb) = (peer.post(a).unwrap(), peer.post(b).unwrap());
+    ha.await.unwrap();
+    hb.await.unwrap();
 
     // Decode restarts on the same address: new process start, new keys.
     decode.close().await;
@@ -154,6 +159,8 @@ async fn restarted_peer_makes_prepared_transfers_stale() {
     .expect("peer never re-attached");
 
     let before = dec2_kv.to_vec().unwrap();
+    let e = peer.post(prepared.again()).unwrap_err();
+    assert!(e.is_stale() && e.is_peer_lost(), "{e}");
     let e = peer.post(prepared).unwrap_err();
     assert!(e.is_stale() && e.is_peer_lost(), "{e}");
     assert_eq!(

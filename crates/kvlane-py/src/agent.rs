@@ -231,13 +231,16 @@ impl Agent {
 }
 
 /// A span transfer planned against one incarnation of a peer. Post it with
-/// `Peer.post` as often as needed: the first post uses this plan, each
-/// later one plans the same spans again against the peer's current
-/// incarnation (checks included), so a restarted peer is never written
-/// through its old keys.
+/// `Peer.post` as often as needed: every post uses the plan while the peer
+/// keeps that incarnation; after it restarted, a post plans the same spans
+/// again against the new one (checks included) and keeps that plan, so a
+/// restarted peer is never written through its old keys.
 #[pyclass(module = "kvlane", name = "PreparedTransfer")]
 pub(crate) struct PreparedTransfer {
-    first: Option<RsPrepared>,
+    plan: RsPrepared,
+    /// Posted at least once (the prepare time counts towards the first
+    /// post's telemetry only).
+    posted: bool,
     op: Op,
     local: Vec<MemSpan>,
     remote: Vec<MemSpan>,
@@ -292,8 +295,23 @@ impl Peer {
     }
 
     fn post_prepared(&self, p: RsPrepared, started: (SystemTime, Instant)) -> PyResult<Transfer> {
+        self.try_post(p, started).map_err(to_py)
+    }
+
+    /// Posts a transfer just prepared, its plan moved (not copied).
+    fn post_once(&self, prepared: PreparedTransfer) -> PyResult<Transfer> {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let started = (wall - prepared.prepare, now - prepared.prepare);
+        self.post_prepared(prepared.plan, started)
+    }
+
+    fn try_post(
+        &self,
+        p: RsPrepared,
+        started: (SystemTime, Instant),
+    ) -> Result<Transfer, kvlane::Error> {
         let (bytes, descriptors) = (p.bytes(), p.descriptors());
-        let handle = self.peer.post(p).map_err(to_py)?;
+        let handle = self.peer.post(p)?;
         Ok(Transfer::watch(
             handle,
             started,
@@ -415,7 +433,8 @@ impl Peer {
         Ok(PreparedTransfer {
             descriptors: p.descriptors(),
             bytes: p.bytes(),
-            first: Some(p),
+            plan: p,
+            posted: false,
             op,
             local: l,
             remote: r,
@@ -435,28 +454,31 @@ impl Peer {
         detach_if_long(py, s.len(), || self.peer.check_remote_spans(op, &s)).map_err(to_py)
     }
 
-    /// Posts a prepared transfer; never blocks. Posting it again plans it
-    /// again (see `PreparedTransfer`).
+    /// Posts a prepared transfer; never blocks. Posting it again reuses
+    /// its plan, or plans it again after the peer restarted (see
+    /// `PreparedTransfer`).
     fn post(&self, py: Python<'_>, prepared: &mut PreparedTransfer) -> PyResult<Transfer> {
         self.live()?;
         let now = Instant::now();
-        let (p, started) = match prepared.first.take() {
-            Some(p) => (
-                p,
-                (SystemTime::now() - prepared.prepare, now - prepared.prepare),
-            ),
-            None => {
-                let p = self.plan(
-                    py,
-                    prepared.op,
-                    &prepared.local,
-                    &prepared.remote,
-                    prepared.notify.as_deref(),
-                )?;
-                (p, (SystemTime::now(), now))
-            }
+        let started = if prepared.posted {
+            (SystemTime::now(), now)
+        } else {
+            (SystemTime::now() - prepared.prepare, now - prepared.prepare)
         };
-        self.post_prepared(p, started)
+        prepared.posted = true;
+        match self.try_post(prepared.plan.again(), started) {
+            Err(e) if e.kind() == kvlane::ErrorKind::Stale => {}
+            r => return r.map_err(to_py),
+        }
+        // Planned against an incarnation the peer no longer has.
+        prepared.plan = self.plan(
+            py,
+            prepared.op,
+            &prepared.local,
+            &prepared.remote,
+            prepared.notify.as_deref(),
+        )?;
+        self.post_prepared(prepared.plan.again(), started)
     }
 
     /// Prepares and posts a span WRITE.
@@ -468,8 +490,8 @@ impl Peer {
         remote: &Bound<'_, PyAny>,
         notify: Option<Vec<u8>>,
     ) -> PyResult<Transfer> {
-        let mut p = self.prepare_spans(py, "WRITE", local, remote, notify)?;
-        self.post(py, &mut p)
+        let p = self.prepare_spans(py, "WRITE", local, remote, notify)?;
+        self.post_once(p)
     }
 
     /// Prepares and posts a span READ.
@@ -481,8 +503,8 @@ impl Peer {
         remote: &Bound<'_, PyAny>,
         notify: Option<Vec<u8>>,
     ) -> PyResult<Transfer> {
-        let mut p = self.prepare_spans(py, "READ", local, remote, notify)?;
-        self.post(py, &mut p)
+        let p = self.prepare_spans(py, "READ", local, remote, notify)?;
+        self.post_once(p)
     }
 
     /// Sends a notification through the control plane.

@@ -50,6 +50,28 @@ def test_write_and_read_between_two_processes_byte_checked_notifications_after_d
         assert note[:2] == ["init", "hello"]
 
 
+def test_a_prepared_transfer_posts_again_with_the_bytes_of_each_post(native_target):
+    t = native_target.info
+    mine = pattern(1)
+    with kvlane.Agent(engine_id="init", backend="tcp", regions=[mine]) as agent:
+        peer = agent.connect(t["addr"])
+        base, rbase = mine.ctypes.data, t["buf"]
+        p = peer.prepare_spans("WRITE", [(base, 4096)], [(rbase, 4096)])
+        theirs = pattern(7)
+        handles = []
+        for i in range(5):
+            # Each post sends what the buffer holds then, under its own
+            # handle: the plan is reused, not the transfer.
+            mine[:4096] = i
+            h = peer.post(p)
+            assert h.wait(10) and h.status == "done"
+            handles.append(h)
+            theirs[:4096] = i
+            assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs), i
+        assert len({id(h) for h in handles}) == 5
+        assert all(h.telemetry.bytes == 4096 for h in handles)
+
+
 def test_blocks_with_kv_layout_in_one_process():
     layout = kvlane.KvLayout(2, 16, 4096)
     a_kv = pattern(3, layout.required_len)

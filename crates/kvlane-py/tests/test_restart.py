@@ -30,6 +30,8 @@ def test_native_peer_restarted_on_the_same_address_is_followed_old_spans_never_l
         old_inc = peer.incarnation
         base, old_buf = mine.ctypes.data, first.info["buf"]
         assert peer.write_spans([(base, 4096)], [(old_buf, 4096)]).wait(10)
+        stale_plan = peer.prepare_spans("WRITE", [(base, 4096)], [(old_buf, 4096)])
+        assert peer.post(stale_plan).wait(10)
 
         first.proc.kill()
         first.proc.wait()
@@ -66,6 +68,17 @@ def test_native_peer_restarted_on_the_same_address_is_followed_old_spans_never_l
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         assert second.ask({"op": "sha"})["sha"] == expected_sha(mine)
+        # A transfer prepared for the old incarnation and posted again is
+        # planned again against the new one (checks included): its spans
+        # of the old process's memory are refused by name, or, where the
+        # new process's buffer happens to lie at the same address, land
+        # there; never a StaleError, never through the old keys.
+        try:
+            h = peer.post(stale_plan)
+            assert h.wait(10)
+            assert old_buf == new_buf
+        except kvlane.InvalidInputError as e:
+            assert "outside every remote registration" in str(e)
         mine[:] = 0
         assert peer.read_spans([(base, LEN)], [(new_buf, LEN)]).wait(10)
         assert (mine == pattern(1)).all()

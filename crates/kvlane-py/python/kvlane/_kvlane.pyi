@@ -108,7 +108,13 @@ class Transfer:
     def __await__(self) -> Generator[Any, None, None]: ...
 
 class PreparedTransfer:
-    """A planned transfer; post it once with ``Peer.post``."""
+    """A planned transfer; post it with ``Peer.post`` as often as needed.
+
+    Every post reuses the plan (a new transfer each time, with the bytes
+    the buffers hold then) while the peer keeps the incarnation it was
+    planned against; after the peer restarted, a post plans the same spans
+    again against the new incarnation (checks included) and keeps that
+    plan, so a restarted peer is never written through its old keys."""
 
     @property
     def descriptors(self) -> int: ...

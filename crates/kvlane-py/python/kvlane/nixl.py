@@ -537,8 +537,8 @@ class nixl_agent:
             if notif is not None and notif != x.notif:
                 x.notif = notif
                 x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, notif)
-            # Reposting plans the spans again against the peer's current
-            # incarnation (PreparedTransfer); the first post uses the plan.
+            # Reposting reuses the plan, or plans the spans again once the
+            # peer restarted (PreparedTransfer).
             x.failed = None
             x.transfer = x.peer.post(x.prepared)
         except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
