@@ -19,6 +19,7 @@ pub struct Intercept {
     completions: Option<Hook<Completion>>,
     notifications: Option<Hook<Notification>>,
     link: Option<Box<dyn Fn() -> bool + Send>>,
+    batches: Option<Box<dyn FnMut(usize) + Send>>,
 }
 
 impl Intercept {
@@ -29,6 +30,7 @@ impl Intercept {
             completions: None,
             notifications: None,
             link: None,
+            batches: None,
         }
     }
 
@@ -44,6 +46,12 @@ impl Intercept {
         self
     }
 
+    /// Calls `f` with the length of each batch `submit_batch` is given
+    /// (before the inner backend takes it).
+    pub fn on_submit_batch(mut self, f: impl FnMut(usize) + Send + 'static) -> Self {
+        self.batches = Some(Box::new(f));
+        self
+    }
     /// `link_up` is false while `down` says so (and the inner link is up).
     pub fn link_down_when(mut self, down: impl Fn() -> bool + Send + 'static) -> Self {
         self.link = Some(Box::new(down));
@@ -91,6 +99,16 @@ impl Backend for Intercept {
     }
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
         self.inner.submit(t)
+    }
+    fn submit_batch(
+        &mut self,
+        ts: Vec<Transfer>,
+        results: &mut Vec<Result<(), SubmitError>>,
+    ) -> bool {
+        if let Some(f) = &mut self.batches {
+            f(ts.len());
+        }
+        self.inner.submit_batch(ts, results)
     }
     fn poll(&mut self, out: &mut Vec<Completion>) -> usize {
         let start = out.len();

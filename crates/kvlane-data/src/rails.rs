@@ -274,6 +274,10 @@ struct Part {
     tried: u64,
 }
 
+/// One rail's share of a batch: per transfer its result slot, its part and
+/// the rails it may use; and the rail's transfers, in the same order.
+type Share = (Vec<(usize, Part, Vec<usize>)>, Vec<Transfer>);
+
 /// A part no rail took.
 struct Unposted {
     part: Box<Part>,
@@ -466,25 +470,9 @@ impl Rails {
                 break;
             };
             let rp = &peer.rails[i];
-            let Some(rail_peer) = rp.id else { continue };
-            let mut t = part.transfer.clone();
-            t.id = TransferId::next();
-            t.peer = rail_peer;
-            let allowance = self.cfg.part_timeout
-                + Duration::from_secs_f64(part.bytes as f64 / self.cfg.part_min_rate.max(1) as f64);
-            t.deadline = t.deadline.min(Instant::now() + allowance);
-            if i > 0 {
-                let mapped: Option<Vec<RemoteKey>> = t
-                    .remote
-                    .iter()
-                    .map(|d| rp.keys.get(&d.key).copied())
-                    .collect();
-                // `usable` only offers rails that serve every key.
-                let Some(mapped) = mapped else { continue };
-                for (d, k) in t.remote.iter_mut().zip(mapped) {
-                    d.key = k;
-                }
-            }
+            let Some(t) = self.on_rail(&part, i) else {
+                continue;
+            };
             let id = t.id;
             match self.rails[i].backend.submit(t) {
                 Ok(()) => {
@@ -520,6 +508,97 @@ impl Rails {
             part: Box::new(part),
             why,
         })
+    }
+
+    /// `part` as rail `i` takes it: a transfer id of its own, the rail's
+    /// peer and keys, and the part's deadline. `None` when the peer has
+    /// no connection on that rail or the rail does not serve every key.
+    fn on_rail(&self, part: &Part, i: usize) -> Option<Transfer> {
+        let rp = self.peers.get(&part.transfer.peer)?.rails.get(i)?;
+        let mut t = part.transfer.clone();
+        t.id = TransferId::next();
+        t.peer = rp.id?;
+        let allowance = self.cfg.part_timeout
+            + Duration::from_secs_f64(part.bytes as f64 / self.cfg.part_min_rate.max(1) as f64);
+        t.deadline = t.deadline.min(Instant::now() + allowance);
+        if i > 0 {
+            // `usable` only offers rails that serve every key.
+            for d in t.remote.iter_mut() {
+                d.key = *rp.keys.get(&d.key)?;
+            }
+        }
+        Some(t)
+    }
+
+    /// Checks `submit` makes before planning a transfer; the rails it may
+    /// use, and whether it goes whole on one of them.
+    fn admit(&self, transfer: &Transfer, now: Instant) -> Result<(Vec<usize>, bool), SubmitError> {
+        let Some(state) = self.peers.get(&transfer.peer) else {
+            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
+        };
+        if self.parents.contains_key(&transfer.id) {
+            return Err(SubmitError::Rejected(DataError::DuplicateTransfer(
+                transfer.id,
+            )));
+        }
+        if rejoin::is_reserved(transfer.notify.as_deref()) {
+            return Err(SubmitError::Rejected(DataError::Unsupported {
+                backend: "rails",
+                what: "a notification that begins with the reserved rails prefix (0xc1 \"kvlane-rails\" 0x00)",
+            }));
+        }
+        let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
+        let rails = self.usable(state, &keys, 0, now);
+        let rails = self.preferred(transfer, rails);
+        let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
+        let remote_bytes: u64 = transfer.remote.iter().map(|d| d.len).sum();
+        let whole = rails.len() <= 1
+            || bytes < self.cfg.stripe_min
+            || transfer.notify.is_some()
+            || bytes != remote_bytes;
+        Ok((rails, whole))
+    }
+
+    /// Posts a whole transfer as one part on one of `rails` (rail 0 when
+    /// none is usable, for its own typed refusal).
+    fn submit_whole(&mut self, transfer: Transfer, rails: Vec<usize>) -> Result<(), SubmitError> {
+        let parent = transfer.id;
+        let part = self.whole_part(transfer);
+        let rails = if rails.is_empty() { vec![0] } else { rails };
+        self.post_part(part, &rails)
+            .map_err(|u| self.unposted(parent, u))
+    }
+
+    /// The one part of a whole transfer, its parent entry made.
+    fn whole_part(&mut self, transfer: Transfer) -> Part {
+        let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
+        self.parents.insert(
+            transfer.id,
+            Parent {
+                peer: transfer.peer,
+                remaining: 1,
+                error: None,
+            },
+        );
+        Part {
+            parent: transfer.id,
+            transfer,
+            bytes,
+            tried: 0,
+        }
+    }
+
+    /// The caller's refusal of a whole transfer no rail took (its parent
+    /// entry dropped).
+    fn unposted(&mut self, parent: TransferId, u: Unposted) -> SubmitError {
+        self.parents.remove(&parent);
+        match u.why {
+            Why::Full { in_flight } => SubmitError::QueueFull {
+                transfer: Box::new(u.part.transfer),
+                in_flight,
+            },
+            Why::Refused(e) => SubmitError::Rejected(e),
+        }
     }
 
     /// A part that could not be re-posted: it waits for room, or its
@@ -1165,59 +1244,11 @@ impl Backend for Rails {
     }
 
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
-        let now = Instant::now();
-        let Some(state) = self.peers.get(&transfer.peer) else {
-            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
-        };
-        if self.parents.contains_key(&transfer.id) {
-            return Err(SubmitError::Rejected(DataError::DuplicateTransfer(
-                transfer.id,
-            )));
-        }
-        if rejoin::is_reserved(transfer.notify.as_deref()) {
-            return Err(SubmitError::Rejected(DataError::Unsupported {
-                backend: "rails",
-                what: "a notification that begins with the reserved rails prefix (0xc1 \"kvlane-rails\" 0x00)",
-            }));
-        }
-        let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
-        let rails = self.usable(state, &keys, 0, now);
-        let rails = self.preferred(&transfer, rails);
-        let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
-        let remote_bytes: u64 = transfer.remote.iter().map(|d| d.len).sum();
-        let whole = rails.len() <= 1
-            || bytes < self.cfg.stripe_min
-            || transfer.notify.is_some()
-            || bytes != remote_bytes;
-        let parent = transfer.id;
+        let (rails, whole) = self.admit(&transfer, Instant::now())?;
         if whole {
-            let part = Part {
-                parent,
-                transfer,
-                bytes,
-                tried: 0,
-            };
-            self.parents.insert(
-                parent,
-                Parent {
-                    peer: part.transfer.peer,
-                    remaining: 1,
-                    error: None,
-                },
-            );
-            // Nothing usable: let rail 0 give its own typed refusal.
-            let rails = if rails.is_empty() { vec![0] } else { rails };
-            return self.post_part(part, &rails).map_err(|u| {
-                self.parents.remove(&parent);
-                match u.why {
-                    Why::Full { in_flight } => SubmitError::QueueFull {
-                        transfer: Box::new(u.part.transfer),
-                        in_flight,
-                    },
-                    Why::Refused(e) => SubmitError::Rejected(e),
-                }
-            });
+            return self.submit_whole(transfer, rails);
         }
+        let parent = transfer.id;
         let pieces = split(
             &transfer.local,
             &transfer.remote,
@@ -1267,6 +1298,109 @@ impl Backend for Rails {
             }
         }
         Ok(())
+    }
+
+    /// Whole transfers are dealt to their rails (rotating, as `submit`
+    /// does) and each rail takes its share in one `submit_batch`; a part a
+    /// rail refuses there tries the batch's other rails one by one, as in
+    /// `submit`. Transfers split over the rails take `submit`'s path.
+    fn submit_batch(
+        &mut self,
+        transfers: Vec<Transfer>,
+        results: &mut Vec<Result<(), SubmitError>>,
+    ) -> bool {
+        let now = Instant::now();
+        let mut due = false;
+        let mut dealt: Vec<Share> = (0..self.rails.len()).map(|_| Default::default()).collect();
+        for t in transfers {
+            let at = results.len();
+            let (rails, whole) = match self.admit(&t, now) {
+                Ok(x) => x,
+                Err(e) => {
+                    results.push(Err(e));
+                    continue;
+                }
+            };
+            if !whole || rails.is_empty() {
+                results.push(if whole {
+                    self.submit_whole(t, rails)
+                } else {
+                    self.submit(t)
+                });
+                due |= self.poll_after_submit();
+                continue;
+            }
+            let i = rails[self.next % rails.len()];
+            let part = self.whole_part(t);
+            match self.on_rail(&part, i) {
+                Some(rt) => {
+                    self.next = self.next.wrapping_add(1);
+                    dealt[i].0.push((at, part, rails));
+                    dealt[i].1.push(rt);
+                    results.push(Ok(()));
+                }
+                None => {
+                    let parent = part.parent;
+                    let r = self
+                        .post_part(part, &rails)
+                        .map_err(|u| self.unposted(parent, u));
+                    results.push(r);
+                }
+            }
+        }
+        let mut taken = Vec::new();
+        for (i, (parts, ts)) in dealt.into_iter().enumerate() {
+            if ts.is_empty() {
+                continue;
+            }
+            let ids: Vec<TransferId> = ts.iter().map(|t| t.id).collect();
+            taken.clear();
+            due |= self.rails[i].backend.submit_batch(ts, &mut taken);
+            for (((at, mut part, rails), id), r) in parts.into_iter().zip(ids).zip(taken.drain(..))
+            {
+                let e = match r {
+                    Ok(()) => {
+                        self.parts.insert((i, id), part);
+                        continue;
+                    }
+                    Err(e) => e,
+                };
+                // Refused on rail `i`: the other rails, as `post_part`
+                // would have tried them.
+                let parent = part.parent;
+                let others: Vec<usize> = rails.iter().copied().filter(|&r| r != i).collect();
+                let why = match e {
+                    SubmitError::QueueFull { .. } => Why::Full {
+                        in_flight: self.rails[i].backend.in_flight(),
+                    },
+                    SubmitError::Rejected(e) => {
+                        part.tried |= 1 << i;
+                        let keys = self
+                            .peers
+                            .get(&part.transfer.peer)
+                            .and_then(|p| p.rails.get(i))
+                            .filter(|_| i > 0)
+                            .map(|rp| rp.keys.clone());
+                        Why::Refused(in_caller_terms(
+                            e,
+                            part.transfer.peer,
+                            parent,
+                            keys.as_ref(),
+                        ))
+                    }
+                };
+                let r = if others.is_empty() {
+                    Err(Unposted {
+                        part: Box::new(part),
+                        why,
+                    })
+                } else {
+                    self.post_part(part, &others)
+                };
+                results[at] = r.map_err(|u| self.unposted(parent, u));
+            }
+        }
+        due || self.poll_after_submit()
     }
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {

@@ -14,7 +14,7 @@ use kvlane_data::{
     SubmitError, TcpBackend, TcpConfig, Transfer,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn tcp() -> Box<dyn Backend> {
@@ -206,6 +206,84 @@ fn small_transfers_go_whole_and_rotate_over_the_rails() {
         [5, 5],
         "{s:?}"
     );
+}
+
+#[test]
+fn a_batch_of_small_transfers_reaches_each_rail_as_one_batch() {
+    // Each rail records the batches it is handed.
+    let seen = Arc::new(Mutex::new(Vec::<(usize, usize)>::new()));
+    let counted = |i: usize| -> (String, Box<dyn Backend>) {
+        let seen = seen.clone();
+        let rail =
+            Intercept::new(tcp()).on_submit_batch(move |n| seen.lock().unwrap().push((i, n)));
+        (format!("tcp{i}"), Box::new(rail))
+    };
+    let init = Rails::new(vec![counted(0), counted(1)], RailsConfig::default()).unwrap();
+    let mut p = pair(init, Box::new(rails(2, RailsConfig::default())));
+    const N: u64 = 64;
+    let mut batch: Vec<Transfer> = (0..N)
+        .map(|i| transfer(&p, Op::Write, i * 4096, 4096))
+        .collect();
+    // One the rails refuse (lengths differ), one to a peer nobody knows.
+    let (bad, stranger) = (10, 20);
+    batch.insert(bad, {
+        let mut t = transfer(&p, Op::Write, 0, 4096);
+        t.remote[0].len = 4095;
+        t
+    });
+    batch.insert(stranger, {
+        let mut t = transfer(&p, Op::Write, 0, 4096);
+        t.peer = PeerId(u64::MAX);
+        t
+    });
+    let ids: Vec<_> = batch.iter().map(|t| t.id).collect();
+    let mut results = Vec::new();
+    p.init.submit_batch(batch, &mut results);
+    assert_eq!(results.len(), ids.len());
+    for (i, r) in results.iter().enumerate() {
+        match (i, r) {
+            (i, Err(SubmitError::Rejected(DataError::LengthMismatch { .. }))) if i == bad => {}
+            (i, Err(SubmitError::Rejected(DataError::UnknownPeer(_)))) if i == stranger => {}
+            (i, Ok(())) if i != bad && i != stranger => {}
+            other => panic!("transfer {i}: {other:?}"),
+        }
+    }
+    // One batch per rail, sharing the N + 1 transfers dealt (the
+    // stranger was refused before any rail saw it).
+    let mut batches = seen.lock().unwrap().clone();
+    batches.sort();
+    assert_eq!(batches.len(), 2, "{batches:?}");
+    assert_eq!((batches[0].0, batches[1].0), (0, 1), "{batches:?}");
+    assert_eq!(batches[0].1 + batches[1].1, N as usize + 1, "{batches:?}");
+    assert!(
+        batches.iter().all(|&(_, n)| n >= N as usize / 2),
+        "{batches:?}"
+    );
+    let mut want: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != bad && i != stranger)
+        .map(|(_, id)| *id)
+        .collect();
+    let end = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while !want.is_empty() {
+        p.init.poll(&mut out);
+        let _ = p.target.poll(&mut Vec::new());
+        for c in out.drain(..) {
+            c.result.unwrap();
+            want.retain(|id| *id != c.id);
+        }
+        assert!(
+            Instant::now() < end,
+            "{} transfers never completed",
+            want.len()
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(same(&p, 0, N * 4096));
+    let s = p.init.rail_stats();
+    assert_eq!(s.iter().map(|r| r.parts).sum::<u64>(), N, "{s:?}");
 }
 
 #[test]
