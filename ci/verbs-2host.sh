@@ -315,7 +315,7 @@ if has bench; then
   bad=0
   for op in ${OPS//,/ }; do
     for s in $SIZES_B; do
-      row=$(grep "\"op\":\"$op\"" /tmp/bench.json | grep "\"block_size\":$s," | head -n1)
+      row=$(grep '"backend":"verbs"' /tmp/bench.json | grep "\"op\":\"$op\"" | grep "\"block_size\":$s," | head -n1)
       kg=$(jnum "$row" gbps); la=$(jnum "$row" lat_avg_us); lp=$(jnum "$row" lat_p99_us)
       pg=$(awk -v s="$s" '$1 == s && NF >= 4 { v = $4 } END { print v / 8 }' "/tmp/perf-$op-$s.cli" 2>/dev/null)
       [ -n "$kg" ] || { echo "no kvlane row for $op $s"; rc=1; }
