@@ -466,10 +466,9 @@ impl Rails {
         let mut last = None;
         for k in 0..rails.len() {
             let i = rails[(self.next + k) % rails.len()];
-            let Some(peer) = self.peers.get(&part.transfer.peer) else {
+            if !self.peers.contains_key(&part.transfer.peer) {
                 break;
-            };
-            let rp = &peer.rails[i];
+            }
             let Some(t) = self.on_rail(&part, i) else {
                 continue;
             };
@@ -482,21 +481,7 @@ impl Rails {
                     self.parts.insert((i, id), part);
                     return Ok(());
                 }
-                Err(SubmitError::QueueFull { .. }) => {
-                    last = Some(Why::Full {
-                        in_flight: self.rails[i].backend.in_flight(),
-                    });
-                }
-                Err(SubmitError::Rejected(e)) => {
-                    part.tried |= 1 << i;
-                    let keys = (i > 0).then_some(&rp.keys);
-                    last = Some(Why::Refused(in_caller_terms(
-                        e,
-                        part.transfer.peer,
-                        part.parent,
-                        keys,
-                    )));
-                }
+                Err(e) => last = Some(self.refused_on(&mut part, i, e)),
             }
         }
         let why = last.unwrap_or(Why::Refused(DataError::PeerLost {
@@ -530,6 +515,26 @@ impl Rails {
         Some(t)
     }
 
+    /// Why rail `i` did not take `part` (its refusal in the caller's
+    /// terms); a rail that refused it outright is marked tried.
+    fn refused_on(&self, part: &mut Part, i: usize, e: SubmitError) -> Why {
+        match e {
+            SubmitError::QueueFull { .. } => Why::Full {
+                in_flight: self.rails[i].backend.in_flight(),
+            },
+            SubmitError::Rejected(e) => {
+                part.tried |= 1 << i;
+                let keys = self
+                    .peers
+                    .get(&part.transfer.peer)
+                    .and_then(|p| p.rails.get(i))
+                    .filter(|_| i > 0)
+                    .map(|rp| &rp.keys);
+                Why::Refused(in_caller_terms(e, part.transfer.peer, part.parent, keys))
+            }
+        }
+    }
+
     /// Checks `submit` makes before planning a transfer; the rails it may
     /// use, and whether it goes whole on one of them.
     fn admit(&self, transfer: &Transfer, now: Instant) -> Result<(Vec<usize>, bool), SubmitError> {
@@ -557,6 +562,61 @@ impl Rails {
             || transfer.notify.is_some()
             || bytes != remote_bytes;
         Ok((rails, whole))
+    }
+
+    /// Posts a transfer cut into one part per rail of `rails` (two or
+    /// more), part `k` preferring rail `k`.
+    fn submit_split(&mut self, transfer: Transfer, rails: Vec<usize>) -> Result<(), SubmitError> {
+        let parent = transfer.id;
+        let pieces = split(
+            &transfer.local,
+            &transfer.remote,
+            rails.len(),
+            self.cfg.stripe_align,
+        );
+        self.parents.insert(
+            parent,
+            Parent {
+                peer: transfer.peer,
+                remaining: pieces.len(),
+                error: None,
+            },
+        );
+        for (k, (local, remote, len)) in pieces.into_iter().enumerate() {
+            let mut t = transfer.clone();
+            t.local = local;
+            t.remote = remote;
+            let part = Part {
+                parent,
+                transfer: t,
+                bytes: len,
+                tried: 0,
+            };
+            // Part k prefers rail k; a full rail passes it on.
+            let mut order = rails.clone();
+            order.rotate_left(k % rails.len());
+            let saved = self.next;
+            self.next = 0;
+            let r = self.post_part(part, &order);
+            self.next = saved;
+            match r {
+                Ok(()) => {}
+                Err(Unposted {
+                    why: Why::Full { in_flight },
+                    ..
+                }) if k == 0 => {
+                    self.parents.remove(&parent);
+                    return Err(SubmitError::QueueFull {
+                        transfer: Box::new(transfer),
+                        in_flight,
+                    });
+                }
+                // Some parts are on the wire: this one waits for room (or
+                // fails the transfer).
+                Err(u) => self.park_or_fail(u),
+            }
+        }
+        Ok(())
     }
 
     /// Posts a whole transfer as one part on one of `rails` (rail 0 when
@@ -1246,64 +1306,17 @@ impl Backend for Rails {
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
         let (rails, whole) = self.admit(&transfer, Instant::now())?;
         if whole {
-            return self.submit_whole(transfer, rails);
+            self.submit_whole(transfer, rails)
+        } else {
+            self.submit_split(transfer, rails)
         }
-        let parent = transfer.id;
-        let pieces = split(
-            &transfer.local,
-            &transfer.remote,
-            rails.len(),
-            self.cfg.stripe_align,
-        );
-        self.parents.insert(
-            parent,
-            Parent {
-                peer: transfer.peer,
-                remaining: pieces.len(),
-                error: None,
-            },
-        );
-        for (k, (local, remote, len)) in pieces.into_iter().enumerate() {
-            let mut t = transfer.clone();
-            t.local = local;
-            t.remote = remote;
-            let part = Part {
-                parent,
-                transfer: t,
-                bytes: len,
-                tried: 0,
-            };
-            // Part k prefers rail k; a full rail passes it on.
-            let mut order = rails.clone();
-            order.rotate_left(k % rails.len());
-            let saved = self.next;
-            self.next = 0;
-            let r = self.post_part(part, &order);
-            self.next = saved;
-            match r {
-                Ok(()) => {}
-                Err(Unposted {
-                    why: Why::Full { in_flight },
-                    ..
-                }) if k == 0 => {
-                    self.parents.remove(&parent);
-                    return Err(SubmitError::QueueFull {
-                        transfer: Box::new(transfer),
-                        in_flight,
-                    });
-                }
-                // Some parts are on the wire: this one waits for room (or
-                // fails the transfer).
-                Err(u) => self.park_or_fail(u),
-            }
-        }
-        Ok(())
     }
 
     /// Whole transfers are dealt to their rails (rotating, as `submit`
     /// does) and each rail takes its share in one `submit_batch`; a part a
     /// rail refuses there tries the batch's other rails one by one, as in
-    /// `submit`. Transfers split over the rails take `submit`'s path.
+    /// `submit`. Transfers split over the rails take `submit`'s path, and so
+    /// do whole ones no rail is usable for (rail 0 gives its refusal).
     fn submit_batch(
         &mut self,
         transfers: Vec<Transfer>,
@@ -1321,12 +1334,13 @@ impl Backend for Rails {
                     continue;
                 }
             };
-            if !whole || rails.is_empty() {
-                results.push(if whole {
-                    self.submit_whole(t, rails)
-                } else {
-                    self.submit(t)
-                });
+            if !whole {
+                results.push(self.submit_split(t, rails));
+                due |= self.poll_after_submit();
+                continue;
+            }
+            if rails.is_empty() {
+                results.push(self.submit_whole(t, rails));
                 due |= self.poll_after_submit();
                 continue;
             }
@@ -1369,26 +1383,7 @@ impl Backend for Rails {
                 // would have tried them.
                 let parent = part.parent;
                 let others: Vec<usize> = rails.iter().copied().filter(|&r| r != i).collect();
-                let why = match e {
-                    SubmitError::QueueFull { .. } => Why::Full {
-                        in_flight: self.rails[i].backend.in_flight(),
-                    },
-                    SubmitError::Rejected(e) => {
-                        part.tried |= 1 << i;
-                        let keys = self
-                            .peers
-                            .get(&part.transfer.peer)
-                            .and_then(|p| p.rails.get(i))
-                            .filter(|_| i > 0)
-                            .map(|rp| rp.keys.clone());
-                        Why::Refused(in_caller_terms(
-                            e,
-                            part.transfer.peer,
-                            parent,
-                            keys.as_ref(),
-                        ))
-                    }
-                };
+                let why = self.refused_on(&mut part, i, e);
                 let r = if others.is_empty() {
                     Err(Unposted {
                         part: Box::new(part),
