@@ -184,12 +184,9 @@ fn serve(stream: TcpStream, memory: &Region) -> io::Result<()> {
             Err(e) => return Err(e),
         }
         let (op, offset, len) = parse_header(&h)?;
-        let size = memory.len();
-        if offset.checked_add(len).is_none_or(|end| end > size) {
-            return Err(invalid(format!(
-                "a {len}-byte request at offset {offset}, outside the {size} bytes served"
-            )));
-        }
+        memory
+            .check_range(offset, len)
+            .map_err(|e| invalid(format!("a request outside the memory served: {e}")))?;
         unflushed += len;
         let mut done = 0;
         while done < len {
