@@ -250,6 +250,19 @@ pub(crate) struct PreparedTransfer {
     prepare: Duration,
 }
 
+impl PreparedTransfer {
+    /// When a post of it started, for telemetry: the first post counts
+    /// from before its prepare.
+    fn started(&self) -> (SystemTime, Instant) {
+        let (wall, now) = (SystemTime::now(), Instant::now());
+        if self.posted {
+            (wall, now)
+        } else {
+            (wall - self.prepare, now - self.prepare)
+        }
+    }
+}
+
 #[pymethods]
 impl PreparedTransfer {
     /// Descriptors after merging contiguous runs.
@@ -300,8 +313,7 @@ impl Peer {
 
     /// Posts a transfer just prepared, its plan moved (not copied).
     fn post_once(&self, prepared: PreparedTransfer) -> PyResult<Transfer> {
-        let (now, wall) = (Instant::now(), SystemTime::now());
-        let started = (wall - prepared.prepare, now - prepared.prepare);
+        let started = prepared.started();
         self.post_prepared(prepared.plan, started)
     }
 
@@ -459,12 +471,7 @@ impl Peer {
     /// `PreparedTransfer`).
     fn post(&self, py: Python<'_>, prepared: &mut PreparedTransfer) -> PyResult<Transfer> {
         self.live()?;
-        let now = Instant::now();
-        let started = if prepared.posted {
-            (SystemTime::now(), now)
-        } else {
-            (SystemTime::now() - prepared.prepare, now - prepared.prepare)
-        };
+        let started = prepared.started();
         prepared.posted = true;
         match self.try_post(prepared.plan.again(), started) {
             Err(e) if e.kind() == kvlane::ErrorKind::Stale => {}
