@@ -529,6 +529,29 @@ impl Region {
         Ok(())
     }
 
+    /// Appends `len` bytes of the region from `offset` to `out`, with no
+    /// zero-fill of `out`'s new part first (as `resize` then
+    /// [`read`](Self::read) would do). Nothing is appended when the range
+    /// is bad or the memory is not host memory.
+    pub fn extend_vec(&self, offset: u64, len: u64, out: &mut Vec<u8>) -> Result<(), DataError> {
+        let src = self.host_ptr(offset, len)?;
+        // `len` fits the region, whose length fits `isize`.
+        let len = len as usize;
+        out.reserve(len);
+        let at = out.len();
+        // SAFETY: `reserve` made room for `len` more bytes, so
+        // `at..at+len` lies in `out`'s allocation; `src..src+len` is
+        // inside the region (host_ptr checked it) and valid for reads per
+        // the registration contract, and does not overlap `out`, a
+        // distinct Rust allocation. After the copy the first `at + len`
+        // bytes are initialised, so `set_len` exposes no uninitialised byte.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, out.as_mut_ptr().add(at), len);
+            out.set_len(at + len);
+        }
+        Ok(())
+    }
+
     /// Copies `src` into the region starting at `offset`.
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), DataError> {
         let dst = self.host_ptr(offset, src.len() as u64)?;
@@ -738,6 +761,23 @@ fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extend_vec_appends_the_range_or_nothing() {
+        let r = Region::from_vec((0..=255u8).collect(), Access::ALL).unwrap();
+        let mut out = b"hd".to_vec();
+        r.extend_vec(10, 3, &mut out).unwrap();
+        r.extend_vec(250, 6, &mut out).unwrap();
+        r.extend_vec(0, 0, &mut out).unwrap();
+        assert_eq!(out, [b'h', b'd', 10, 11, 12, 250, 251, 252, 253, 254, 255]);
+        // Past the end, or an offset whose sum overflows: refused, and
+        // `out` keeps its length and bytes.
+        for (off, len) in [(250, 7), (u64::MAX, 2), (256, 1)] {
+            let err = r.extend_vec(off, len, &mut out).unwrap_err();
+            assert!(matches!(err, DataError::OutOfBounds { .. }), "{err}");
+            assert_eq!(out.len(), 11);
+        }
+    }
 
     #[test]
     fn alloc_is_zeroed_aligned_and_bounds_checked() {

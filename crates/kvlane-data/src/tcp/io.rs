@@ -208,11 +208,9 @@ impl<'a> FrameWriter<'a> {
         }
         if len < COPY_MAX {
             let start = self.buf.len();
-            self.buf.resize(start + len as usize, 0);
-            if let Err(e) = region.read(offset, &mut self.buf[start..]) {
-                self.buf.truncate(start);
-                return Err(io::Error::other(e));
-            }
+            region
+                .extend_vec(offset, len, &mut self.buf)
+                .map_err(io::Error::other)?;
             let end = self.buf.len();
             self.bytes += len as usize;
             match self.segs.last_mut() {

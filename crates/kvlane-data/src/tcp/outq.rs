@@ -174,17 +174,15 @@ impl Outq {
             return Ok(());
         }
         if len < self.copy_max {
-            // `len` < 16 KiB (checked against the region by `read`):
-            // copied straight into the output buffer.
-            let len = len as usize;
-            let v = self.buf_for(len);
-            let at = v.len();
-            v.resize(at + len, 0);
-            if let Err(e) = region.read(offset, &mut v[at..]) {
-                v.truncate(at);
-                return Err(io::Error::other(e));
-            }
-            self.bytes += len;
+            // `len` < 16 KiB (checked against the region by
+            // `extend_vec`, which appends nothing when it is bad): copied
+            // straight into the output buffer, with no zero-fill first
+            // (that memset was ~3% of a 4 KiB READ target's samples).
+            let v = self.buf_for(len as usize);
+            region
+                .extend_vec(offset, len, v)
+                .map_err(io::Error::other)?;
+            self.bytes += len as usize;
             return Ok(());
         }
         self.bytes = self
