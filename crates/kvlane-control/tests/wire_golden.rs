@@ -24,8 +24,8 @@ fn local(engine: &str, incarnation: u64) -> LocalInfo {
         "fp-1",
     )
     .with_data_plane(format!("blob-{engine}").into_bytes());
-    l.incarnation = incarnation;
-    l.capabilities = vec!["cap".into()];
+    l.identity.incarnation = incarnation;
+    l.identity.capabilities = vec!["cap".into()];
     l
 }
 
