@@ -294,7 +294,7 @@ impl AgentBuilder {
         let blob = frames::encode("the handshake's data-plane description", &blob)?;
         let mut local = LocalInfo::new(self.engine_id.clone(), self.ranks, self.fingerprint);
         local = local.with_data_plane(blob);
-        let incarnation = local.incarnation;
+        let incarnation = local.identity.incarnation;
         let data_rails = backend.rail_stats().len().max(1);
         let transport = Transport::new(backend)?;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
@@ -547,7 +547,11 @@ impl Agent {
     /// says why (with the OS error); calling again dials afresh.
     pub async fn connect(&self, addr: &str) -> Result<Peer, Error> {
         let (id, info) = self.inner.control.connect(addr).await?;
-        if let Err(e) = self.inner.await_attach(id, info.incarnation, addr).await {
+        if let Err(e) = self
+            .inner
+            .await_attach(id, info.identity.incarnation, addr)
+            .await
+        {
             // No half-attached connection stays behind: the next `connect`
             // dials afresh.
             self.inner.release(id).await;
@@ -577,7 +581,7 @@ impl Agent {
         for m in &members {
             if let Err(e) = self
                 .inner
-                .await_attach(m.id, m.remote.incarnation, &m.addr)
+                .await_attach(m.id, m.remote.identity.incarnation, &m.addr)
                 .await
             {
                 failures.push((m, e));

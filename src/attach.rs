@@ -103,13 +103,14 @@ impl Inner {
         role: Role,
         info: RemoteInfo,
     ) {
+        let (who, incarnation) = (&info.identity, info.identity.incarnation);
         let dp =
             frames::decode::<DataPlaneInfo>("a data-plane description", &addr, &info.data_plane)
                 .and_then(|dp| dp.check(&addr).map(|()| dp));
         let dp: DataPlaneInfo = match dp {
             Ok(dp) => dp,
             Err(e) => {
-                self.attach_failed(id, &addr, &info.engine_id, info.incarnation, role, e);
+                self.attach_failed(id, &addr, &who.engine_id, incarnation, role, e);
                 return;
             }
         };
@@ -118,18 +119,16 @@ impl Inner {
             let entry = peers.entry(id).or_insert_with(PeerEntry::new);
             // A repeated `Ready` in one generation (same incarnation):
             // the data peer attached for it stays.
-            let attached = entry.data_peer.is_some() && entry.incarnation == info.incarnation;
-            if entry.metrics.is_none() || entry.engine_id != info.engine_id {
-                entry.metrics = Some(self.metrics.for_peer(&info.engine_id, self.rail));
+            let attached = entry.data_peer.is_some() && entry.incarnation == incarnation;
+            if entry.metrics.is_none() || entry.engine_id != who.engine_id {
+                entry.metrics = Some(self.metrics.for_peer(&who.engine_id, self.rail));
             }
-            entry.engine_id.clone_from(&info.engine_id);
-            entry.incarnation = info.incarnation;
+            entry.engine_id.clone_from(&who.engine_id);
+            entry.incarnation = incarnation;
             entry.kv.clone_from(&dp.kv);
             entry.regions.clone_from(&dp.regions);
             entry.peer_host = info.peer_host;
-            entry.attach.send_replace(Attach::Pending {
-                incarnation: info.incarnation,
-            });
+            entry.attach.send_replace(Attach::Pending { incarnation });
             (Target::of(id, addr, entry), attached)
         };
         if self.per_peer {

@@ -180,30 +180,27 @@ impl std::fmt::Debug for Psk {
 /// What this process tells its peers in the handshake.
 #[derive(Debug, Clone)]
 pub struct LocalInfo {
-    /// Engine id.
-    pub engine_id: String,
-    /// Random per process start.
-    pub incarnation: u64,
-    /// Ranks of this worker.
-    pub ranks: Ranks,
-    /// Configuration fingerprint; peers with a different one are refused.
-    pub fingerprint: String,
+    /// Who this process is; peers with a different
+    /// [`fingerprint`](Identity::fingerprint) are refused.
+    pub identity: Identity,
     /// Opaque data-plane blob (endpoints and regions, msgpack).
     pub data_plane: Vec<u8>,
-    /// Capability names.
-    pub capabilities: Vec<String>,
 }
 
 impl LocalInfo {
-    /// A new identity with a fresh random incarnation.
+    /// A new identity with a fresh random incarnation and no capabilities.
     pub fn new(engine_id: impl Into<String>, ranks: Ranks, fingerprint: impl Into<String>) -> Self {
         Self {
-            engine_id: engine_id.into(),
-            incarnation: rand::random(),
-            ranks,
-            fingerprint: fingerprint.into(),
+            identity: Identity {
+                engine_id: engine_id.into(),
+                incarnation: rand::random(),
+                dp_rank: ranks.dp_rank,
+                tp_rank: ranks.tp_rank,
+                tp_size: ranks.tp_size,
+                fingerprint: fingerprint.into(),
+                capabilities: Vec::new(),
+            },
             data_plane: Vec::new(),
-            capabilities: Vec::new(),
         }
     }
 
@@ -212,64 +209,15 @@ impl LocalInfo {
         self.data_plane = blob;
         self
     }
-
-    /// The identity half of this info (what a handshake tells about us).
-    pub(crate) fn identity(&self) -> Identity {
-        Identity {
-            engine_id: self.engine_id.clone(),
-            incarnation: self.incarnation,
-            dp_rank: self.ranks.dp_rank,
-            tp_rank: self.ranks.tp_rank,
-            tp_size: self.ranks.tp_size,
-            fingerprint: self.fingerprint.clone(),
-            capabilities: self.capabilities.clone(),
-        }
-    }
-}
-
-impl Identity {
-    /// The ranks part.
-    pub(crate) fn ranks(&self) -> Ranks {
-        Ranks {
-            dp_rank: self.dp_rank,
-            tp_rank: self.tp_rank,
-            tp_size: self.tp_size,
-        }
-    }
-
-    /// What a finished handshake learned about the peer.
-    pub(crate) fn into_remote(
-        self,
-        data_plane: Vec<u8>,
-        peer_host: Option<std::net::IpAddr>,
-    ) -> RemoteInfo {
-        RemoteInfo {
-            ranks: self.ranks(),
-            engine_id: self.engine_id,
-            incarnation: self.incarnation,
-            fingerprint: self.fingerprint,
-            data_plane,
-            capabilities: self.capabilities,
-            peer_host,
-        }
-    }
 }
 
 /// What a peer told us in the handshake.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteInfo {
-    /// Remote engine id.
-    pub engine_id: String,
-    /// Remote incarnation.
-    pub incarnation: u64,
-    /// Remote ranks.
-    pub ranks: Ranks,
-    /// Remote configuration fingerprint.
-    pub fingerprint: String,
+    /// Who the peer is.
+    pub identity: Identity,
     /// Remote data-plane blob (uninterpreted).
     pub data_plane: Vec<u8>,
-    /// Remote capabilities.
-    pub capabilities: Vec<String>,
     /// The peer's IP address as this side reaches it: the address dialed
     /// (connections this side made), or the address the peer says its
     /// packets to us leave from (connections it made). `None` when

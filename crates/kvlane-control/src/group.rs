@@ -81,12 +81,12 @@ impl GroupHandshake {
         }
         m.slot = match event {
             Event::Ready(info)
-                if info.ranks.dp_rank != m.ranks.dp_rank
-                    || info.ranks.tp_rank != m.ranks.tp_rank =>
+                if info.identity.dp_rank != m.ranks.dp_rank
+                    || info.identity.tp_rank != m.ranks.tp_rank =>
             {
                 Slot::Failed(format!(
                     "peer reports dp_rank {} tp_rank {}, expected dp_rank {} tp_rank {}",
-                    info.ranks.dp_rank, info.ranks.tp_rank, m.ranks.dp_rank, m.ranks.tp_rank
+                    info.identity.dp_rank, info.identity.tp_rank, m.ranks.dp_rank, m.ranks.tp_rank
                 ))
             }
             Event::Ready(info) => Slot::Ready(info.clone()),

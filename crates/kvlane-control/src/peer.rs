@@ -478,7 +478,7 @@ impl Peer {
         let ping = Ping {
             version: PROTOCOL_VERSION,
             seq,
-            incarnation: self.local.incarnation,
+            incarnation: self.local.identity.incarnation,
         };
         self.transmits
             .push_back(Transmit::Frame(encode(&Message::Ping(ping))));
@@ -533,7 +533,7 @@ impl Peer {
         let nonce_i = auth::nonce();
         let keyed = self.config.psk.is_some();
         let hello = Hello::new(
-            self.local.identity(),
+            self.local.identity.clone(),
             keyed.then(|| nonce_i.clone()),
             self.local.data_plane.clone(),
             self.route.source.map(|ip| ip.to_string()),
@@ -599,7 +599,7 @@ impl Peer {
                 let ping = Ping {
                     version: PROTOCOL_VERSION,
                     seq,
-                    incarnation: self.local.incarnation,
+                    incarnation: self.local.identity.incarnation,
                 };
                 self.transmits
                     .push_back(Transmit::Frame(encode(&Message::Ping(ping))));
@@ -682,15 +682,15 @@ impl Peer {
 
     fn become_ready(&mut self, now: Instant, remote: RemoteInfo) {
         if let Some(old) = self.known_incarnation {
-            if old != remote.incarnation {
-                info!(peer = %self.addr, old, new = remote.incarnation, "peer restarted");
+            if old != remote.identity.incarnation {
+                info!(peer = %self.addr, old, new = remote.identity.incarnation, "peer restarted");
                 self.events.push_back(Event::Restarted {
                     old,
-                    new: remote.incarnation,
+                    new: remote.identity.incarnation,
                 });
             }
         }
-        self.known_incarnation = Some(remote.incarnation);
+        self.known_incarnation = Some(remote.identity.incarnation);
         self.hs = None;
         self.state = State::Ready;
         self.attempts = 0;
@@ -704,7 +704,7 @@ impl Peer {
             .set(Timer::KeepAlive, now + self.config.keepalive_interval);
         self.timers
             .set(Timer::Liveness, now + self.config.death_bound());
-        info!(peer = %self.addr, engine = %remote.engine_id, "peer ready");
+        info!(peer = %self.addr, engine = %remote.identity.engine_id, "peer ready");
         self.remote = Some(remote.clone());
         self.events.push_back(Event::Ready(remote));
     }
@@ -721,7 +721,7 @@ impl Peer {
                 let pong = Ping {
                     version: PROTOCOL_VERSION,
                     seq: p.seq,
-                    incarnation: self.local.incarnation,
+                    incarnation: self.local.identity.incarnation,
                 };
                 self.transmits
                     .push_back(Transmit::Frame(encode(&Message::Pong(pong))));

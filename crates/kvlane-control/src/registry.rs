@@ -557,7 +557,11 @@ impl Registry {
                     self.unlogged_refusals += 1;
                 }
                 Event::Ready(info) => {
-                    ready = Some((info.engine_id.clone(), info.ranks, info.incarnation))
+                    ready = Some((
+                        info.identity.engine_id.clone(),
+                        info.identity.ranks(),
+                        info.identity.incarnation,
+                    ))
                 }
                 _ => {}
             }

@@ -46,6 +46,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::WireError;
+use crate::ids::Ranks;
 
 /// Protocol version spoken by this crate.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -96,6 +97,10 @@ pub struct HelloAck {
 
 /// Who a side is: what a keyed handshake sends only after the key is proven
 /// (and an unkeyed one sends in the flat fields of `hello` / `hello_ack`).
+/// The one home of a node's identity: [`LocalInfo`](crate::LocalInfo) holds
+/// ours, [`RemoteInfo`](crate::RemoteInfo) a peer's. The ranks stay flat
+/// fields (see [`ranks`](Self::ranks)) because the transcript is a msgpack
+/// array in field order.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
     /// Engine id.
@@ -116,6 +121,15 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// The ranks part.
+    pub fn ranks(&self) -> Ranks {
+        Ranks {
+            dp_rank: self.dp_rank,
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+        }
+    }
+
     /// The bytes the handshake MAC covers: a msgpack array (field order, no
     /// names), so both sides compute it the same way.
     pub fn transcript_bytes(&self) -> Vec<u8> {

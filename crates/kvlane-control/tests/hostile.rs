@@ -27,7 +27,7 @@ fn local(engine: &str) -> LocalInfo {
         "fingerprint-secret",
     )
     .with_data_plane(format!("SECRET-BLOB-{engine}").into_bytes());
-    l.capabilities = vec![format!("cap-of-{engine}")];
+    l.identity.capabilities = vec![format!("cap-of-{engine}")];
     l
 }
 
@@ -130,15 +130,10 @@ fn refused(events: &[PeerEvent]) -> Option<Refusal> {
 /// A keyed `hello` as anybody could send it, claiming `engine`'s identity
 /// (rank 0 of 1) in the fields a keyed hello leaves empty.
 fn forged_hello(engine: &str, nonce_len: usize) -> Vec<u8> {
-    let l = local(engine);
     let identity = kvlane_control::wire::Identity {
-        engine_id: l.engine_id.clone(),
         incarnation: 1,
-        dp_rank: 0,
-        tp_rank: 0,
-        tp_size: 1,
-        fingerprint: l.fingerprint.clone(),
         capabilities: Vec::new(),
+        ..local(engine).identity
     };
     let mut h = Hello::new(identity, None, Vec::new(), None);
     h.auth = true;
@@ -161,15 +156,15 @@ fn keyed_pair_becomes_ready_with_each_others_identity_and_blob() {
     };
     let (ia, ib) = (info(&p.events_a), info(&p.events_b));
     assert_eq!(
-        (ia.engine_id.as_str(), ia.data_plane.as_slice()),
+        (ia.identity.engine_id.as_str(), ia.data_plane.as_slice()),
         ("b", &b"SECRET-BLOB-b"[..])
     );
     assert_eq!(
-        (ib.engine_id.as_str(), ib.data_plane.as_slice()),
+        (ib.identity.engine_id.as_str(), ib.data_plane.as_slice()),
         ("a", &b"SECRET-BLOB-a"[..])
     );
-    assert_eq!(ia.capabilities, vec!["cap-of-b".to_string()]);
-    assert_eq!(ib.fingerprint, "fingerprint-secret");
+    assert_eq!(ia.identity.capabilities, vec!["cap-of-b".to_string()]);
+    assert_eq!(ib.identity.fingerprint, "fingerprint-secret");
 }
 
 /// Before the key is proven, the acceptor's answer carries the version, a
@@ -200,7 +195,7 @@ fn hello_ack_before_the_proof_reveals_nothing_about_the_acceptor() {
         b"fingerprint-secret".to_vec(),
         b"cap-of-b".to_vec(),
         b"SECRET-BLOB".to_vec(),
-        b_local.incarnation.to_be_bytes().to_vec(),
+        b_local.identity.incarnation.to_be_bytes().to_vec(),
     ] {
         assert!(
             !f.windows(needle.len()).any(|w| w == needle.as_slice()),

@@ -14,7 +14,7 @@ async fn mem_driver_connect_keepalive_notify_close() {
     let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
     let mut b_events = b.events();
     let (id, info) = a.connect("b:1").await.expect("connect");
-    assert_eq!(info.engine_id, "b");
+    assert_eq!(info.identity.engine_id, "b");
     wait_for(&mut b_events, Duration::from_secs(1), |e| {
         matches!(e.event, Event::Ready(_))
     })
@@ -77,7 +77,7 @@ async fn invariant_2_restarted_peer_makes_old_incarnation_stale() {
     let b = ControlNode::with_channel(cfg.clone(), local("b"), net.bind("b:1"));
     let mut events = a.events();
     let (id, info) = a.connect("b:1").await.expect("connect");
-    a.ensure_incarnation(id, info.incarnation)
+    a.ensure_incarnation(id, info.identity.incarnation)
         .await
         .expect("current");
     // b restarts at the same address with a new incarnation.
@@ -93,11 +93,11 @@ async fn invariant_2_restarted_peer_makes_old_incarnation_stale() {
     })
     .await;
     let err = a
-        .ensure_incarnation(id, info.incarnation)
+        .ensure_incarnation(id, info.identity.incarnation)
         .await
         .expect_err("stale");
     assert!(
-        matches!(err, kvlane_control::ControlError::StaleIncarnation { expected, current, .. } if expected == info.incarnation && current != expected),
+        matches!(err, kvlane_control::ControlError::StaleIncarnation { expected, current, .. } if expected == info.identity.incarnation && current != expected),
         "{err}"
     );
     a.close().await;

@@ -43,9 +43,12 @@ fn handshake_exchanges_identity_and_blobs() {
         .peer(id)
         .and_then(|p| p.remote().cloned())
         .expect("remote");
-    assert_eq!(remote.engine_id, "b");
+    assert_eq!(remote.identity.engine_id, "b");
     assert_eq!(remote.data_plane, b"SECRET-BLOB-b-0-0");
-    assert_eq!(remote.incarnation, c.nodes[1].local.incarnation);
+    assert_eq!(
+        remote.identity.incarnation,
+        c.nodes[1].local.identity.incarnation
+    );
     let Some(Event::Ready(inbound)) = c
         .events(1)
         .into_iter()
@@ -53,7 +56,7 @@ fn handshake_exchanges_identity_and_blobs() {
     else {
         panic!("acceptor saw no Ready");
     };
-    assert_eq!(inbound.engine_id, "a");
+    assert_eq!(inbound.identity.engine_id, "a");
     assert_eq!(inbound.data_plane, b"SECRET-BLOB-a-0-0");
 }
 
@@ -162,11 +165,11 @@ fn suspect_then_recovered() {
 #[test]
 fn invariant_2_restart_rehandshakes() {
     let (mut c, id) = connected_pair();
-    let old = c.nodes[1].local.incarnation;
+    let old = c.nodes[1].local.identity.incarnation;
     c.kill(1);
     c.drive_until_event(0, Duration::from_secs(10), is_dead);
     c.restart(1);
-    let new = c.nodes[1].local.incarnation;
+    let new = c.nodes[1].local.identity.incarnation;
     let (t_restart, ev) = c.drive_until_event(0, Duration::from_secs(30), |e| {
         matches!(e.event, Event::Restarted { .. })
     });
@@ -177,7 +180,7 @@ fn invariant_2_restart_rehandshakes() {
     let Event::Ready(info) = ev.event else {
         unreachable!()
     };
-    assert_eq!(info.incarnation, new);
+    assert_eq!(info.identity.incarnation, new);
     // Order: Restarted is emitted before the new Ready.
     let evs = c.events(0);
     let ri = evs

@@ -21,7 +21,7 @@ fn group_cluster(bad: Option<u32>, silent: Option<u32>) -> (Cluster, usize) {
         let mut cfg = config();
         let mut l = local("remote", 1, tp, 4);
         if bad == Some(tp) {
-            l.fingerprint = "other-fp".into();
+            l.identity.fingerprint = "other-fp".into();
         }
         cfg.rng_seed = u64::from(tp);
         c.add(&format!("h:{}", 9000 + 4 + tp), cfg, l);
@@ -73,7 +73,7 @@ fn invariant_7_group_handshake_all_ready() {
     assert_eq!(members.len(), 4);
     for (tp, m) in members.iter().enumerate() {
         assert_eq!(
-            m.remote.ranks,
+            m.remote.identity.ranks(),
             Ranks {
                 dp_rank: 1,
                 tp_rank: tp as u32,
@@ -177,7 +177,7 @@ fn fingerprint_mismatch_refused_on_both_sides_naming_both_values() {
     let mut c = Cluster::new();
     c.add("a:1", config(), local("a", 0, 0, 1));
     let mut l = local("b", 0, 0, 1);
-    l.fingerprint = "fp-b".into();
+    l.identity.fingerprint = "fp-b".into();
     c.add("b:1", config(), l);
     c.connect(0, "b:1");
     let (_, ea) = c.drive_until_event(0, Duration::from_secs(1), |e| {

@@ -17,7 +17,7 @@ async fn zmq_connect_notify_close() {
         .expect("bind b");
     let mut b_events = b.events();
     let (id, info) = a.connect(b.local_addr()).await.expect("connect");
-    assert_eq!(info.engine_id, "b");
+    assert_eq!(info.identity.engine_id, "b");
     assert_eq!(info.data_plane, b"b-blob");
     // The target learns who connected.
     let ev = wait_for(&mut b_events, Duration::from_secs(2), |e| {
@@ -27,7 +27,7 @@ async fn zmq_connect_notify_close() {
     let Event::Ready(remote) = ev.event else {
         unreachable!()
     };
-    assert_eq!(remote.engine_id, "a");
+    assert_eq!(remote.identity.engine_id, "a");
     assert_eq!(remote.data_plane, b"a-blob");
     a.notify(id, 42, b"done".to_vec()).await.expect("notify");
     let ev = wait_for(&mut b_events, Duration::from_secs(2), |e| {

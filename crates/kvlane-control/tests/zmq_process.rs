@@ -55,7 +55,7 @@ async fn killed_peer_process_is_dead_within_budget_then_restarted_and_ready() {
     let mut peer = spawn_peer("127.0.0.1:0");
     let addr = peer.addr.clone();
     let (id, info) = a.connect(&addr).await.expect("connect");
-    let old = info.incarnation;
+    let old = info.identity.incarnation;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let _ = peer.child.kill();
@@ -127,7 +127,7 @@ async fn invariant_9_garbage_from_raw_tcp_does_not_end_listener() {
         .connect(b.local_addr())
         .await
         .expect("listener still answers a proper hello");
-    assert_eq!(info.engine_id, "b");
+    assert_eq!(info.identity.engine_id, "b");
     drop(idle);
     a.close().await;
     b.close().await;
@@ -173,7 +173,7 @@ async fn python_pyzmq_client_completes_hello_ping_notify_bye() {
     let Event::Ready(info) = ev.event else {
         unreachable!()
     };
-    assert_eq!(info.engine_id, "py-interop");
+    assert_eq!(info.identity.engine_id, "py-interop");
     assert_eq!(info.data_plane, b"py-blob");
     let ev = wait_for(&mut events, Duration::from_secs(2), |e| {
         matches!(e.event, Event::Notification { .. })

@@ -186,7 +186,7 @@ impl<C: Channel> Driver<C> {
                     None => Err(ControlError::UnknownPeer(id)),
                     Some(p) => match (p.state(), p.remote()) {
                         (State::Ready | State::Suspect, Some(info))
-                            if info.incarnation == incarnation =>
+                            if info.identity.incarnation == incarnation =>
                         {
                             Ok(())
                         }
@@ -195,7 +195,7 @@ impl<C: Channel> Driver<C> {
                                 peer: id,
                                 addr: p.addr().to_owned(),
                                 expected: incarnation,
-                                current: info.incarnation,
+                                current: info.identity.incarnation,
                             })
                         }
                         (state, _) => Err(ControlError::NotReady {

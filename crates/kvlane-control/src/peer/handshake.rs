@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::{encode, Hs, Peer, Transmit};
 use crate::auth::{self, Proof};
+use crate::config::RemoteInfo;
 use crate::error::Refusal;
 use crate::timer::Timer;
 use crate::wire::{Auth, AuthAck, Hello, HelloAck, Message, PROTOCOL_VERSION};
@@ -19,9 +20,9 @@ impl Peer {
                 remote: version,
             });
         }
-        if fingerprint != self.local.fingerprint {
+        if fingerprint != self.local.identity.fingerprint {
             return Some(Refusal::Fingerprint {
-                local: self.local.fingerprint.clone(),
+                local: self.local.identity.fingerprint.clone(),
                 remote: fingerprint.to_owned(),
             });
         }
@@ -39,10 +40,18 @@ impl Peer {
                 let peer_host = h.source.as_deref().and_then(|s| s.parse().ok());
                 let identity = h.identity;
                 let data_plane = h.data_plane.map(|b| b.into_vec()).unwrap_or_default();
-                let ack = HelloAck::plain(self.local.identity(), self.local.data_plane.clone());
+                let ack =
+                    HelloAck::plain(self.local.identity.clone(), self.local.data_plane.clone());
                 self.transmits
                     .push_back(Transmit::Frame(encode(&Message::HelloAck(ack))));
-                self.become_ready(now, identity.into_remote(data_plane, peer_host));
+                self.become_ready(
+                    now,
+                    RemoteInfo {
+                        identity,
+                        data_plane,
+                        peer_host,
+                    },
+                );
             }
             (Some(key), true) => {
                 // Before the key is proven the peer learns our version and a
@@ -109,7 +118,14 @@ impl Peer {
                         format!("{} requires a key but none is configured here", self.addr);
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 };
-                self.become_ready(now, identity.into_remote(blob.into_vec(), self.route.peer));
+                self.become_ready(
+                    now,
+                    RemoteInfo {
+                        identity,
+                        data_plane: blob.into_vec(),
+                        peer_host: self.route.peer,
+                    },
+                );
             }
             Some(key) => {
                 if ack.version != PROTOCOL_VERSION {
@@ -130,7 +146,7 @@ impl Peer {
                     let reason = format!("{} failed to prove the pre-shared key", self.addr);
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 }
-                let identity = self.local.identity().transcript_bytes();
+                let identity = self.local.identity.transcript_bytes();
                 let blob = &self.local.data_plane;
                 let mac = auth::mac(
                     &key,
@@ -141,7 +157,7 @@ impl Peer {
                     version: PROTOCOL_VERSION,
                     mac,
                     data_plane: blob.clone(),
-                    identity: self.local.identity(),
+                    identity: self.local.identity.clone(),
                     source: self.route.source.map(|ip| ip.to_string()),
                 });
                 self.transmits.push_back(Transmit::Frame(encode(&msg)));
@@ -176,7 +192,7 @@ impl Peer {
         if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
             return self.refuse(now, r, true);
         }
-        let local = self.local.identity();
+        let local = self.local.identity.clone();
         let ident_a = local.transcript_bytes();
         let blob_a = &self.local.data_plane;
         let mac = auth::mac(
@@ -200,7 +216,14 @@ impl Peer {
         self.transmits
             .push_back(Transmit::Frame(encode(&Message::AuthAck(ack))));
         let peer_host = a.source.as_deref().and_then(|s| s.parse().ok());
-        self.become_ready(now, a.identity.into_remote(a.data_plane, peer_host));
+        self.become_ready(
+            now,
+            RemoteInfo {
+                identity: a.identity,
+                data_plane: a.data_plane,
+                peer_host,
+            },
+        );
     }
 
     pub(super) fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
@@ -212,7 +235,7 @@ impl Peer {
             self.stats.unexpected += 1;
             return;
         };
-        let ident_i = self.local.identity().transcript_bytes();
+        let ident_i = self.local.identity.transcript_bytes();
         let ident_a = a.identity.transcript_bytes();
         if !auth::verify(
             &key,
@@ -233,7 +256,14 @@ impl Peer {
         if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
             return self.refuse(now, r, true);
         }
-        self.become_ready(now, a.identity.into_remote(a.data_plane, self.route.peer));
+        self.become_ready(
+            now,
+            RemoteInfo {
+                identity: a.identity,
+                data_plane: a.data_plane,
+                peer_host: self.route.peer,
+            },
+        );
     }
 
     /// The pre-shared key, if one is configured.

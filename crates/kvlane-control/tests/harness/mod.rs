@@ -148,7 +148,7 @@ impl Cluster {
     /// Restarts node `i` with a fresh registry and a new incarnation.
     pub(crate) fn restart(&mut self, i: usize) {
         let n = &mut self.nodes[i];
-        n.local.incarnation = n.local.incarnation.wrapping_add(1);
+        n.local.identity.incarnation = n.local.identity.incarnation.wrapping_add(1);
         n.reg = Registry::new(Arc::new(n.config.clone()), Arc::new(n.local.clone()));
         n.up = true;
         self.routes.retain(|(t, _), _| *t != i);
