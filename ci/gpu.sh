@@ -7,6 +7,15 @@
 #                         # the wheel and the Python flow into DIR
 #   ci/gpu.sh run DIR     # GPU machine: the checks below (a few minutes)
 #   ci/gpu.sh DIR         # both, on a GPU machine that can build
+#   ci/gpu.sh rehearse DIR  # build, then run every step below against the
+#                         # MOCK CUDA driver (crates/kvlane-data/testdata/
+#                         # mock_cuda.c: host memory behind the driver API)
+#                         # instead of a GPU, and the Python flow's `mock`
+#                         # mode instead of torch. It proves the script, the
+#                         # binaries and the wheel work together before a GPU
+#                         # machine's minutes are spent; it says nothing
+#                         # about a GPU, and every line it prints says MOCK.
+#                         # .ci/run runs it.
 #
 # run:
 #   1. a GPU must be there (nvidia-smi, `kvlane devices`): without one this
@@ -57,14 +66,25 @@ build() {
 
 run() {
   local dir dev=${GPU_DEVICE:-cuda:0} dur=${GPU_DURATION:-1s} py=${PYTHON:-python3}
+  local mock=${MOCK:-0} flow=torch
   dir=$(realpath "$1")
   for f in kvlane gpu-tests gpu_flow.py; do [ -e "$dir/$f" ] || die "$dir/$f missing: run ci/gpu.sh build $1 first"; done
   local t0; t0=$(date +%s)
 
-  echo "===== GPU present?"
-  command -v nvidia-smi >/dev/null || die "no nvidia-smi: this machine has no NVIDIA driver (ci/gpu.sh needs a GPU)"
-  nvidia-smi -L || die "nvidia-smi lists no GPU"
-  nvidia-smi -L | grep -q '^GPU ' || die "nvidia-smi lists no GPU"
+  if [ "$mock" = 1 ]; then
+    echo "===== MOCK rehearsal: the mock CUDA driver (host memory), not a GPU"
+    [ "$dev" = cuda:0 ] || die "the rehearsal mocks cuda:0 only (GPU_DEVICE=$dev)"
+    mkdir -p "$dir/mock"
+    "${CC:-cc}" -shared -fPIC -O2 -Wall -o "$dir/mock/libcuda.so.1" \
+      crates/kvlane-data/testdata/mock_cuda.c -lpthread || die "cannot build the mock CUDA driver (cc)"
+    export KVLANE_CUDA_LIBRARY="$dir/mock/libcuda.so.1" KVLANE_MOCK_CUDA_DEVICES=1
+    flow=mock
+  else
+    echo "===== GPU present?"
+    command -v nvidia-smi >/dev/null || die "no nvidia-smi: this machine has no NVIDIA driver (ci/gpu.sh needs a GPU)"
+    nvidia-smi -L || die "nvidia-smi lists no GPU"
+    nvidia-smi -L | grep -q '^GPU ' || die "nvidia-smi lists no GPU"
+  fi
   # `kvlane devices` exits 2 without an RDMA device (expected here).
   "$dir/kvlane" devices | tee "$dir/devices.txt" || true
   grep -q "^gpu $dev " "$dir/devices.txt" || die "kvlane sees no $dev (see the lines above)"
@@ -73,14 +93,20 @@ run() {
   KVLANE_TEST_GPU=$dev timeout 300 "$dir/gpu-tests" --ignored --test-threads=2 --nocapture \
     || die "GPU tests failed"
 
-  echo "===== Python: torch tensors, CuPy, two processes over tcp, kvlane.nixl VRAM"
+  echo "===== Python ($flow): GPU arrays, two processes over tcp, kvlane.nixl VRAM"
   local venv="$dir/venv"
   [ -x "$venv/bin/python" ] || "$py" -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip -q --disable-pip-version-check install --no-deps --no-index \
     --force-reinstall "$dir"/kvlane-*.whl || die "cannot install the wheel"
-  "$venv/bin/python" -c 'import torch, numpy' || die "$py lacks torch or numpy"
-  KVLANE_TEST_GPU=$dev timeout 300 "$venv/bin/python" "$dir/gpu_flow.py" torch \
-    || die "Python GPU flow failed"
+  if [ "$mock" = 1 ]; then
+    # The build machine has the package registry; the GPU machine has none.
+    "$venv/bin/python" -c 'import numpy' 2>/dev/null \
+      || "$venv/bin/python" -m pip -q --disable-pip-version-check install numpy
+  else
+    "$venv/bin/python" -c 'import torch, numpy' || die "$py lacks torch or numpy"
+  fi
+  KVLANE_TEST_GPU=$dev timeout 300 "$venv/bin/python" "$dir/gpu_flow.py" "$flow" \
+    || die "Python GPU flow ($flow) failed"
 
   echo "===== bench: tcp and loopback, GPU memory beside host memory"
   local json="$dir/bench.jsonl"
@@ -103,12 +129,16 @@ run() {
   wait "$tpid" 2>/dev/null || true
 
   echo "===== GPU vs host, tcp backend (same run)"
-  "$venv/bin/python" - "$json" "${GPU_MIN_RATIO:-}" <<'PY'
+  local min=${GPU_MIN_RATIO:-} label=GPU
+  [ "$mock" = 1 ] && { min=; label=MOCK; }
+  "$venv/bin/python" - "$json" "$min" "$label" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 gb = {(r["backend"], r["memory"], r["op"], r["block_size"]): r["gbps"] for r in rows}
-mins, bad = sys.argv[2], []
-print(f"{'op':<6}{'block':>7}{'host GB/s':>11}{'GPU GB/s':>10}{'ratio':>7}")
+mins, label, bad = sys.argv[2], sys.argv[3], []
+if label == "MOCK":
+    print("MOCK: 'GPU' below is host memory behind the mock driver, copied through staging; not a GPU figure")
+print(f"{'op':<6}{'block':>7}{'host GB/s':>11}{label + ' GB/s':>11}{'ratio':>7}")
 for op in ("write", "read"):
     for block in (1 << 20, 16 << 20):
         h = gb.get(("tcp", "host", op, block))
@@ -116,18 +146,23 @@ for op in ("write", "read"):
         if h is None or g is None:
             sys.exit(f"missing tcp rows for {op} {block}")
         ratio = g / h if h else 0.0
-        print(f"{op:<6}{block >> 20:>6}M{h:>11.2f}{g:>10.2f}{ratio:>7.2f}")
+        print(f"{op:<6}{block >> 20:>6}M{h:>11.2f}{g:>11.2f}{ratio:>7.2f}")
         if mins and ratio < float(mins):
             bad.append(f"{op} {block >> 20}M: {ratio:.2f} < {mins}")
 if bad:
     sys.exit("GPU/host ratio below GPU_MIN_RATIO: " + "; ".join(bad))
 PY
-  log "all GPU checks passed in $(( $(date +%s) - t0 ))s"
+  if [ "$mock" = 1 ]; then
+    log "MOCK rehearsal passed in $(( $(date +%s) - t0 ))s (the mock CUDA driver, no GPU: nothing here ran on a GPU)"
+  else
+    log "all GPU checks passed in $(( $(date +%s) - t0 ))s"
+  fi
 }
 
 case "${1:-}" in
   build) [ $# = 2 ] || die "usage: ci/gpu.sh build DIR"; build "$2" ;;
   run) [ $# = 2 ] || die "usage: ci/gpu.sh run DIR"; run "$2" ;;
-  ""|-h|--help) sed -n '2,33p' "$0"; exit 2 ;;
+  rehearse) [ $# = 2 ] || die "usage: ci/gpu.sh rehearse DIR"; build "$2"; MOCK=1 run "$2" ;;
+  ""|-h|--help) sed -n '2,40p' "$0"; exit 2 ;;
   *) build "$1"; run "$1" ;;
 esac

@@ -179,8 +179,7 @@ def torch_flow() -> None:
 
     assert torch.cuda.is_available(), "torch sees no GPU"
     dev = os.environ.get("KVLANE_TEST_GPU", "cuda:0")
-    src = torch.arange(N, dtype=torch.uint8, device=dev)
-    src.mul_(7)
+    src = torch.frombuffer(bytearray(DATA), dtype=torch.uint8).to(dev)
     dst = torch.zeros(N, dtype=torch.uint8, device=dev)
     torch.cuda.synchronize()
     m = kvlane.Memory(src)
@@ -213,7 +212,7 @@ def torch_flow() -> None:
     except ImportError:
         print("cupy not installed: skipped the CuPy registration check")
     else:
-        c = cupy.arange(4096, dtype=cupy.uint8)
+        c = cupy.zeros(4096, dtype=cupy.uint8)
         assert kvlane.Memory(c).device == dev
     ini.close()
     tgt.close()
