@@ -7,12 +7,17 @@ differential test can compare implementations.
 
     python flow.py MODULE            # initiator (starts the target itself)
     python flow.py MODULE target     # the target process
+
+``FLOW_TARGET_PREFIX`` (a command line, split like a shell's) goes before
+the target's command: ``ip netns exec HOST env VAR=...`` runs it on another
+host (test_hosts.py).
 """
 
 import hashlib
 import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -91,7 +96,8 @@ def wait(agent, h, timeout: float = 15) -> str:
 
 def initiator(api, module: str) -> dict:
     here = os.path.abspath(__file__)
-    proc = subprocess.Popen([sys.executable, here, module, "target"],
+    prefix = shlex.split(os.environ.get("FLOW_TARGET_PREFIX", ""))
+    proc = subprocess.Popen(prefix + [sys.executable, here, module, "target"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     t = hear(proc.stdout)
 

@@ -1,6 +1,7 @@
 """kvlane.nixl: the connector's flow between two processes over tcp, and
 NIXL's error semantics."""
 
+import json
 import time
 
 import numpy as np
@@ -181,5 +182,39 @@ def test_hundred_thousand_indices_and_deregistration_in_one_process():
     a.deregister_memory(a.get_reg_descs([(a_buf.ctypes.data, a_buf.nbytes, 0, "")], "DRAM"))
     with pytest.raises(kvlane.InvalidInputError, match="deregistered"):
         a.prep_xfer_dlist("NIXL_INIT_AGENT", [(a_buf.ctypes.data, 16, 0)], "DRAM")
+    a.close()
+    b.close()
+
+
+def test_wildcard_listen_needs_an_advertised_host_for_its_metadata():
+    buf = pattern(3, 4 * BLOCK)
+    # A wildcard without advertise_host: the metadata would say 0.0.0.0.
+    bare = nixl_agent("bare", nixl_agent_config(backend="tcp", listen_host="0.0.0.0"))
+    bare.register_memory(bare.get_reg_descs([buf]))
+    with pytest.raises(kvlane.InvalidInputError, match=r"'bare' listens on the wildcard 0\.0\.0\.0:\d+.*advertise_host"):
+        bare.get_agent_metadata()
+    bare.close()
+    # Metadata naming a wildcard (another implementation's, a stale one)
+    # is refused before anything is dialed.
+    a = nixl_agent("a", nixl_agent_config(backend="tcp"))
+    md = json.dumps({"kvlane_nixl": 1, "name": "w", "addr": "0.0.0.0:4000"}).encode()
+    with pytest.raises(kvlane.InvalidInputError, match=r"agent 'w' names the wildcard address 0\.0\.0\.0:4000"):
+        a.add_remote_agent(md)
+    # With advertise_host, the metadata names that host and works.
+    b = nixl_agent("b", nixl_agent_config(backend="tcp", listen_host="0.0.0.0",
+                                          advertise_host="127.0.0.1"))
+    b.register_memory(b.get_reg_descs([buf]))
+    md = b.get_agent_metadata()
+    assert json.loads(md)["addr"].startswith("127.0.0.1:")
+    mine = pattern(4, 4 * BLOCK)
+    a.register_memory(a.get_reg_descs([mine]))
+    name = a.add_remote_agent(md)
+    assert name == b"b"
+    rows = lambda base: [(base + i * BLOCK, BLOCK, 0) for i in range(4)]
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs(rows(mine.ctypes.data), "DRAM"),
+                          a.get_xfer_descs(rows(buf.ctypes.data), "DRAM"), name, b"adv")
+    a.transfer(h)
+    assert wait_done(a, h, 30) == "DONE"
+    assert (buf == mine).all()
     a.close()
     b.close()

@@ -19,7 +19,14 @@ Mapping onto kvlane
   ignored; telemetry is always
   captured. ``listen_port`` is the control port (0: any); ``listen_host``
   (or ``KVLANE_NIXL_HOST``, default ``127.0.0.1``) is the host it binds and
-  advertises in the metadata; ``psk`` authenticates handshakes.
+  advertises in the metadata; ``psk`` authenticates handshakes. Across
+  hosts, set ``listen_host`` to this host's address on the network peers
+  use; or bind a wildcard (``0.0.0.0``, ``::``) and name that address in
+  ``advertise_host`` (or ``KVLANE_NIXL_ADVERTISE``): it goes into the
+  metadata and is the data plane's advertised host. A wildcard without it
+  makes ``get_agent_metadata`` raise ``kvlane.InvalidInputError`` (the
+  metadata would tell peers to dial ``0.0.0.0``), and ``add_remote_agent``
+  refuses metadata that carries a wildcard.
 * ``register_memory``: descriptors become kvlane plain regions
   (``AgentBuilder::register_region``). NIXL registers before exchanging
   metadata; the kvlane agent is built, with everything registered so far,
@@ -136,6 +143,7 @@ class nixl_agent_config:
         backend: Optional[str] = None,
         listen_host: Optional[str] = None,
         psk: Optional[bytes] = None,
+        advertise_host: Optional[str] = None,
     ) -> None:
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
@@ -146,7 +154,21 @@ class nixl_agent_config:
         self.sync_mode = sync_mode  # kvlane's agent is thread-safe in every mode
         self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
         self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
+        self.advertise_host = advertise_host or os.environ.get("KVLANE_NIXL_ADVERTISE") or None
         self.psk = psk
+
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _split_addr(addr: str) -> tuple:
+    """``(host, port)`` of ``host:port`` / ``[v6]:port``."""
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _join_addr(host: str, port: str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _RegDList:
@@ -307,9 +329,10 @@ class nixl_agent:
             c = self._conf
             self._agent = kvlane.Agent(
                 engine_id=self.name,
-                listen=f"{c.listen_host}:{c.port}",
+                listen=_join_addr(c.listen_host, str(c.port)),
                 backend=c.backend,
                 psk=c.psk,
+                advertise=c.advertise_host,
                 regions=list(self._regs),
             )
         return self._agent
@@ -386,7 +409,18 @@ class nixl_agent:
 
     def get_agent_metadata(self) -> bytes:
         agent = self._built()
-        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": agent.addr}).encode()
+        host, port = _split_addr(agent.addr)
+        if self._conf.advertise_host:
+            host = self._conf.advertise_host
+        elif host in _WILDCARDS:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: agent {self.name!r} listens on the wildcard {agent.addr}, which "
+                "peers on other hosts cannot dial from its metadata: set advertise_host "
+                "(nixl_agent_config(advertise_host=...) or KVLANE_NIXL_ADVERTISE) to the address "
+                "they reach this host at, or listen_host to that address"
+            )
+        addr = _join_addr(host, port)
+        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": addr}).encode()
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         try:
@@ -397,6 +431,12 @@ class nixl_agent:
                 f"kvlane.nixl: agent metadata does not decode ({e}); it comes from "
                 "kvlane.nixl's get_agent_metadata"
             ) from None
+        if _split_addr(str(addr))[0] in _WILDCARDS:
+            raise kvlane.InvalidInputError(
+                f"kvlane.nixl: the metadata of agent {name!r} names the wildcard address {addr}; "
+                "that agent must set advertise_host (or KVLANE_NIXL_ADVERTISE) to an address "
+                "this host can reach"
+            )
         if name in self._remotes:
             return name.encode()
         peer = self._built().connect(addr)
