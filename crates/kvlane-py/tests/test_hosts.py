@@ -91,7 +91,8 @@ def flow_here(module: str, env: dict) -> dict:
 
 
 def test_connector_flow_across_hosts_matches_one_host(hosts):
-    env = {"KVLANE_BACKEND": "tcp"}
+    # Authenticated, as across hosts it should be (KVLANE_PSK on both).
+    env = {"KVLANE_BACKEND": "tcp", "KVLANE_PSK": "flow-key"}
     across = flow_across(hosts, "kvlane.nixl", env)
     here = flow_here("kvlane.nixl", env)
     print("across hosts:", across)
@@ -111,7 +112,7 @@ def test_real_nixl_runs_the_same_flow_across_the_same_hosts(hosts):
             pytest.fail("nixl_cu12 is not installed (pip install --no-deps nixl-cu12)")
         pytest.skip("the real NIXL (pip install --no-deps nixl-cu12) is not installed")
     nixl = flow_across(hosts, "nixl_cu12._api", {"UCX_TLS": "tcp"})
-    ours = flow_across(hosts, "kvlane.nixl", {"KVLANE_BACKEND": "tcp"})
+    ours = flow_across(hosts, "kvlane.nixl", {"KVLANE_BACKEND": "tcp", "KVLANE_PSK": "flow-key"})
     print("nixl:  ", nixl)
     print("kvlane:", ours)
     assert ours == nixl

@@ -189,20 +189,20 @@ def test_hundred_thousand_indices_and_deregistration_in_one_process():
 def test_wildcard_listen_needs_an_advertised_host_for_its_metadata():
     buf = pattern(3, 4 * BLOCK)
     # A wildcard without advertise_host: the metadata would say 0.0.0.0.
-    bare = nixl_agent("bare", nixl_agent_config(backend="tcp", listen_host="0.0.0.0"))
+    bare = nixl_agent("bare", nixl_agent_config(backend="tcp", listen_host="0.0.0.0", psk=b"k"))
     bare.register_memory(bare.get_reg_descs([buf]))
     with pytest.raises(kvlane.InvalidInputError, match=r"'bare' listens on the wildcard 0\.0\.0\.0:\d+.*advertise_host"):
         bare.get_agent_metadata()
     bare.close()
     # Metadata naming a wildcard (another implementation's, a stale one)
     # is refused before anything is dialed.
-    a = nixl_agent("a", nixl_agent_config(backend="tcp"))
+    a = nixl_agent("a", nixl_agent_config(backend="tcp", psk=b"k"))
     md = json.dumps({"kvlane_nixl": 1, "name": "w", "addr": "0.0.0.0:4000"}).encode()
     with pytest.raises(kvlane.InvalidInputError, match=r"agent 'w' names the wildcard address 0\.0\.0\.0:4000"):
         a.add_remote_agent(md)
     # With advertise_host, the metadata names that host and works.
     b = nixl_agent("b", nixl_agent_config(backend="tcp", listen_host="0.0.0.0",
-                                          advertise_host="127.0.0.1"))
+                                          advertise_host="127.0.0.1", psk=b"k"))
     b.register_memory(b.get_reg_descs([buf]))
     md = b.get_agent_metadata()
     assert json.loads(md)["addr"].startswith("127.0.0.1:")
@@ -218,3 +218,35 @@ def test_wildcard_listen_needs_an_advertised_host_for_its_metadata():
     assert (buf == mine).all()
     a.close()
     b.close()
+
+
+def test_kvlane_psk_from_the_environment_and_a_warning_without_one(monkeypatch):
+    buf = pattern(5, 4 * BLOCK)
+    monkeypatch.setenv("KVLANE_PSK", "k1")
+    t = nixl_agent("t", nixl_agent_config(backend="tcp"))
+    t.register_memory(t.get_reg_descs([buf]))
+    ok = nixl_agent("ok", nixl_agent_config(backend="tcp"))
+    assert ok.add_remote_agent(t.get_agent_metadata()) == b"t"
+    monkeypatch.setenv("KVLANE_PSK", "k2")
+    wrong = nixl_agent("wrong", nixl_agent_config(backend="tcp"))
+    with pytest.raises(kvlane.RefusedError, match="pre-shared key"):
+        wrong.add_remote_agent(t.get_agent_metadata())
+    for x in (t, ok, wrong):
+        x.close()
+    # A non-loopback bind without a key warns, naming the agent; with one
+    # (or on loopback) it does not.
+    monkeypatch.delenv("KVLANE_PSK")
+    open_ = nixl_agent("open", nixl_agent_config(backend="tcp", listen_host="0.0.0.0",
+                                                 advertise_host="127.0.0.1"))
+    with pytest.warns(RuntimeWarning, match="'open' listens on 0.0.0.0 without a pre-shared key"):
+        open_.get_agent_metadata()
+    open_.close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cfg in (nixl_agent_config(backend="tcp"),
+                    nixl_agent_config(backend="tcp", listen_host="0.0.0.0",
+                                      advertise_host="127.0.0.1", psk=b"k")):
+            quiet = nixl_agent("quiet", cfg)
+            quiet.get_agent_metadata()
+            quiet.close()

@@ -19,7 +19,10 @@ Mapping onto kvlane
   ignored; telemetry is always
   captured. ``listen_port`` is the control port (0: any); ``listen_host``
   (or ``KVLANE_NIXL_HOST``, default ``127.0.0.1``) is the host it binds and
-  advertises in the metadata; ``psk`` authenticates handshakes. Across
+  advertises in the metadata; ``psk`` (or ``KVLANE_PSK``, as for the
+  ``kvlane`` binary) authenticates handshakes, and binding anything but a
+  loopback address without one warns (``RuntimeWarning``: whoever reaches
+  the port can then read and write the registered memory). Across
   hosts, set ``listen_host`` to this host's address on the network peers
   use; or bind a wildcard (``0.0.0.0``, ``::``) and name that address in
   ``advertise_host`` (or ``KVLANE_NIXL_ADVERTISE``): it goes into the
@@ -68,10 +71,12 @@ Mapping onto kvlane
   device and why. ROCm builds of torch register as ``rocm:N``.
 """
 
+import ipaddress
 import itertools
 import json
 import os
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -155,10 +160,18 @@ class nixl_agent_config:
         self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
         self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
         self.advertise_host = advertise_host or os.environ.get("KVLANE_NIXL_ADVERTISE") or None
-        self.psk = psk
+        env_psk = os.environ.get("KVLANE_PSK")
+        self.psk = psk if psk is not None else (env_psk.encode() if env_psk else None)
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _split_addr(addr: str) -> tuple:
@@ -327,6 +340,13 @@ class nixl_agent:
     def _built(self) -> kvlane.Agent:
         if self._agent is None:
             c = self._conf
+            if c.psk is None and not _is_loopback(c.listen_host):
+                warnings.warn(
+                    f"kvlane.nixl: agent {self.name!r} listens on {c.listen_host} without a "
+                    "pre-shared key: any process that reaches it can read and write its registered "
+                    "memory; set KVLANE_PSK (or nixl_agent_config(psk=...)) on every agent",
+                    RuntimeWarning, stacklevel=3,
+                )
             self._agent = kvlane.Agent(
                 engine_id=self.name,
                 listen=_join_addr(c.listen_host, str(c.port)),
