@@ -116,3 +116,24 @@ def test_real_nixl_runs_the_same_flow_across_the_same_hosts(hosts):
     print("nixl:  ", nixl)
     print("kvlane:", ours)
     assert ours == nixl
+
+
+def test_native_api_across_hosts_to_a_wildcard_target(hosts):
+    """The native API: target.py bound to 0.0.0.0 on host a (its data plane
+    dialed at the address the control connection reached), native_flow.py
+    on host b."""
+    target = hosts.on(hosts.a)
+    cmd = hosts.on(hosts.b, FLOW_TARGET_PREFIX=" ".join(target), TARGET_HOST=hosts.addr[hosts.a])
+    p = subprocess.run(cmd + [sys.executable, os.path.join(HERE, "native_flow.py")],
+                       capture_output=True, text=True, timeout=150)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FLOW ")]
+    assert lines, f"native flow across hosts failed (rc {p.returncode}):\n" \
+                  f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    out = json.loads(lines[-1][5:])
+    print(out)
+    assert out["target_listens"] == "0.0.0.0" and out["engine_id"] == "target"
+    assert out["write"] == out["read"] == "done"
+    assert out["write_note"] == ["init", "w1"] and out["write_note_after_data"]
+    assert out["read_bytes_ok"] and out["read_note"] == ["init", "r1"]
+    # Keep-alive 0.5 s x 3 on this side: lost well inside the 30 s bound.
+    assert out["after_death"] == "PeerLostError", out
