@@ -9,35 +9,20 @@ as one ``FLOW`` JSON line.
     FLOW_TARGET_PREFIX="ip netns exec A" TARGET_HOST=10.0.0.1 python native_flow.py
 """
 
-import hashlib
 import json
 import os
 import shlex
-import subprocess
-import sys
 import time
 
 import kvlane
-from target import LEN, pattern
-
-
-def sha(buf) -> str:
-    return hashlib.sha256(memoryview(buf)).hexdigest()
+from conftest import Target
+from target import LEN, pattern, sha
 
 
 def main() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
     prefix = shlex.split(os.environ.get("FLOW_TARGET_PREFIX", ""))
-    proc = subprocess.Popen(prefix + [sys.executable, os.path.join(here, "target.py"), "native",
-                                      str(LEN), "0.0.0.0:0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(cmd: dict) -> dict:
-        proc.stdin.write(json.dumps(cmd) + "\n")
-        proc.stdin.flush()
-        return json.loads(proc.stdout.readline())
-
-    t = json.loads(proc.stdout.readline())
+    target = Target("native", LEN, "0.0.0.0:0", prefix=prefix)
+    ask, t = target.ask, target.info
     port = t["addr"].rsplit(":", 1)[1]
     out = {"target_listens": t["addr"].rsplit(":", 1)[0]}
     mine = pattern(1)
@@ -58,8 +43,8 @@ def main() -> None:
         out["read_bytes_ok"] = bool((mine[half:] == pattern(7)[:half]).all())
         (note,) = ask({"op": "notes", "n": 1})["notes"]
         out["read_note"] = note[:2]
-        proc.kill()
-        proc.wait()
+        target.proc.kill()
+        target.proc.wait()
         start = time.monotonic()
         try:
             while time.monotonic() - start < 30:

@@ -12,14 +12,14 @@ Needs root and ``ip`` (iproute2): without them these tests fail with the
 reason, they never skip (the Rust multi-host tests, run before these by
 ci/test.sh, install iproute2 when it is missing)."""
 
-import importlib.util
-import json
 import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+
+from conftest import require_nixl, run_flow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,27 +74,14 @@ def flow_across(h: Hosts, module: str, env: dict) -> dict:
     listen, host a's address advertised)."""
     target = h.on(h.a, KVLANE_NIXL_HOST="0.0.0.0", KVLANE_NIXL_ADVERTISE=h.addr[h.a], **env)
     cmd = h.on(h.b, KVLANE_NIXL_HOST=h.addr[h.b], FLOW_TARGET_PREFIX=" ".join(target), **env)
-    p = subprocess.run(cmd + [sys.executable, os.path.join(HERE, "flow.py"), module],
-                       capture_output=True, text=True, timeout=150)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FLOW ")]
-    assert lines, f"{module} flow across hosts failed (rc {p.returncode}):\n" \
-                  f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return json.loads(lines[-1][5:])
-
-
-def flow_here(module: str, env: dict) -> dict:
-    p = subprocess.run([sys.executable, os.path.join(HERE, "flow.py"), module],
-                       capture_output=True, text=True, timeout=150, env={**os.environ, **env})
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FLOW ")]
-    assert lines, f"{module} flow failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return json.loads(lines[-1][5:])
+    return run_flow(cmd + [sys.executable, os.path.join(HERE, "flow.py"), module], timeout=150)
 
 
 def test_connector_flow_across_hosts_matches_one_host(hosts):
     # Authenticated, as across hosts it should be (KVLANE_PSK on both).
     env = {"KVLANE_BACKEND": "tcp", "KVLANE_PSK": "flow-key"}
     across = flow_across(hosts, "kvlane.nixl", env)
-    here = flow_here("kvlane.nixl", env)
+    here = run_flow([sys.executable, os.path.join(HERE, "flow.py"), "kvlane.nixl"], env, 150)
     print("across hosts:", across)
     print("one host:    ", here)
     assert across == here
@@ -107,10 +94,7 @@ def test_connector_flow_across_hosts_matches_one_host(hosts):
 
 
 def test_real_nixl_runs_the_same_flow_across_the_same_hosts(hosts):
-    if importlib.util.find_spec("nixl_cu12") is None:
-        if os.environ.get("KVLANE_REQUIRE_NIXL") == "1":
-            pytest.fail("nixl_cu12 is not installed (pip install --no-deps nixl-cu12)")
-        pytest.skip("the real NIXL (pip install --no-deps nixl-cu12) is not installed")
+    require_nixl()
     nixl = flow_across(hosts, "nixl_cu12._api", {"UCX_TLS": "tcp"})
     ours = flow_across(hosts, "kvlane.nixl", {"KVLANE_BACKEND": "tcp", "KVLANE_PSK": "flow-key"})
     print("nixl:  ", nixl)
@@ -124,12 +108,7 @@ def test_native_api_across_hosts_to_a_wildcard_target(hosts):
     on host b."""
     target = hosts.on(hosts.a)
     cmd = hosts.on(hosts.b, FLOW_TARGET_PREFIX=" ".join(target), TARGET_HOST=hosts.addr[hosts.a])
-    p = subprocess.run(cmd + [sys.executable, os.path.join(HERE, "native_flow.py")],
-                       capture_output=True, text=True, timeout=150)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FLOW ")]
-    assert lines, f"native flow across hosts failed (rc {p.returncode}):\n" \
-                  f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    out = json.loads(lines[-1][5:])
+    out = run_flow(cmd + [sys.executable, os.path.join(HERE, "native_flow.py")], timeout=150)
     print(out)
     assert out["target_listens"] == "0.0.0.0" and out["engine_id"] == "target"
     assert out["write"] == out["read"] == "done"

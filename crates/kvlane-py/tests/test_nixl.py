@@ -3,6 +3,7 @@ NIXL's error semantics."""
 
 import json
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -210,9 +211,8 @@ def test_wildcard_listen_needs_an_advertised_host_for_its_metadata():
     a.register_memory(a.get_reg_descs([mine]))
     name = a.add_remote_agent(md)
     assert name == b"b"
-    rows = lambda base: [(base + i * BLOCK, BLOCK, 0) for i in range(4)]
-    h = a.initialize_xfer("WRITE", a.get_xfer_descs(rows(mine.ctypes.data), "DRAM"),
-                          a.get_xfer_descs(rows(buf.ctypes.data), "DRAM"), name, b"adv")
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs(blocks(mine.ctypes.data, 4), "DRAM"),
+                          a.get_xfer_descs(blocks(buf.ctypes.data, 4), "DRAM"), name, b"adv")
     a.transfer(h)
     assert wait_done(a, h, 30) == "DONE"
     assert (buf == mine).all()
@@ -241,7 +241,6 @@ def test_kvlane_psk_from_the_environment_and_a_warning_without_one(monkeypatch):
     with pytest.warns(RuntimeWarning, match="'open' listens on 0.0.0.0 without a pre-shared key"):
         open_.get_agent_metadata()
     open_.close()
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for cfg in (nixl_agent_config(backend="tcp"),
