@@ -1,9 +1,10 @@
-//! Agents whose KV cache is GPU memory, against a MOCK CUDA driver
-//! (`crates/kvlane-data/testdata/mock_cuda.c`, host memory behind the
-//! driver API; not a GPU): `BackendChoice::Auto` falls back to tcp in a
-//! build without verbs, and the cache is staged through pinned buffers.
+//! Agents whose KV cache is GPU memory, against a MOCK CUDA driver and a
+//! MOCK HIP runtime (`crates/kvlane-data/testdata/mock_cuda.c` and
+//! `mock_hip.c`, host memory behind the driver APIs; not a GPU):
+//! `BackendChoice::Auto` falls back to tcp in a build without verbs, and
+//! the cache is staged through pinned buffers.
 
-use kvlane::data::conformance::{contents, region_in, use_mock_cuda};
+use kvlane::data::conformance::{contents, region_in, use_mock_cuda, use_mock_hip};
 use kvlane::data::{Access, GpuDevice, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice};
 use std::time::Duration;
@@ -27,8 +28,18 @@ async fn agent(name: &str, dev: GpuDevice, seed: u8) -> (Agent, Region) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gpu_caches_over_auto_backend() {
-    let dev = use_mock_cuda();
+async fn cuda_caches_over_auto_backend() {
+    gpu_caches_over_auto_backend(use_mock_cuda()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rocm_caches_over_auto_backend() {
+    gpu_caches_over_auto_backend(use_mock_hip(60_200_000)).await;
+}
+
+/// Prefill WRITEs blocks of its GPU cache into decode's, with a
+/// notification, then READs one back; every block byte-checked.
+async fn gpu_caches_over_auto_backend(dev: GpuDevice) {
     let (prefill, pre_kv) = agent("prefill", dev, 1).await;
     let (decode, dec_kv) = agent("decode", dev, 2).await;
     let mut notes = decode.notifications().unwrap();

@@ -377,21 +377,8 @@ struct BenchRun {
 /// `kvlane bench --role target` (with `target_args`) and an initiator
 /// against it.
 fn bench_two_processes(target_args: &[&str]) -> BenchRun {
-    let mut target = Command::new(env!("CARGO_BIN_EXE_kvlane"))
-        .args(["bench", "--role", "target", "--listen", "127.0.0.1:0"])
-        .args(["--pool", "4M"])
-        .args(target_args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("target printed nothing").unwrap();
-    let addr = first
-        .strip_prefix("listening ")
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap()
-        .to_owned();
+    let cmd = Command::new(env!("CARGO_BIN_EXE_kvlane"));
+    let (mut target, first, addr) = bench_target(cmd, target_args);
     let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
         .args(["bench", "--role", "initiator", "--connect", &addr, "--json"])
         .args(["--block-sizes", "4K,64K", "--batch", "4"])
@@ -422,6 +409,28 @@ fn bench_two_processes(target_args: &[&str]) -> BenchRun {
         rows,
         stderr,
     }
+}
+
+/// Starts `cmd` (`kvlane`, no arguments yet) as `bench --role target` on
+/// 127.0.0.1 with a 4 MiB pool and `extra` arguments: the child, its first
+/// line and the address it listens on.
+fn bench_target(mut cmd: Command, extra: &[&str]) -> (Child, String, String) {
+    let mut target = cmd
+        .args(["bench", "--role", "target", "--listen", "127.0.0.1:0"])
+        .args(["--pool", "4M"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(target.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("target printed nothing").unwrap();
+    let addr = first
+        .strip_prefix("listening ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    (target, first, addr)
 }
 
 fn points(kinds: &[(&str, &str)]) -> Vec<(String, String, u64)> {
@@ -659,5 +668,49 @@ fn bench_rows_carry_the_rails_a_backend_ran_over() {
             "{r}"
         );
         assert!(r["transfers"].as_u64() > Some(0), "{r}");
+    }
+}
+
+/// `kvlane devices` and a two-process `kvlane bench --memory rocm:N`
+/// against a MOCK HIP runtime (`testdata/mock_hip.c`: host memory behind
+/// HIP's API, not a GPU): the ROCm path of the binary, end to end.
+#[test]
+fn rocm_devices_are_listed_and_benched_from_their_memory() {
+    let dir = std::env::temp_dir().join(format!("kvlane-e2e-hip-{}", std::process::id()));
+    let lib = kvlane_data::conformance::build_mock_hip(&dir, 60_200_000).expect("needs cc");
+    let kvlane = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvlane"));
+        c.args(args)
+            .env("KVLANE_HIP_LIBRARY", &lib)
+            .env("KVLANE_MOCK_HIP_DEVICES", "2");
+        c
+    };
+    let out = kvlane(&["devices"]).output().expect("run kvlane devices");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("gpu rocm:1 kvlane mock HIP device 1 (host memory) pci 0000:c4:00.0"),
+        "{text}"
+    );
+    let (mut target, _, addr) = bench_target(kvlane(&[]), &["--memory", "rocm:1"]);
+    let out = kvlane(&["bench", "--role", "initiator", "--connect", &addr])
+        .args(["--memory", "rocm:0", "--json", "--no-baseline"])
+        .args(["--block-sizes", "1M", "--batch", "4", "--duration", "50ms"])
+        .output()
+        .unwrap();
+    let _ = target.kill();
+    let _ = target.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    let ops: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    assert_eq!(ops, ["read", "write"], "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["memory"], "rocm:0", "{r}");
+        assert!(r["transfers"].as_u64().unwrap() > 0, "{r}");
+        assert!(r.get("error").is_none(), "{r}");
     }
 }

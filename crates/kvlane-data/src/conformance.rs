@@ -35,6 +35,50 @@ pub trait Fixture {
     }
 }
 
+/// Tcp backends for the suite: a queue of 256 and 64 KiB chunks (so the
+/// suite's transfers are split and striped over streams); every region in
+/// the memory the function names (`None`: host).
+pub struct TcpFixture(pub fn() -> Option<GpuDevice>);
+
+impl Fixture for TcpFixture {
+    type Backend = crate::tcp::TcpBackend;
+    fn backends(&self) -> (Self::Backend, Self::Backend) {
+        let config = crate::tcp::TcpConfig {
+            queue_depth: 256,
+            chunk_bytes: 64 << 10,
+            ..crate::tcp::TcpConfig::default()
+        };
+        (
+            crate::tcp::TcpBackend::new(config.clone()).expect("start tcp backend"),
+            crate::tcp::TcpBackend::new(config).expect("start tcp backend"),
+        )
+    }
+    fn memory(&self) -> Option<GpuDevice> {
+        (self.0)()
+    }
+}
+
+/// Loopback backends for the suite (a queue of 256); every region in the
+/// memory the function names (`None`: host).
+pub struct LoopbackFixture(pub fn() -> Option<GpuDevice>);
+
+impl Fixture for LoopbackFixture {
+    type Backend = crate::loopback::LoopbackBackend;
+    fn backends(&self) -> (Self::Backend, Self::Backend) {
+        let config = crate::loopback::LoopbackConfig {
+            queue_depth: 256,
+            ..crate::loopback::LoopbackConfig::default()
+        };
+        (
+            crate::loopback::LoopbackBackend::new(config.clone()),
+            crate::loopback::LoopbackBackend::new(config),
+        )
+    }
+    fn memory(&self) -> Option<GpuDevice> {
+        (self.0)()
+    }
+}
+
 /// A region of `len` bytes of `memory` (host or GPU), filled with `bytes`
 /// (repeated), granting `access`.
 pub fn region_in(memory: Option<GpuDevice>, len: usize, access: Access, bytes: &[u8]) -> Region {
@@ -884,6 +928,54 @@ macro_rules! conformance_tests {
     };
 }
 
+/// Host memory to `device` memory and back over tcp (6 MiB and an odd
+/// tail, several staging chunks): a WRITE whose notification arrives only
+/// once every byte is in the target's device memory, then a READ into
+/// zeroed host memory; both byte-checked. Panics on any difference.
+pub fn host_and_device_over_tcp(device: GpuDevice) {
+    use crate::tcp::{TcpBackend, TcpConfig};
+    let len = (6 << 20) + 17;
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    let host = Region::from_vec(data.clone(), Access::ALL).expect("host region");
+    let gpu = region_in(Some(device), len, Access::ALL, &[0]);
+    let mut init = TcpBackend::new(TcpConfig::default()).expect("start tcp backend");
+    let mut target = TcpBackend::new(TcpConfig::default()).expect("start tcp backend");
+    let host_ad = init.register(&host).expect("register host memory");
+    let gpu_ad = target.register(&gpu).expect("register device memory");
+    let (peer, _) = connect_pair(&mut init, &[host_ad], &mut target, &[gpu_ad]).expect("connect");
+    let desc = |op| {
+        Transfer::new(
+            peer,
+            op,
+            vec![Descriptor {
+                region: host.id(),
+                offset: 0,
+                len: len as u64,
+            }],
+            vec![RemoteDescriptor {
+                key: gpu_ad.key,
+                offset: 0,
+                len: len as u64,
+            }],
+        )
+    };
+    init.submit(desc(Op::Write).with_notify(b"landed".to_vec()))
+        .expect("submit the WRITE");
+    let notes = wait_notifications(&mut init, &mut target, 1, &mut Vec::new());
+    assert_eq!(&notes[0].payload[..], b"landed");
+    // The notification came after every byte reached device memory.
+    assert!(
+        contents(&gpu) == data,
+        "{device} memory differs after the WRITE"
+    );
+    host.copy_in(0, &vec![0; len]).expect("zero host memory");
+    run_one(&mut init, &mut target, desc(Op::Read)).expect("READ from the device");
+    assert!(
+        contents(&host) == data,
+        "host memory differs after the READ"
+    );
+}
+
 /// The mock CUDA driver's C source (`testdata/mock_cuda.c`): the driver
 /// functions kvlane calls, implemented on host memory. Not a GPU.
 pub const MOCK_CUDA_SOURCE: &str = include_str!("../testdata/mock_cuda.c");
@@ -891,23 +983,81 @@ pub const MOCK_CUDA_SOURCE: &str = include_str!("../testdata/mock_cuda.c");
 /// Compiles the mock CUDA driver with `cc` into `dir`; returns the path of
 /// the shared library (`dir/libcuda.so.1`).
 pub fn build_mock_cuda(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+    build_mock(dir, "CUDA driver", MOCK_CUDA_SOURCE, "libcuda.so.1", &[])
+}
+
+/// Compiles `source` with `cc` (and `defines`, `-DNAME=VALUE`) into
+/// `dir/lib`; its path.
+fn build_mock(
+    dir: &std::path::Path,
+    what: &str,
+    source: &str,
+    lib: &str,
+    defines: &[String],
+) -> std::io::Result<std::path::PathBuf> {
     std::fs::create_dir_all(dir)?;
-    let src = dir.join("mock_cuda.c");
-    let lib = dir.join("libcuda.so.1");
-    std::fs::write(&src, MOCK_CUDA_SOURCE)?;
+    let src = dir.join(format!("{lib}.c"));
+    let lib = dir.join(lib);
+    std::fs::write(&src, source)?;
     let out = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-o"])
+        .args(["-shared", "-fPIC", "-O2", "-Wall"])
+        .args(defines)
+        .arg("-o")
         .arg(&lib)
         .arg(&src)
         .arg("-lpthread")
         .output()?;
     if !out.status.success() {
         return Err(std::io::Error::other(format!(
-            "cc failed to build the mock CUDA driver: {}",
+            "cc failed to build the mock {what}: {}",
             String::from_utf8_lossy(&out.stderr)
         )));
     }
     Ok(lib)
+}
+
+/// The mock HIP runtime's C source (`testdata/mock_hip.c`): the HIP
+/// functions kvlane calls, implemented on host memory. Not a GPU.
+pub const MOCK_HIP_SOURCE: &str = include_str!("../testdata/mock_hip.c");
+
+/// Compiles the mock HIP runtime with `cc` into `dir`, reporting `version`
+/// (`HIP_VERSION` encoding: 60200000 is ROCm 6.2; before 60000000 it
+/// answers pointer attributes in ROCm 5's encoding, before 60200000 it has
+/// no dma-buf export, as the real runtimes); returns the path of the
+/// shared library (`dir/libamdhip64.so`).
+pub fn build_mock_hip(dir: &std::path::Path, version: u32) -> std::io::Result<std::path::PathBuf> {
+    let define = format!("-DMOCK_HIP_VERSION={version}");
+    build_mock(
+        dir,
+        "HIP runtime",
+        MOCK_HIP_SOURCE,
+        "libamdhip64.so",
+        &[define],
+    )
+}
+
+/// Builds the mock HIP runtime once per process (two devices, reporting
+/// `version`, see [`build_mock_hip`]) and points the loader at it
+/// (`KVLANE_HIP_LIBRARY`); returns `rocm:0`. Call it before anything in the
+/// process touches a ROCm device: the runtime is loaded once, so every
+/// call in a process must pass the same `version`. For tests on machines
+/// without a GPU; nothing it moves touches one.
+pub fn use_mock_hip(version: u32) -> GpuDevice {
+    static LIB: std::sync::OnceLock<(u32, std::path::PathBuf)> = std::sync::OnceLock::new();
+    let (built, _) = LIB.get_or_init(|| {
+        let dir =
+            std::env::temp_dir().join(format!("kvlane-mock-hip-{}-{version}", std::process::id()));
+        let lib = build_mock_hip(&dir, version).expect("build the mock HIP runtime (needs cc)");
+        // Set once, before any thread of this process loads a GPU runtime.
+        std::env::set_var("KVLANE_HIP_LIBRARY", &lib);
+        std::env::set_var("KVLANE_MOCK_HIP_DEVICES", "2");
+        (version, lib)
+    });
+    assert_eq!(
+        *built, version,
+        "the mock HIP runtime of this process reports {built}"
+    );
+    GpuDevice::rocm(0)
 }
 
 /// Builds the mock CUDA driver once per process (two devices) and points

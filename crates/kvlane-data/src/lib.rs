@@ -51,8 +51,9 @@
 //! their I/O ([`Region::read_chunks`], [`Region::write_chunks`]). Without a
 //! driver or device every entry point returns [`GpuError::Unsupported`]
 //! naming the device and why. `KVLANE_CUDA_LIBRARY` / `KVLANE_HIP_LIBRARY`
-//! override the library paths (the tests use a mock CUDA driver, see
-//! [`conformance::use_mock_cuda`]).
+//! override the library paths (the tests use a mock CUDA driver and a mock
+//! HIP runtime, see [`conformance::use_mock_cuda`] and
+//! [`conformance::use_mock_hip`]).
 //!
 //! # Thread safety
 //!

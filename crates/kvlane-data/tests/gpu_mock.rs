@@ -5,53 +5,21 @@
 //! paths on machines without a GPU; they say nothing about a real GPU
 //! (`tests/gpu.rs`, run by `ci/gpu.sh`, does).
 
-use kvlane_data::conformance::{contents, region_in, use_mock_cuda, Fixture};
+use kvlane_data::conformance::{contents, region_in, use_mock_cuda};
 use kvlane_data::{
-    connect_pair, gpu_devices, Access, Backend, DataError, Descriptor, GpuDevice, GpuError,
-    GpuRuntime, GpuUnavailable, LoopbackBackend, Op, Region, RemoteDescriptor, TcpBackend,
-    TcpConfig, Transfer,
+    gpu_devices, Access, DataError, GpuDevice, GpuError, GpuRuntime, GpuUnavailable, Region,
 };
-
-struct MockLoopback;
-
-impl Fixture for MockLoopback {
-    type Backend = LoopbackBackend;
-    fn backends(&self) -> (LoopbackBackend, LoopbackBackend) {
-        (LoopbackBackend::default(), LoopbackBackend::default())
-    }
-    fn memory(&self) -> Option<GpuDevice> {
-        Some(use_mock_cuda())
-    }
-}
-
-struct MockTcp;
-
-impl Fixture for MockTcp {
-    type Backend = TcpBackend;
-    fn backends(&self) -> (TcpBackend, TcpBackend) {
-        let config = TcpConfig {
-            queue_depth: 256,
-            chunk_bytes: 64 << 10,
-            ..TcpConfig::default()
-        };
-        (
-            TcpBackend::new(config.clone()).expect("start tcp backend"),
-            TcpBackend::new(config).expect("start tcp backend"),
-        )
-    }
-    fn memory(&self) -> Option<GpuDevice> {
-        Some(use_mock_cuda())
-    }
-}
 
 /// The whole conformance suite with every region in (mock) GPU memory.
 mod loopback_suite {
-    kvlane_data::conformance_tests!(super::MockLoopback);
+    use kvlane_data::conformance::LoopbackFixture;
+    kvlane_data::conformance_tests!(LoopbackFixture(|| Some(super::use_mock_cuda())));
 }
 
 /// The whole conformance suite with every region in (mock) GPU memory.
 mod tcp_suite {
-    kvlane_data::conformance_tests!(super::MockTcp);
+    use kvlane_data::conformance::TcpFixture;
+    kvlane_data::conformance_tests!(TcpFixture(|| Some(super::use_mock_cuda())));
 }
 
 #[test]
@@ -201,45 +169,9 @@ fn dmabuf_export_unsupported_by_driver_is_typed() {
     ));
 }
 
-/// Host to GPU and GPU to host over tcp, with a notification that arrives
-/// only once the bytes are in the target's (mock) device memory.
+/// Host to GPU and back over tcp, with a notification that arrives only
+/// once the bytes are in the target's (mock) device memory.
 #[test]
 fn tcp_between_host_and_device_with_notification() {
-    let dev = use_mock_cuda();
-    let len = (6 << 20) + 17;
-    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
-    let host = Region::from_vec(data.clone(), Access::ALL).unwrap();
-    let gpu = region_in(Some(dev), len, Access::ALL, &[0]);
-    let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
-    let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
-    let host_ad = init.register(&host).unwrap();
-    let gpu_ad = target.register(&gpu).unwrap();
-    let (peer, _) = connect_pair(&mut init, &[host_ad], &mut target, &[gpu_ad]).unwrap();
-    let desc = |op| {
-        Transfer::new(
-            peer,
-            op,
-            vec![Descriptor {
-                region: host.id(),
-                offset: 0,
-                len: len as u64,
-            }],
-            vec![RemoteDescriptor {
-                key: gpu_ad.key,
-                offset: 0,
-                len: len as u64,
-            }],
-        )
-    };
-    let write = desc(Op::Write).with_notify(b"landed".to_vec());
-    init.submit(write).unwrap();
-    let mut done = Vec::new();
-    let notes = kvlane_data::conformance::wait_notifications(&mut init, &mut target, 1, &mut done);
-    assert_eq!(&notes[0].payload[..], b"landed");
-    // The notification came after every byte reached device memory.
-    assert!(contents(&gpu) == data);
-    // And back: READ from the GPU into zeroed host memory.
-    host.copy_in(0, &vec![0; len]).unwrap();
-    kvlane_data::conformance::run_one(&mut init, &mut target, desc(Op::Read)).unwrap();
-    assert!(contents(&host) == data);
+    kvlane_data::conformance::host_and_device_over_tcp(use_mock_cuda());
 }

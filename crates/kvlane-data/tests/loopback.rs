@@ -1,25 +1,6 @@
 //! The conformance suite on the loopback backend.
 
-use kvlane_data::conformance::Fixture;
-use kvlane_data::{LoopbackBackend, LoopbackConfig};
-
-struct Loopback;
-
-impl Fixture for Loopback {
-    type Backend = LoopbackBackend;
-    fn backends(&self) -> (LoopbackBackend, LoopbackBackend) {
-        let config = LoopbackConfig {
-            queue_depth: 256,
-            ..LoopbackConfig::default()
-        };
-        (
-            LoopbackBackend::new(config.clone()),
-            LoopbackBackend::new(config),
-        )
-    }
-}
-
-kvlane_data::conformance_tests!(Loopback);
+kvlane_data::conformance_tests!(kvlane_data::conformance::LoopbackFixture(|| None));
 
 mod transport {
     use kvlane_data::{

@@ -1,7 +1,8 @@
 //! ROCm HIP (`libamdhip64.so`), loaded at run time.
 //!
 //! Written against the HIP 6 headers and not yet run on an AMD GPU (see the
-//! README's GPU section); the mock driver the tests use is CUDA's.
+//! README's GPU section). The tests run it against a mock runtime
+//! (`testdata/mock_hip.c`) built as ROCm 6.2 and as ROCm 5.7.
 
 use super::{
     dmabuf_fd, CallError, Driver, GpuDevice, GpuInfo, GpuRuntime, GpuUnavailable, PointerKind,

@@ -21,8 +21,8 @@
 //!   ([`Region::export_dmabuf`](crate::Region::export_dmabuf)).
 //!
 //! Library paths: `KVLANE_CUDA_LIBRARY` and `KVLANE_HIP_LIBRARY` override
-//! the defaults (`libcuda.so.1`, `libamdhip64.so`); the tests point the
-//! first at a mock driver that implements the same functions on host memory.
+//! the defaults (`libcuda.so.1`, `libamdhip64.so`); the tests point them at
+//! mocks that implement the same functions on host memory.
 
 pub(crate) mod cuda;
 mod device;
