@@ -3,6 +3,7 @@ GPU driver is loaded once per process, so each mode gets a fresh one).
 
     python gpu_flow.py absent   # no driver: clear UnsupportedError
     python gpu_flow.py mock     # KVLANE_CUDA_LIBRARY = the MOCK driver
+    python gpu_flow.py mock-rocm  # KVLANE_HIP_LIBRARY = the MOCK HIP runtime, no CUDA
     python gpu_flow.py torch    # a real GPU, torch CUDA tensors (ci/gpu.sh)
 
 ``mock`` and ``torch`` end with a two-process run: this process WRITEs
@@ -13,7 +14,10 @@ notification arrives, which must be after they landed.
 ``mock`` uses the mock CUDA driver built from
 crates/kvlane-data/testdata/mock_cuda.c (host memory behind the driver
 API): it checks registration through ``__cuda_array_interface__`` and the
-staged tcp path, not a GPU. Every mode prints ``ok <mode>`` at the end and
+staged tcp path, not a GPU. ``mock-rocm`` runs the same flow against the
+mock HIP runtime (mock_hip.c) on a machine without CUDA, as an AMD host
+is: ``__cuda_array_interface__`` (which ROCm builds of torch and CuPy
+speak) and NIXL's ``(addr, len, gpu_id)`` rows become ``rocm:0`` memory. Every mode prints ``ok <mode>`` at the end and
 exits non-zero on any failure.
 """
 
@@ -65,22 +69,37 @@ def absent() -> None:
 DATA = bytes((i * 7) % 251 for i in range(N))
 
 
-def mock_alloc():
+def mock_alloc(runtime: str = "cuda"):
     """A function returning (object, device pointer) of N bytes of mock
-    "device" memory filled with given bytes, and one reading them back."""
-    lib = ctypes.CDLL(os.environ["KVLANE_CUDA_LIBRARY"])
-    ctx = ctypes.c_void_p()
-    assert lib.cuInit(0) == 0
-    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
-    assert lib.cuCtxSetCurrent(ctx) == 0
+    "device" memory of device 0 of ``runtime`` (the mock CUDA driver or the
+    mock HIP runtime) filled with given bytes, and one reading them back."""
+    if runtime == "cuda":
+        lib = ctypes.CDLL(os.environ["KVLANE_CUDA_LIBRARY"])
+        ctx = ctypes.c_void_p()
+        assert lib.cuInit(0) == 0
+        assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert lib.cuCtxSetCurrent(ctx) == 0
+        malloc = lib.cuMemAlloc_v2
+    else:
+        lib = ctypes.CDLL(os.environ["KVLANE_HIP_LIBRARY"])
+        assert lib.hipInit(0) == 0
+        assert lib.hipSetDevice(0) == 0
+        malloc = lib.hipMalloc
 
     def alloc(data: bytes):
         p = ctypes.c_uint64()
-        assert lib.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(N)) == 0
+        assert malloc(ctypes.byref(p), ctypes.c_size_t(N)) == 0
         ctypes.memmove(p.value, data, N)  # mock "device" memory is host memory
         return FakeCudaArray(p.value, N), p.value
 
     return alloc, lambda obj, p: ctypes.string_at(p, N)
+
+
+ALLOCATORS = {
+    "mock": lambda: mock_alloc("cuda"),
+    "mock-rocm": lambda: mock_alloc("rocm"),
+    "torch": lambda: torch_alloc(),
+}
 
 
 def torch_alloc():
@@ -99,7 +118,7 @@ def torch_alloc():
 
 def target(kind: str) -> None:
     """The child of `two_processes`: serves GPU memory, checks what lands."""
-    alloc, read = (mock_alloc if kind == "mock" else torch_alloc)()
+    alloc, read = ALLOCATORS[kind]()
     obj, ptr = alloc(bytes(N))
     with kvlane.Agent(engine_id="gpu-target", backend="tcp", regions=[kvlane.Memory(obj)]) as t:
         notes = t.notifications()
@@ -110,7 +129,7 @@ def target(kind: str) -> None:
 
 
 def two_processes(kind: str) -> None:
-    alloc, _ = (mock_alloc if kind == "mock" else torch_alloc)()
+    alloc, _ = ALLOCATORS[kind]()
     obj, ptr = alloc(DATA)
     child = subprocess.Popen([sys.executable, __file__, f"target-{kind}"],
                              stdout=subprocess.PIPE, text=True)
@@ -128,18 +147,20 @@ def two_processes(kind: str) -> None:
             child.wait()
 
 
-def mock() -> None:
-    alloc, _ = mock_alloc()
+def mock(runtime: str = "cuda") -> None:
+    kind = "mock" if runtime == "cuda" else "mock-rocm"
+    dev = f"{runtime}:0"
+    alloc, _ = ALLOCATORS[kind]()
     data = DATA
     (_, src_p), (_, dst_p) = alloc(data), alloc(bytes(N))
     src, dst = FakeCudaArray(src_p, N), FakeCudaArray(dst_p, N)
     m = kvlane.Memory(src)
-    assert m.device == "cuda:0" and m.nbytes == N and m.addr == src_p, m
+    assert m.device == dev and m.nbytes == N and m.addr == src_p, m
     # Host memory is never taken as GPU memory.
     host = bytearray(4096)
     addr = ctypes.addressof((ctypes.c_char * 4096).from_buffer(host))
-    expect(kvlane.InvalidInputError, ["not memory of cuda:0"],
-           lambda: kvlane.Memory.unsafe_from_ptr(addr, 4096, "cuda:0"))
+    expect(kvlane.InvalidInputError, [f"not memory of {dev}"],
+           lambda: kvlane.Memory.unsafe_from_ptr(addr, 4096, dev))
     bad = FakeCudaArray(src_p, N)
     bad.__cuda_array_interface__["strides"] = (2,)
     expect(kvlane.InvalidInputError, ["C-contiguous"], lambda: kvlane.Memory(bad))
@@ -171,7 +192,7 @@ def mock() -> None:
     assert ctypes.string_at(src_p, N) == data, "GPU <- GPU bytes differ"
     ini.close()
     tgt.close()
-    two_processes("mock")
+    two_processes(kind)
 
 
 def torch_flow() -> None:
@@ -222,7 +243,8 @@ def torch_flow() -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     {
-        "absent": absent, "mock": mock, "torch": torch_flow,
-        "target-mock": lambda: target("mock"), "target-torch": lambda: target("torch"),
+        "absent": absent, "mock": mock, "mock-rocm": lambda: mock("rocm"), "torch": torch_flow,
+        "target-mock": lambda: target("mock"), "target-mock-rocm": lambda: target("mock-rocm"),
+        "target-torch": lambda: target("torch"),
     }[mode]()
     print(f"ok {mode}")

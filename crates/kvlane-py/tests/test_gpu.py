@@ -1,6 +1,7 @@
-"""GPU memory through the Python package. ``absent`` and ``mock`` run
-everywhere (``mock`` against the MOCK CUDA driver, compiled with cc from
-crates/kvlane-data/testdata/mock_cuda.c: host memory, not a GPU); the
+"""GPU memory through the Python package. ``absent``, ``mock`` and
+``mock-rocm`` run everywhere (against the MOCK CUDA driver and the MOCK HIP
+runtime, compiled with cc from crates/kvlane-data/testdata/mock_cuda.c and
+mock_hip.c: host memory, not a GPU); the
 torch test needs a GPU, is skipped unless ``KVLANE_TEST_GPU`` is set, and
 then fails loudly without one (ci/gpu.sh sets it)."""
 
@@ -12,7 +13,14 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MOCK_SRC = os.path.join(HERE, "..", "..", "kvlane-data", "testdata", "mock_cuda.c")
+TESTDATA = os.path.join(HERE, "..", "..", "kvlane-data", "testdata")
+
+
+def build_mock(name: str, lib) -> None:
+    cc = os.environ.get("CC", "cc")
+    assert shutil.which(cc), "the mock GPU runtimes need a C compiler (cc)"
+    src = os.path.join(TESTDATA, name)
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), src, "-lpthread"], check=True)
 
 
 def flow(mode: str, env: dict) -> None:
@@ -28,11 +36,16 @@ def test_vram_without_a_driver_is_unsupported_naming_the_device():
 
 
 def test_cuda_array_interface_and_vram_over_tcp_with_the_mock_driver(tmp_path):
-    cc = os.environ.get("CC", "cc")
-    assert shutil.which(cc), "the mock CUDA driver needs a C compiler (cc)"
     lib = tmp_path / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), MOCK_SRC, "-lpthread"], check=True)
+    build_mock("mock_cuda.c", lib)
     flow("mock", {"KVLANE_CUDA_LIBRARY": str(lib)})
+
+
+def test_rocm_memory_over_tcp_with_the_mock_hip_runtime_and_no_cuda(tmp_path):
+    lib = tmp_path / "libamdhip64.so"
+    build_mock("mock_hip.c", lib)
+    flow("mock-rocm", {"KVLANE_HIP_LIBRARY": str(lib),
+                       "KVLANE_CUDA_LIBRARY": "/nonexistent/libcuda.so.1"})
 
 
 @pytest.mark.skipif("KVLANE_TEST_GPU" not in os.environ,

@@ -68,7 +68,9 @@ Mapping onto kvlane
   the device the driver names (checked), never as host memory; tcp and
   loopback stage it through pinned host buffers. Without a GPU driver or
   device, registering VRAM raises ``kvlane.UnsupportedError`` naming the
-  device and why. ROCm builds of torch register as ``rocm:N``.
+  device and why. ROCm builds of torch register as ``rocm:N``; rows
+  without torch (or with a CPU-only torch) are memory of CUDA device
+  ``gpu_id`` where the CUDA driver loads, else of ROCm device ``gpu_id``.
 """
 
 import ipaddress
@@ -268,17 +270,37 @@ def _check_mem_type(mem_type: Optional[str]) -> None:
         )
 
 
+def _torch_gpu_runtime() -> Optional[str]:
+    """``"rocm"`` or ``"cuda"`` per the loaded torch's build; None without
+    torch or with a CPU-only build."""
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    if getattr(version, "hip", None):
+        return "rocm"
+    if getattr(version, "cuda", None):
+        return "cuda"
+    return None
+
+
 def _gpu_runtime() -> str:
     """``"rocm"`` under a ROCm build of torch, else ``"cuda"``."""
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(getattr(torch, "version", None), "hip", None):
-        return "rocm"
-    return "cuda"
+    return _torch_gpu_runtime() or "cuda"
 
 
-def _device(mem_type: Optional[str], dev: int) -> str:
-    """kvlane's device name for a row of ``mem_type`` on NIXL device ``dev``."""
-    return f"{_gpu_runtime()}:{dev}" if mem_type in _GPU_MEM else "cpu"
+def _gpu_memory(addr: int, n: int, dev: int, owner: Any = None) -> kvlane.Memory:
+    """GPU memory of NIXL device ``dev``: of the runtime torch was built
+    for, else of whichever runtime this machine has (CUDA first, then
+    ROCm); with neither, one ``UnsupportedError`` naming both reasons."""
+    runtime = _torch_gpu_runtime()
+    if runtime is not None:
+        return kvlane.Memory.unsafe_from_ptr(addr, n, f"{runtime}:{dev}", owner=owner)
+    try:
+        return kvlane.Memory.unsafe_from_ptr(addr, n, f"cuda:{dev}", owner=owner)
+    except kvlane.UnsupportedError as cuda:
+        try:
+            return kvlane.Memory.unsafe_from_ptr(addr, n, f"rocm:{dev}", owner=owner)
+        except kvlane.UnsupportedError as rocm:
+            raise kvlane.UnsupportedError(f"{cuda}; {rocm}") from None
 
 
 def _rows_of(descs: Any, mem_type: Optional[str]) -> List[tuple]:
@@ -404,8 +426,10 @@ class nixl_agent:
         for i, (addr, n, _dev, _meta) in enumerate(descs.rows):
             if descs.mems[i] is None:
                 # The NIXL contract: registered memory outlives its registration.
-                descs.mems[i] = kvlane.Memory.unsafe_from_ptr(
-                    addr, n, _device(descs.mem_type, int(_dev))
+                descs.mems[i] = (
+                    _gpu_memory(addr, n, int(_dev))
+                    if descs.mem_type in _GPU_MEM
+                    else kvlane.Memory.unsafe_from_ptr(addr, n, "cpu")
                 )
         self._regs.extend(m for m in descs.mems if m is not None)
         return descs
