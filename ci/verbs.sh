@@ -2,7 +2,9 @@
 # ci/verbs.sh -- build the verbs backend (cargo feature `verbs`), then in ONE
 # Soft-RoCE VM (ci/softroce.sh):
 #   1. run the ignored hardware tests of crates/kvlane-data/tests/verbs.rs on rxe0
-#      (conformance suite, notifications, striping, SQ-full, remote access error);
+#      (conformance suite, in host memory and in mock CUDA and ROCm memory
+#      registered by device address; notifications, striping, SQ-full, remote
+#      access error);
 #   2. run perftest ib_write_bw / ib_read_bw at 64 KiB on rxe0;
 #   3. run the kvlane verbs bench (examples/verbs_bench.rs) with the same
 #      message size, iteration count, queue depth and QP count, and

@@ -144,43 +144,66 @@ fn backend(config: VerbsConfig) -> VerbsBackend {
         .unwrap_or_else(|e| panic!("cannot open verbs backend on {name}: {e} ({e:?})"))
 }
 
-/// Two backends on the same device, in this process.
-struct Verbs;
+/// Two backends on the same device, in this process; every region in the
+/// memory the function names (`None`: host).
+struct Verbs(fn() -> Option<kvlane_data::GpuDevice>);
 
 impl Fixture for Verbs {
     type Backend = VerbsBackend;
     fn backends(&self) -> (VerbsBackend, VerbsBackend) {
         (backend(config(2)), backend(config(2)))
     }
+    fn memory(&self) -> Option<kvlane_data::GpuDevice> {
+        (self.0)()
+    }
 }
 
 macro_rules! verbs_conformance {
-    ($($case:ident),* $(,)?) => {
-        mod conformance_suite {
+    ($module:ident, $fixture:expr; $($case:ident),* $(,)?) => {
+        mod $module {
             $(
                 #[test]
                 #[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
                 fn $case() {
-                    kvlane_data::conformance::$case(&super::Verbs);
+                    kvlane_data::conformance::$case(&$fixture);
                 }
             )*
         }
     };
+    ($module:ident, $fixture:expr) => {
+        verbs_conformance!($module, $fixture;
+            write_read_roundtrip,
+            large_transfer,
+            many_in_flight,
+            notification_after_data,
+            bad_requests_refused,
+            missing_permission_refused,
+            deadline_expired,
+            empty_and_zero_length,
+            length_mismatch_rejected,
+            queue_full_hands_back,
+            removed_peer_fails_in_flight,
+            batch_submission,
+        );
+    };
 }
 
+verbs_conformance!(conformance_suite, super::Verbs(|| None));
+
+// Regions of kind GPU from the MOCK CUDA driver and the MOCK HIP runtime
+// (host memory behind their APIs; not a GPU). On rxe dma-buf registration
+// fails (the CUDA mock exports none; the HIP mock exports a memfd, which
+// is no dma-buf, and rxe has no dma-buf MRs), so they register by device
+// address, the peer-memory path: the whole suite runs through that
+// fallback, and the CPU reaches the regions only through the runtimes'
+// staged copies.
 verbs_conformance!(
-    write_read_roundtrip,
-    large_transfer,
-    many_in_flight,
-    notification_after_data,
-    bad_requests_refused,
-    missing_permission_refused,
-    deadline_expired,
-    empty_and_zero_length,
-    length_mismatch_rejected,
-    queue_full_hands_back,
-    removed_peer_fails_in_flight,
-    batch_submission,
+    mock_cuda_suite,
+    super::Verbs(|| Some(kvlane_data::conformance::use_mock_cuda()))
+);
+verbs_conformance!(
+    mock_rocm_suite,
+    super::Verbs(|| Some(kvlane_data::conformance::use_mock_hip(60_200_000)))
 );
 
 struct Pair {

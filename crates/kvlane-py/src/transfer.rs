@@ -28,6 +28,10 @@ struct State {
     outcome: Option<Outcome>,
     xfer: Option<Duration>,
     callbacks: Vec<Py<PyAny>>,
+    /// Threads blocked on `Shared::done`: it is signalled only for them
+    /// (a signal is a system call even when nobody waits, and most
+    /// transfers end unwatched, found done by a poll).
+    waiting: usize,
 }
 
 #[derive(Default)]
@@ -46,7 +50,9 @@ impl Shared {
     fn finish(&self, st: &mut State, r: Result<(), kvlane::Error>) -> Vec<Py<PyAny>> {
         st.outcome = Some(r.map_err(|e| (e.kind(), e.to_string())));
         st.xfer = self.posted.0.get().map(Instant::elapsed);
-        self.done.notify_all();
+        if st.waiting > 0 {
+            self.done.notify_all();
+        }
         std::mem::take(&mut st.callbacks)
     }
 
@@ -74,10 +80,12 @@ impl Shared {
         }
         let Some(mut h) = st.handle.take() else {
             // Another waiter or the watcher drives it: wait for its word.
-            let (st, _) = self
+            st.waiting += 1;
+            let (mut st, _) = self
                 .done
                 .wait_timeout_while(st, slice, |s| s.outcome.is_none())
                 .unwrap_or_else(|e| e.into_inner());
+            st.waiting -= 1;
             return (st.outcome.clone(), Vec::new());
         };
         drop(st);
@@ -212,12 +220,12 @@ impl Transfer {
     /// Waits up to `timeout` seconds (`None`: until it ends).
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let shared = self.shared()?.clone();
         // Fast path, GIL held: a transfer that already ended (the common
         // case when a batch is waited on in order) costs one poll.
         if let Some(o) = self.outcome()? {
             return check(o);
         }
+        let shared = self.shared()?.clone();
         let end = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
         loop {
             let slice = match end {
