@@ -986,8 +986,12 @@ pub fn build_mock_cuda(dir: &std::path::Path) -> std::io::Result<std::path::Path
     build_mock(dir, "CUDA driver", MOCK_CUDA_SOURCE, "libcuda.so.1", &[])
 }
 
-/// Compiles `source` with `cc` (and `defines`, `-DNAME=VALUE`) into
-/// `dir/lib`; its path.
+/// What both mocks include (`testdata/mock_gpu.h`): the allocation table
+/// and asynchronous copies that run only when their stream is synchronized.
+const MOCK_GPU_HEADER: &str = include_str!("../testdata/mock_gpu.h");
+
+/// Compiles `source` (with `mock_gpu.h` beside it, and `defines`,
+/// `-DNAME=VALUE`) with `cc` into `dir/lib`; its path.
 fn build_mock(
     dir: &std::path::Path,
     what: &str,
@@ -996,6 +1000,7 @@ fn build_mock(
     defines: &[String],
 ) -> std::io::Result<std::path::PathBuf> {
     std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("mock_gpu.h"), MOCK_GPU_HEADER)?;
     let src = dir.join(format!("{lib}.c"));
     let lib = dir.join(lib);
     std::fs::write(&src, source)?;

@@ -13,15 +13,13 @@
  *  - device copies must stay inside one cuMemAlloc'ed allocation, host
  *    sides of async copies inside one cuMemHostAlloc'ed buffer
  *    (CUDA_ERROR_INVALID_VALUE otherwise);
- *  - streams must be live.
+ *  - streams must be live;
+ *  - async copies run only when their stream is synchronized (mock_gpu.h).
  *
  * KVLANE_MOCK_CUDA_DEVICES sets the device count (default 1).
  */
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#define MOCK_NAME "mock CUDA driver"
+#include "mock_gpu.h"
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -37,66 +35,15 @@ typedef unsigned long long CUdeviceptr;
 #define INVALID_HANDLE 400
 #define NOT_SUPPORTED 801
 
-#define MAX_ALLOCS 4096
-
-struct alloc {
-    uintptr_t base;
-    size_t len;
-    int device; /* -1: pinned host */
-};
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static struct alloc allocs[MAX_ALLOCS];
 static int initialized;
 static __thread int current = -1;
 static char contexts[16];
-static char streams[1024];
+static char streams[MAX_STREAMS];
 
 static int device_count(void) {
     const char *s = getenv("KVLANE_MOCK_CUDA_DEVICES");
     int n = s ? atoi(s) : 1;
     return n < 0 ? 0 : (n > 16 ? 16 : n);
-}
-
-static int track(void *p, size_t len, int device) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].base == 0) {
-            allocs[i] = (struct alloc){(uintptr_t)p, len, device};
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
-
-static int untrack(uintptr_t p, int device_side) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].base == p && (allocs[i].device >= 0) == device_side) {
-            allocs[i].base = 0;
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
-
-/* The allocation containing p..p+len, or NULL. */
-static int find(uintptr_t p, size_t len, struct alloc *out) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        struct alloc a = allocs[i];
-        if (a.base && p >= a.base && p - a.base <= a.len && len <= a.len - (p - a.base)) {
-            *out = a;
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
 }
 
 static CUresult ready(void) {
@@ -208,6 +155,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t len) {
 CUresult cuMemFree_v2(CUdeviceptr p) {
     CUresult rc = ready();
     if (rc) return rc;
+    drain_all(); /* as cuMemFree synchronizes */
     if (!untrack((uintptr_t)p, 1)) return INVALID_VALUE;
     free((void *)(uintptr_t)p);
     return OK;
@@ -225,6 +173,9 @@ CUresult cuMemHostAlloc(void **p, size_t len, unsigned flags) {
 }
 
 CUresult cuMemFreeHost(void *p) {
+    struct alloc a;
+    if (find((uintptr_t)p, 1, &a) && a.base == (uintptr_t)p && a.device == -1)
+        no_queued_copy_uses(a.base, a.len, "cuMemFreeHost");
     if (!untrack((uintptr_t)p, 0)) return INVALID_VALUE;
     free(p);
     return OK;
@@ -249,6 +200,7 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags) {
 
 CUresult cuStreamDestroy_v2(CUstream s) {
     if (!live_stream(s)) return INVALID_HANDLE;
+    drain((int)((char *)s - streams)); /* queued work still completes */
     *(char *)s = 0;
     return OK;
 }
@@ -256,7 +208,9 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 CUresult cuStreamSynchronize(CUstream s) {
     CUresult rc = ready();
     if (rc) return rc;
-    return live_stream(s) ? OK : INVALID_HANDLE;
+    if (!live_stream(s)) return INVALID_HANDLE;
+    drain((int)((char *)s - streams));
+    return OK;
 }
 
 static CUresult copy(uintptr_t dev, uintptr_t host, size_t len, CUstream s, int to_device) {
@@ -266,9 +220,9 @@ static CUresult copy(uintptr_t dev, uintptr_t host, size_t len, CUstream s, int 
     if (!live_stream(s)) return INVALID_HANDLE;
     if (!find(dev, len, &a) || a.device != current) return INVALID_VALUE;
     if (!find(host, len, &a) || a.device != -1) return INVALID_VALUE;
-    if (to_device) memcpy((void *)dev, (void *)host, len);
-    else memcpy((void *)host, (void *)dev, len);
-    return OK;
+    int i = (int)((char *)s - streams);
+    int queued_ok = to_device ? enqueue(i, dev, host, len) : enqueue(i, host, dev, len);
+    return queued_ok ? OK : 2;
 }
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUstream s) {

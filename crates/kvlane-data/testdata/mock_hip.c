@@ -21,6 +21,8 @@
  *    hipErrorInvalidValue;
  *  - hipMalloc memory is page-aligned, a whole number of pages;
  *  - hipGetDeviceCount with no device is hipErrorNoDevice;
+ *  - async copies run only when their stream is synchronized (mock_gpu.h),
+ *    and hipFree synchronizes first;
  *  - hipMemGetHandleForAddressRange exists from ROCm 6.2 only. Here it
  *    returns a real file descriptor (a memfd of the range's size) for a
  *    page-aligned range inside one device allocation.
@@ -30,11 +32,8 @@
  * KVLANE_MOCK_HIP_DEVICES (device count, default 1).
  */
 #define _GNU_SOURCE
-#include <pthread.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#define MOCK_NAME "mock HIP runtime"
+#include "mock_gpu.h"
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -62,17 +61,6 @@ typedef void *hipStream_t;
 #define TYPE_DEVICE 1
 #endif
 
-#define MAX_ALLOCS 4096
-#define MAX_STREAMS 1024
-
-struct alloc {
-    uintptr_t base;
-    size_t len;
-    int device; /* -1: pinned host */
-};
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static struct alloc allocs[MAX_ALLOCS];
 static int initialized;
 static __thread int current; /* HIP: every thread starts on device 0 */
 /* A stream is a slot: 0 free, else its device + 1. */
@@ -85,47 +73,6 @@ static int device_count(void) {
 }
 
 static int valid_device(int d) { return d >= 0 && d < device_count(); }
-
-static int track(void *p, size_t len, int device) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].base == 0) {
-            allocs[i] = (struct alloc){(uintptr_t)p, len, device};
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
-
-static int untrack(uintptr_t p, int device_side) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        if (allocs[i].base == p && (allocs[i].device >= 0) == device_side) {
-            allocs[i].base = 0;
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
-
-/* The allocation containing p..p+len, if any. */
-static int find(uintptr_t p, size_t len, struct alloc *out) {
-    pthread_mutex_lock(&lock);
-    for (int i = 0; i < MAX_ALLOCS; i++) {
-        struct alloc a = allocs[i];
-        if (a.base && p >= a.base && p - a.base < a.len && len <= a.len - (p - a.base)) {
-            *out = a;
-            pthread_mutex_unlock(&lock);
-            return 1;
-        }
-    }
-    pthread_mutex_unlock(&lock);
-    return 0;
-}
 
 /* The device of a live stream, or -1. */
 static int stream_device(hipStream_t s) {
@@ -223,6 +170,7 @@ hipError_t hipMalloc(void **p, size_t len) {
 
 hipError_t hipFree(void *p) {
     if (!initialized) return hipErrorNotInitialized;
+    drain_all(); /* as hipFree synchronizes */
     if (!untrack((uintptr_t)p, 1)) return hipErrorInvalidValue;
     free(p);
     return hipSuccess;
@@ -239,6 +187,9 @@ hipError_t hipHostMalloc(void **p, size_t len, unsigned flags) {
 }
 
 hipError_t hipHostFree(void *p) {
+    struct alloc a;
+    if (find((uintptr_t)p, 1, &a) && a.base == (uintptr_t)p && a.device == -1)
+        no_queued_copy_uses(a.base, a.len, "hipHostFree");
     if (!untrack((uintptr_t)p, 0)) return hipErrorInvalidValue;
     free(p);
     return hipSuccess;
@@ -262,13 +213,16 @@ hipError_t hipStreamCreateWithFlags(hipStream_t *s, unsigned flags) {
 
 hipError_t hipStreamDestroy(hipStream_t s) {
     if (stream_device(s) < 0) return hipErrorInvalidHandle;
+    drain((int)((int *)s - streams)); /* queued work still completes */
     *(int *)s = 0;
     return hipSuccess;
 }
 
 hipError_t hipStreamSynchronize(hipStream_t s) {
     if (!initialized) return hipErrorNotInitialized;
-    return stream_device(s) >= 0 ? hipSuccess : hipErrorInvalidHandle;
+    if (stream_device(s) < 0) return hipErrorInvalidHandle;
+    drain((int)((int *)s - streams));
+    return hipSuccess;
 }
 
 static hipError_t copy(uintptr_t dev, uintptr_t host, size_t len, hipStream_t s, int to_device) {
@@ -278,9 +232,9 @@ static hipError_t copy(uintptr_t dev, uintptr_t host, size_t len, hipStream_t s,
     if (sd < 0) return hipErrorInvalidHandle;
     if (!find(dev, len, &a) || a.device != sd) return hipErrorInvalidValue;
     if (!find(host, len, &a) || a.device != -1) return hipErrorInvalidValue;
-    if (to_device) memcpy((void *)dev, (void *)host, len);
-    else memcpy((void *)host, (void *)dev, len);
-    return hipSuccess;
+    int i = (int)((int *)s - streams);
+    int queued_ok = to_device ? enqueue(i, dev, host, len) : enqueue(i, host, dev, len);
+    return queued_ok ? hipSuccess : hipErrorOutOfMemory;
 }
 
 hipError_t hipMemcpyHtoDAsync(void *dst, void *src, size_t len, hipStream_t s) {

@@ -1,0 +1,133 @@
+/* What the mock CUDA driver (mock_cuda.c) and the mock HIP runtime
+ * (mock_hip.c) share: the table of allocations ("device" memory is
+ * malloc'ed host memory) and ASYNCHRONOUS copies on streams.
+ *
+ * A copy issued on a stream is only queued; it runs when its stream is
+ * synchronized or destroyed (or when device memory is freed, which
+ * synchronizes as the real runtimes do). That is the latest moment a real
+ * GPU may run it, so code that reads a pinned buffer before synchronizing
+ * the copy into it, refills one while the copy out of it is in flight, or
+ * takes device memory to be written when the copy call returns, gets the
+ * wrong bytes here, and its tests fail. Freeing a pinned buffer that a
+ * queued copy still uses aborts the process (kvlane promises never to).
+ *
+ * Not a header of any library: included once by each mock, which defines
+ * MOCK_NAME (for messages) before including it.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ALLOCS 4096
+#define MAX_STREAMS 1024
+
+struct alloc {
+    uintptr_t base;
+    size_t len;
+    int device; /* -1: pinned host */
+};
+
+/* One queued copy. */
+struct op {
+    uintptr_t dst, src;
+    size_t len;
+    struct op *next;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc allocs[MAX_ALLOCS];
+static struct op *queued[MAX_STREAMS], *queued_last[MAX_STREAMS];
+
+static int track(void *p, size_t len, int device) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == 0) {
+            allocs[i] = (struct alloc){(uintptr_t)p, len, device};
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+static int untrack(uintptr_t p, int device_side) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == p && (allocs[i].device >= 0) == device_side) {
+            allocs[i].base = 0;
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* The allocation containing p..p+len (len >= 1 excludes one past the end). */
+static int find(uintptr_t p, size_t len, struct alloc *out) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && p >= a.base && p - a.base <= a.len && len <= a.len - (p - a.base)) {
+            *out = a;
+            pthread_mutex_unlock(&lock);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+/* Queues a copy on stream `s` (0 <= s < MAX_STREAMS); 0 when out of memory. */
+static int enqueue(int s, uintptr_t dst, uintptr_t src, size_t len) {
+    struct op *o = malloc(sizeof *o);
+    if (!o) return 0;
+    *o = (struct op){dst, src, len, NULL};
+    pthread_mutex_lock(&lock);
+    if (queued_last[s]) queued_last[s]->next = o;
+    else queued[s] = o;
+    queued_last[s] = o;
+    pthread_mutex_unlock(&lock);
+    return 1;
+}
+
+/* Runs the copies queued on stream `s`, in order (under the lock, so that
+ * a free that drains every stream waits for copies another thread runs). */
+static void drain(int s) {
+    pthread_mutex_lock(&lock);
+    struct op *o = queued[s];
+    queued[s] = queued_last[s] = NULL;
+    while (o) {
+        struct op *next = o->next;
+        memcpy((void *)o->dst, (const void *)o->src, o->len);
+        free(o);
+        o = next;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+static void drain_all(void) {
+    for (int s = 0; s < MAX_STREAMS; s++) drain(s);
+}
+
+/* Aborts when a queued copy reads or writes base..base+len. */
+static void no_queued_copy_uses(uintptr_t base, size_t len, const char *call) {
+    pthread_mutex_lock(&lock);
+    for (int s = 0; s < MAX_STREAMS; s++) {
+        for (struct op *o = queued[s]; o; o = o->next) {
+            int hits = (o->dst < base + len && base < o->dst + o->len) ||
+                       (o->src < base + len && base < o->src + o->len);
+            if (hits) {
+                fprintf(stderr,
+                        "%s: %s(%#lx) while a copy on stream %d still uses it "
+                        "(synchronize the stream first)\n",
+                        MOCK_NAME, call, (unsigned long)base, s);
+                abort();
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
