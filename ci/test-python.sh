@@ -31,4 +31,4 @@ export MATURIN_PEP517_ARGS="--profile ${KVLANE_PY_PROFILE:-dev}"
 (cd crates/kvlane-py/tests && "$venv/bin/python" -m pytest -q -p no:cacheprovider . "$@")
 # Benchmark smoke run (tiny sizes; timings are not checked).
 "$venv/bin/python" crates/kvlane-py/bench/bench.py --impl native,kvlane.nixl \
-  --block-sizes 4K --batch 4 --duration 0.05
+  --block-sizes 4K --batch 4 --duration 0.05 --rounds 2

@@ -11,6 +11,10 @@ Columns: payload GB/s (10^9 B/s), average and p99 latency of a transfer from
 post to completion, average post time (prepare + post) per transfer.
 ``--rust BIN`` also runs ``kvlane bench --role target|initiator`` (the Rust
 bench, two processes) in the same run, point by point next to the others. ``--json`` prints one object a line.
+``--rounds N`` runs every point N times (interleaved as above, round after
+round; rows carry ``round``) and ends the table with the median GB/s of
+each point over the rounds and its ratio to the Rust bench and to NIXL: on
+a noisy machine one round's ratio is not a measurement.
 """
 
 import argparse
@@ -206,17 +210,22 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=2.0, help="seconds per point")
     ap.add_argument("--rust", help="path of the kvlane binary: run its bench in the same go")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every point this many times")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     sizes, ops = a.block_sizes.split(","), [o.upper() for o in a.op.split(",")]
     rows = []
     # Every implementation measures a point right after the others (the
     # Rust bench first), so a drift in the machine's speed reaches them alike.
-    for size in sizes:
-        for op in ops:
-            if a.rust:
-                rows += rust_points(a.rust, [size], a.batch, [op], a.duration)
-            for impl in a.impl.split(","):
-                rows.append(point(impl, size, a.batch, op, a.duration))
+    for rnd in range(a.rounds):
+        for size in sizes:
+            for op in ops:
+                got = rust_points(a.rust, [size], a.batch, [op], a.duration) if a.rust else []
+                got += [point(impl, size, a.batch, op, a.duration) for impl in a.impl.split(",")]
+                for r in got:
+                    r["round"] = rnd
+                rows += got
     if a.json:
         for r in rows:
             print(json.dumps(r))
@@ -225,6 +234,24 @@ def main() -> None:
     for r in rows:
         print(f"{r['impl']:<16}{r['op']:<7}{r['block_size']:>6}{r['batch']:>6}{r['gbps']:>8.2f}"
               f"{r['lat_avg_us']:>12.1f}{r['lat_p99_us']:>12.1f}{r['post_avg_us']:>9.2f}")
+    if a.rounds > 1:
+        print_medians(rows, a.rounds)
+
+
+def print_medians(rows, rounds: int) -> None:
+    """Median GB/s of every (impl, op, block) over the rounds, with its
+    ratio to the Rust bench's and to the real NIXL's medians where they ran."""
+    med = {}
+    for r in rows:
+        med.setdefault((r["impl"], r["op"], r["block_size"]), []).append(r["gbps"])
+    med = {k: float(np.median(v)) for k, v in med.items()}
+    nixl = next((k[0] for k in med if k[0].startswith("nixl")), None)
+    print(f"\nmedian of {rounds} rounds")
+    print(f"{'impl':<16}{'op':<7}{'block':>6}{'GB/s':>8}{'/ rust':>8}{'/ nixl':>8}")
+    for (impl, op, block), g in med.items():
+        rust, ref = med.get(("rust", op, block)), med.get((nixl, op, block)) if nixl else None
+        ratio = lambda b: f"{g / b:>8.2f}" if b else f"{'-':>8}"
+        print(f"{impl:<16}{op:<7}{block:>6}{g:>8.2f}{ratio(rust)}{ratio(ref)}")
 
 
 if __name__ == "__main__":
