@@ -239,19 +239,25 @@ def main() -> None:
 
 
 def print_medians(rows, rounds: int) -> None:
-    """Median GB/s of every (impl, op, block) over the rounds, with its
-    ratio to the Rust bench's and to the real NIXL's medians where they ran."""
-    med = {}
-    for r in rows:
-        med.setdefault((r["impl"], r["op"], r["block_size"]), []).append(r["gbps"])
-    med = {k: float(np.median(v)) for k, v in med.items()}
-    nixl = next((k[0] for k in med if k[0].startswith("nixl")), None)
-    print(f"\nmedian of {rounds} rounds")
+    """Per (impl, op, block): the median GB/s over the rounds, and the
+    median over the rounds of its ratio to the Rust bench's and to the real
+    NIXL's GB/s measured in the same round (paired, so a round the machine
+    was slow in counts against both sides)."""
+    by = {(r["round"], r["impl"], r["op"], r["block_size"]): r["gbps"] for r in rows}
+    keys = list(dict.fromkeys((r["impl"], r["op"], r["block_size"]) for r in rows))
+    nixl = next((k[0] for k in keys if k[0].startswith("nixl")), None)
+
+    def ratio(impl, ref, op, block):
+        rs = [by[(n, impl, op, block)] / by[(n, ref, op, block)] for n in range(rounds)
+              if ref and by.get((n, ref, op, block)) and (n, impl, op, block) in by]
+        return f"{float(np.median(rs)):>8.2f}" if rs else f"{'-':>8}"
+
+    print(f"\nmedian of {rounds} rounds (ratios: median of the per-round ratios)")
     print(f"{'impl':<16}{'op':<7}{'block':>6}{'GB/s':>8}{'/ rust':>8}{'/ nixl':>8}")
-    for (impl, op, block), g in med.items():
-        rust, ref = med.get(("rust", op, block)), med.get((nixl, op, block)) if nixl else None
-        ratio = lambda b: f"{g / b:>8.2f}" if b else f"{'-':>8}"
-        print(f"{impl:<16}{op:<7}{block:>6}{g:>8.2f}{ratio(rust)}{ratio(ref)}")
+    for impl, op, block in keys:
+        g = float(np.median([by[(n, impl, op, block)] for n in range(rounds) if (n, impl, op, block) in by]))
+        print(f"{impl:<16}{op:<7}{block:>6}{g:>8.2f}{ratio(impl, 'rust', op, block)}"
+              f"{ratio(impl, nixl, op, block)}")
 
 
 if __name__ == "__main__":
