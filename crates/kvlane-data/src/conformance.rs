@@ -928,6 +928,26 @@ macro_rules! conformance_tests {
     };
 }
 
+/// Allocating on `missing`, a device the runtime does not have (it has
+/// `count`), is `Unsupported` with `NoDevice`, and the message names the
+/// device and the count.
+pub fn missing_device_is_unsupported(missing: GpuDevice, count: u32) {
+    use crate::gpu::{GpuError, GpuUnavailable};
+    let err = Region::alloc_device(missing, 4096, Access::ALL).unwrap_err();
+    match &err {
+        DataError::Gpu(GpuError::Unsupported {
+            device,
+            why: GpuUnavailable::NoDevice { count: c },
+        }) => assert_eq!((*device, *c), (missing, count)),
+        e => panic!("unexpected: {e:?}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&missing.to_string()) && msg.contains(&format!("{count} device")),
+        "{msg}"
+    );
+}
+
 /// Host memory to `device` memory and back over tcp (6 MiB and an odd
 /// tail, several staging chunks): a WRITE whose notification arrives only
 /// once every byte is in the target's device memory, then a READ into
