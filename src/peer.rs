@@ -276,8 +276,8 @@ impl Peer {
         r: RemoteDescriptors,
         notify: Option<&[u8]>,
     ) -> Result<PreparedTransfer, Error> {
-        let mut transfer = Transfer::new(data_peer, op, l, r)
-            .with_deadline(Instant::now() + DEFAULT_TRANSFER_DEADLINE);
+        let deadline = Instant::now() + DEFAULT_TRANSFER_DEADLINE;
+        let mut transfer = Transfer::due(data_peer, op, l, r, deadline);
         let frame = notify
             .map(|p| frames::notify_frame(&self.inner.engine_id, p))
             .transpose()?;

@@ -100,6 +100,20 @@ impl Transfer {
         local: impl Into<Descriptors>,
         remote: impl Into<RemoteDescriptors>,
     ) -> Self {
+        Self::due(peer, op, local, remote, Instant::now() + DEFAULT_DEADLINE)
+    }
+
+    /// A transfer with a fresh id that fails with [`DataError::Timeout`]
+    /// if not done by `deadline` ([`new`](Self::new) then
+    /// [`with_deadline`](Self::with_deadline), without a clock read for the
+    /// default deadline that is replaced).
+    pub fn due(
+        peer: PeerId,
+        op: Op,
+        local: impl Into<Descriptors>,
+        remote: impl Into<RemoteDescriptors>,
+        deadline: Instant,
+    ) -> Self {
         Self {
             id: TransferId::next(),
             peer,
@@ -107,7 +121,7 @@ impl Transfer {
             local: local.into(),
             remote: remote.into(),
             notify: None,
-            deadline: Instant::now() + DEFAULT_DEADLINE,
+            deadline,
         }
     }
 

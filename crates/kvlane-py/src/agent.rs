@@ -11,7 +11,7 @@ use kvlane::{BackendChoice, MemSpan, PreparedTransfer as RsPrepared};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::sync::Mutex as AsyncMutex;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -247,18 +247,18 @@ pub(crate) struct PreparedTransfer {
     notify: Option<Vec<u8>>,
     descriptors: usize,
     bytes: u64,
-    prepare: Duration,
+    /// When its prepare started.
+    prepared_at: Instant,
 }
 
 impl PreparedTransfer {
     /// When a post of it started, for telemetry: the first post counts
     /// from before its prepare.
-    fn started(&self) -> (SystemTime, Instant) {
-        let (wall, now) = (SystemTime::now(), Instant::now());
+    fn started(&self) -> Instant {
         if self.posted {
-            (wall, now)
+            Instant::now()
         } else {
-            (wall - self.prepare, now - self.prepare)
+            self.prepared_at
         }
     }
 }
@@ -299,7 +299,7 @@ impl Peer {
         notify: Option<Vec<u8>>,
     ) -> PyResult<Transfer> {
         self.live()?;
-        let started = (SystemTime::now(), Instant::now());
+        let started = Instant::now();
         let p = self
             .peer
             .prepare(op, layers.0..layers.1, &local, &remote, notify.as_deref())
@@ -307,7 +307,7 @@ impl Peer {
         self.post_prepared(p, started)
     }
 
-    fn post_prepared(&self, p: RsPrepared, started: (SystemTime, Instant)) -> PyResult<Transfer> {
+    fn post_prepared(&self, p: RsPrepared, started: Instant) -> PyResult<Transfer> {
         self.try_post(p, started).map_err(to_py)
     }
 
@@ -317,17 +317,13 @@ impl Peer {
         self.post_prepared(prepared.plan, started)
     }
 
-    fn try_post(
-        &self,
-        p: RsPrepared,
-        started: (SystemTime, Instant),
-    ) -> Result<Transfer, kvlane::Error> {
+    fn try_post(&self, p: RsPrepared, started: Instant) -> Result<Transfer, kvlane::Error> {
         let (bytes, descriptors) = (p.bytes(), p.descriptors());
         let handle = self.peer.post(p)?;
         Ok(Transfer::watch(
             handle,
             started,
-            started.1.elapsed(),
+            Instant::now(),
             bytes,
             descriptors,
         ))
@@ -451,7 +447,7 @@ impl Peer {
             local: l,
             remote: r,
             notify,
-            prepare: t.elapsed(),
+            prepared_at: t,
         })
     }
 

@@ -140,11 +140,27 @@ fn call(callbacks: Vec<Py<PyAny>>) {
     });
 }
 
+/// Microseconds since the Unix epoch at `at`: the wall clock read once per
+/// process, plus monotonic time since. A post reads the clock once for
+/// its telemetry this way, not twice (on this project's 2-core VM a
+/// clock read is 30-40 ns, and a Python post made ten of them); the
+/// price is that a wall-clock step after the first post is not seen.
+fn unix_us(at: Instant) -> u64 {
+    static ANCHOR: std::sync::OnceLock<(SystemTime, Instant)> = std::sync::OnceLock::new();
+    let (wall, mono) = *ANCHOR.get_or_init(|| (SystemTime::now(), Instant::now()));
+    let t = match at.checked_duration_since(mono) {
+        Some(after) => wall + after,
+        None => wall - mono.duration_since(at),
+    };
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros() as u64
+}
+
 /// What one transfer cost (what vLLM's connector reports per transfer).
 #[pyclass(module = "kvlane", frozen, get_all, name = "Telemetry")]
 #[derive(Clone)]
 pub(crate) struct Telemetry {
-    /// When it was posted, microseconds since the Unix epoch.
+    /// When its prepare (its post, for a prepared transfer posted again)
+    /// began, microseconds since the Unix epoch.
     start_time_us: u64,
     /// Time to prepare and post it, microseconds.
     post_us: u64,
@@ -169,28 +185,23 @@ pub(crate) struct Transfer {
 }
 
 impl Transfer {
-    /// Watches `handle`, posted at `started` after `post` of preparing and
-    /// posting.
+    /// Watches `handle`, whose prepare (or post) began at `started` and
+    /// whose post returned at `posted`.
     pub(crate) fn watch(
         handle: kvlane::TransferHandle,
-        started: (SystemTime, Instant),
-        post: Duration,
+        started: Instant,
+        posted: Instant,
         bytes: u64,
         descriptors: usize,
     ) -> Self {
         let shared = Arc::new(Shared::default());
-        let _ = shared.posted.0.set(started.1 + post);
+        let _ = shared.posted.0.set(posted);
         lock(&shared.state).handle = Some(handle);
-        let start_time_us = started
-            .0
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_micros() as u64;
         Self {
             shared: Some(shared),
             telemetry: Telemetry {
-                start_time_us,
-                post_us: post.as_micros() as u64,
+                start_time_us: unix_us(started),
+                post_us: posted.saturating_duration_since(started).as_micros() as u64,
                 xfer_us: 0,
                 bytes,
                 descriptors: descriptors as u64,

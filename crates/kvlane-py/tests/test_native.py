@@ -56,20 +56,35 @@ def test_a_prepared_transfer_posts_again_with_the_bytes_of_each_post(native_targ
     with kvlane.Agent(engine_id="init", backend="tcp", regions=[mine]) as agent:
         peer = agent.connect(t["addr"])
         base, rbase = mine.ctypes.data, t["buf"]
+        now_us = lambda: time.time_ns() // 1000  # noqa: E731
+        prepared = now_us()
         p = peer.prepare_spans("WRITE", [(base, 4096)], [(rbase, 4096)])
         theirs = pattern(7)
-        handles = []
+        handles, calls = [], []
         for i in range(5):
             # Each post sends what the buffer holds then, under its own
             # handle: the plan is reused, not the transfer.
             mine[:4096] = i
+            time.sleep(0.01)
+            a = now_us()
             h = peer.post(p)
+            calls.append((a, now_us()))
             assert h.wait(10) and h.status == "done"
             handles.append(h)
             theirs[:4096] = i
             assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs), i
         assert len({id(h) for h in handles}) == 5
-        assert all(h.telemetry.bytes == 4096 for h in handles)
+        tels = [h.telemetry for h in handles]
+        assert all(t.bytes == 4096 for t in tels)
+        # Wall-clock start times (1 ms of slack for the clocks' rounding):
+        # the first post counts from its prepare, later ones from their
+        # own post call, and the post time fits in what the caller saw.
+        slack = 1000
+        assert prepared - slack <= tels[0].start_time_us <= calls[0][0] + slack
+        assert tels[0].post_us <= calls[0][1] - prepared + slack
+        for (a, b), t in list(zip(calls, tels))[1:]:
+            assert a - slack <= t.start_time_us <= b + slack, (a, b, t.start_time_us)
+            assert t.post_us <= b - a + slack
 
 
 def test_blocks_with_kv_layout_in_one_process():
