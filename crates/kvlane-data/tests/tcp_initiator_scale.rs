@@ -55,6 +55,8 @@ mod scale {
     fn hundreds_of_peers_cost_no_thread_and_land_every_byte() {
         let config = TcpConfig {
             io_threads: 2,
+            // Every peer its 4 streams: the stress is the stream count.
+            stream_budget: usize::MAX,
             chunk_bytes: 16 << 10,
             ..TcpConfig::default()
         };

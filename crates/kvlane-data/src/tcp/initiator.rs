@@ -13,7 +13,7 @@
 //! the notification is acknowledged.
 
 use super::io::{tune_socket, SocketOptions};
-use super::pool::{Inbox, PoolShared};
+use super::pool::{Inbox, PoolShared, StreamLease};
 use super::shared::{lock, IdMap, Shared};
 use super::wire::{Hello, RequestKind, Status, HELLO_ACK};
 use super::TcpEndpoint;
@@ -133,6 +133,8 @@ pub(crate) struct PeerConn {
     dead: AtomicBool,
     /// Bytes queued so far; picks the stream (see `add_chunk`).
     striped: AtomicU64,
+    /// Its streams, counted in the pool's total while it lives.
+    _lease: StreamLease,
     /// Tests: driving a stream of this connection panics.
     #[cfg(test)]
     pub(crate) panic_in_io: AtomicBool,
@@ -140,6 +142,8 @@ pub(crate) struct PeerConn {
 
 pub(crate) struct ConnectConfig {
     pub(crate) streams: usize,
+    /// See [`TcpConfig::stream_budget`](super::TcpConfig::stream_budget).
+    pub(crate) stream_budget: usize,
     pub(crate) timeout: Duration,
     pub(crate) socket: SocketOptions,
 }
@@ -197,8 +201,9 @@ impl PeerConn {
         pool: &PoolShared,
     ) -> Result<Arc<Self>, DataError> {
         let addr = ep.addr;
+        let lease = pool.lease_streams(cfg.streams, cfg.stream_budget);
         let mut sockets = Vec::new();
-        for i in 0..cfg.streams.max(1) {
+        for i in 0..lease.streams() {
             let s = open_stream(peer, ep, i, cfg)?;
             s.set_nonblocking(true).map_err(|e| {
                 io_err(
@@ -229,6 +234,7 @@ impl PeerConn {
             transfers: Mutex::new(Transfers::default()),
             dead: AtomicBool::new(false),
             striped: AtomicU64::new(0),
+            _lease: lease,
             #[cfg(test)]
             panic_in_io: AtomicBool::new(false),
         });

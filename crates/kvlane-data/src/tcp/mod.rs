@@ -19,8 +19,9 @@
 //!   refusals are answered with a status and counted
 //!   ([`TcpBackend::counters`]).
 //! - **Initiator.** A connected peer gets [`TcpConfig::streams`] TCP
-//!   connections. Transfers are checked locally against the regions the
-//!   peer advertised, split into chunks of at most
+//!   connections, or fewer (one) once the process has
+//!   [`TcpConfig::stream_budget`] of them. Transfers are checked locally
+//!   against the regions the peer advertised, split into chunks of at most
 //!   [`TcpConfig::chunk_bytes`] and striped over the streams; small
 //!   requests are coalesced into few `write` calls. A notification is sent
 //!   only after every chunk of its transfer was acknowledged.
@@ -153,7 +154,22 @@ pub struct TcpConfig {
     /// `examples/tcp_bench`) 4 streams matched or beat 1 and 2 for 64 KiB
     /// and 1 MiB blocks, and 8 was slower; small requests are not hurt
     /// because they stay on one stream until `chunk_bytes` are queued.
+    /// Fewer once the process has many peers: see `stream_budget`.
     pub streams: usize,
+    /// Initiator streams of the process (every tcp backend with the same
+    /// `io_threads`, as they share I/O threads) up to which a newly
+    /// connected peer gets `streams`; a peer connected nearer to it gets
+    /// what fits, past it one. Several streams fill the link for one peer;
+    /// with many peers the peers do, while four sockets each cost file
+    /// descriptors, kernel buffers and the target's `max_connections`
+    /// (4,096 by default: 1,024 peers of 4). A peer keeps the streams it
+    /// got, so past the budget early peers have more than late ones: with
+    /// a budget of 64, 100 peers (16 of 4 streams, 84 of 1) had a READ p99
+    /// of 120-234 ms against 51-52 ms when all had 4 (`kvlane bench
+    /// --peers 100 --block-sizes 64K --batch 16`, 2-core host). Default
+    /// 1024: 256 peers (32 nodes of 8 GPUs) all get 4; at 1,000 peers the
+    /// process holds 1,768 streams, not 4,000.
+    pub stream_budget: usize,
     /// Largest request; longer contiguous spans are split into chunks of
     /// this size. It is also the striping unit: streams take turns every
     /// `chunk_bytes` of queued requests. Default 512 KiB (measured against
@@ -180,7 +196,8 @@ pub struct TcpConfig {
     pub keepalive: Option<Duration>,
     /// Authenticated connections the target side serves at once (counted
     /// after the hello; past it a hello is refused). Default 4096: 1,000
-    /// peers of 4 streams.
+    /// peers of 4 streams (kvlane initiators open fewer per peer once they
+    /// have many peers, see `stream_budget`).
     pub max_connections: usize,
     /// Connections accepted but not yet authenticated the target side
     /// holds at once; past it the oldest is closed to make room. Default
@@ -205,6 +222,7 @@ impl Default for TcpConfig {
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             advertise: None,
             streams: 4,
+            stream_budget: 1024,
             chunk_bytes: 512 << 10,
             queue_depth: 4096,
             connect_timeout: Duration::from_secs(5),
@@ -469,6 +487,14 @@ impl TcpBackend {
     /// authentication and framing failures).
     pub fn counters(&self) -> TcpCounters {
         self.counters.snapshot()
+    }
+
+    /// Initiator streams open in this process's tcp backends that share
+    /// this one's I/O threads (what [`TcpConfig::stream_budget`] counts).
+    /// A dropped connection's streams leave the count once its I/O thread
+    /// let them go.
+    pub fn initiator_streams(&self) -> usize {
+        self.pool.shared().open_streams()
     }
 
     fn check_local(
@@ -757,6 +783,7 @@ impl Backend for TcpBackend {
         let ep = TcpEndpoint::from_endpoint(remote)?;
         let cfg = ConnectConfig {
             streams: self.config.streams,
+            stream_budget: self.config.stream_budget,
             timeout: self.config.connect_timeout,
             socket: self.config.socket_options(),
         };

@@ -92,9 +92,67 @@ pub(crate) struct IoPool {
 pub(crate) struct PoolShared {
     inboxes: Vec<Arc<Inbox>>,
     next: AtomicUsize,
+    /// Streams of the pool's live connections (see [`StreamLease`]).
+    open: Arc<AtomicUsize>,
+}
+
+/// The streams one connection counts in its pool's total, given back when
+/// the connection is dropped.
+pub(crate) struct StreamLease {
+    open: Arc<AtomicUsize>,
+    n: usize,
+}
+
+impl StreamLease {
+    /// Streams the connection opens.
+    pub(crate) fn streams(&self) -> usize {
+        self.n
+    }
+}
+
+impl Drop for StreamLease {
+    fn drop(&mut self) {
+        self.open.fetch_sub(self.n, Ordering::AcqRel);
+    }
+}
+
+/// Streams for a new connection that wants `wanted` when `open` streams
+/// are open already: as many as fit under `budget`, and at least one.
+pub(crate) fn streams_within(wanted: usize, budget: usize, open: usize) -> usize {
+    wanted.min(budget.saturating_sub(open)).max(1)
 }
 
 impl PoolShared {
+    /// Counts the streams of a new connection that wants `wanted` of
+    /// them: `wanted` while the pool's streams stay within `budget`, one
+    /// past it ([`streams_within`]). Counted at once, so connections made
+    /// at the same time see each other.
+    pub(crate) fn lease_streams(&self, wanted: usize, budget: usize) -> StreamLease {
+        let mut open = self.open.load(Ordering::Acquire);
+        loop {
+            let n = streams_within(wanted.max(1), budget, open);
+            match self.open.compare_exchange_weak(
+                open,
+                open + n,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return StreamLease {
+                        open: self.open.clone(),
+                        n,
+                    }
+                }
+                Err(now) => open = now,
+            }
+        }
+    }
+
+    /// Streams of the pool's live connections.
+    pub(crate) fn open_streams(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
     /// The thread the next stream goes to (round-robin).
     pub(crate) fn pick(&self) -> Arc<Inbox> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.inboxes.len();
@@ -155,6 +213,7 @@ impl IoPool {
             shared: Arc::new(PoolShared {
                 inboxes: inboxes.clone(),
                 next: AtomicUsize::new(0),
+                open: Arc::new(AtomicUsize::new(0)),
             }),
             threads: Vec::new(),
         };
