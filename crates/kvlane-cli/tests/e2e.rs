@@ -543,7 +543,7 @@ async fn one_peer_dying_leaves_transfers_to_another_untouched() {
 
 /// `kvlane bench --peers 1,3 --peer-procs 2`: one JSON row per count, the
 /// agents spread over two worker processes, every row with transfers,
-/// latency and the resources of both sides (threads and fds from /proc),
+/// a rate over the window, latency and the resources of both sides (threads and fds from /proc),
 /// and more initiator threads and fds at 3 peers than at 1.
 #[test]
 fn bench_peers_reports_aggregate_rows_per_peer_count() {
@@ -574,6 +574,11 @@ fn bench_peers_reports_aggregate_rows_per_peer_count() {
         assert!(r["error"].is_null(), "{r}");
         assert!(r["transfers"].as_u64().unwrap() >= 2 * peers, "{r}");
         assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+        // The rate is over the window, of what completed within it: at
+        // most every transfer's bytes over the window.
+        assert_eq!(r["seconds"].as_f64().unwrap(), 0.3, "{r}");
+        let every = r["transfers"].as_f64().unwrap() * 65536.0 / 0.3 / 1e9;
+        assert!(r["gbps"].as_f64().unwrap() <= every * (1.0 + 1e-9), "{r}");
         assert!(r["lat_p99_us"].as_f64().unwrap() > 0.0, "{r}");
         if cfg!(target_os = "linux") {
             for side in ["target", "initiators"] {
