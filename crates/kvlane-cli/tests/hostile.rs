@@ -326,10 +326,12 @@ async fn a_key_holding_peer_is_served_through_floods_and_sigterm_ends_serve() {
         if let Some(st) = child.try_wait().expect("wait") {
             break st;
         }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "serve still running 10 s after SIGTERM under a flood"
-        );
+        if t.elapsed() >= Duration::from_secs(10) {
+            // Not left running after the test (a hung serve once was).
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve still running 10 s after SIGTERM under a flood");
+        }
         std::thread::sleep(Duration::from_millis(5));
     };
     let sigterm_to_exit = t.elapsed();

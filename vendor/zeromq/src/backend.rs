@@ -132,8 +132,16 @@ impl GenericSocketBackend {
                     }
                 },
             };
-            let send_result = match self.peers.get_async(&next_peer_id).await {
-                Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
+            // kvlane patch: the queue is cloned out of the map so the
+            // bucket lock is not held while a full queue is awaited (see
+            // `send_to_peer`).
+            let queue = self
+                .peers
+                .get_async(&next_peer_id)
+                .await
+                .map(|peer| peer.send_queue.clone());
+            let send_result = match queue {
+                Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
                 None => continue,
             };
             return match send_result {
@@ -162,8 +170,20 @@ impl GenericSocketBackend {
             SendResolution::Miss(message) => message,
         };
 
-        let send_result = match self.peers.get_async(peer_id).await {
-            Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
+        // kvlane patch: clone the queue out of the map and release the
+        // bucket lock before awaiting a full queue. Holding it across that
+        // await (a peer that does not read) while other tasks removed peers
+        // of the same bucket with the blocking `remove_sync` blocked every
+        // worker thread of the runtime: nothing drove I/O any more, so the
+        // queue never drained (`kvlane serve` hung after SIGTERM under a
+        // hello flood).
+        let queue = self
+            .peers
+            .get_async(peer_id)
+            .await
+            .map(|peer| peer.send_queue.clone());
+        let send_result = match queue {
+            Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
             None => return Err(ZmqError::Other("Destination client not found by identity")),
         };
         match send_result {
