@@ -314,6 +314,31 @@ pub fn wait_notifications<B: Backend>(
     notes
 }
 
+/// A transfer of `len` bytes between `local` at `lo` and the remote
+/// region `key` at `ro`, with the default deadline.
+pub fn one_span(
+    peer: PeerId,
+    op: Op,
+    (local, lo): (&Region, u64),
+    (key, ro): (RemoteKey, u64),
+    len: u64,
+) -> Transfer {
+    Transfer::new(
+        peer,
+        op,
+        vec![Descriptor {
+            region: local.id(),
+            offset: lo,
+            len,
+        }],
+        vec![RemoteDescriptor {
+            key,
+            offset: ro,
+            len,
+        }],
+    )
+}
+
 fn desc(s: &Setup<impl Backend>, lo: u64, ro: u64, len: u64) -> (Descriptor, RemoteDescriptor) {
     (
         Descriptor {

@@ -4,11 +4,8 @@
 
 #[cfg(target_os = "linux")]
 mod scale {
-    use kvlane_data::conformance::{collect, Rng};
-    use kvlane_data::{
-        connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, TcpBackend,
-        TcpConfig, Transfer,
-    };
+    use kvlane_data::conformance::{collect, one_span, Rng};
+    use kvlane_data::{connect_pair, Access, Backend, Op, Region, TcpBackend, TcpConfig, Transfer};
     use std::time::Duration;
 
     /// Peer pairs: each connects both ways (as the facade dials back from
@@ -30,21 +27,8 @@ mod scale {
         key: kvlane_data::RemoteKey,
         at: u64,
     ) -> Transfer {
-        Transfer::new(
-            peer,
-            op,
-            vec![Descriptor {
-                region: local.id(),
-                offset: at,
-                len: BLOCK,
-            }],
-            vec![RemoteDescriptor {
-                key,
-                offset: at,
-                len: BLOCK,
-            }],
-        )
-        .with_deadline(std::time::Instant::now() + Duration::from_secs(60))
+        one_span(peer, op, (local, at), (key, at), BLOCK)
+            .with_deadline(std::time::Instant::now() + Duration::from_secs(60))
     }
 
     /// 256 peers x 4 streams, initiated from both backends (2,048

@@ -3,10 +3,10 @@
 
 /// The target in another process (`examples/tcp_target.rs`).
 mod process {
-    use kvlane_data::conformance::collect;
+    use kvlane_data::conformance::{collect, one_span};
     use kvlane_data::{
-        Access, Backend, Completion, DataError, Descriptor, Endpoint, Op, Region, RemoteDescriptor,
-        RemoteRegion, SubmitError, TcpBackend, TcpConfig, Transfer,
+        Access, Backend, Completion, DataError, Endpoint, Op, Region, RemoteRegion, SubmitError,
+        TcpBackend, TcpConfig, Transfer,
     };
     use std::io::{BufRead, BufReader, Write};
     use std::path::PathBuf;
@@ -110,20 +110,7 @@ mod process {
         ro: u64,
         len: u64,
     ) -> Transfer {
-        Transfer::new(
-            peer,
-            op,
-            vec![Descriptor {
-                region: local.id(),
-                offset: lo,
-                len,
-            }],
-            vec![RemoteDescriptor {
-                key: t.region.key,
-                offset: ro,
-                len,
-            }],
-        )
+        one_span(peer, op, (local, lo), (t.region.key, ro), len)
     }
 
     #[test]

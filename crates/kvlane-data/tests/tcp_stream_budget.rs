@@ -4,11 +4,8 @@
 //! leave the count. In its own test binary: the count is per process (per
 //! pool of I/O threads), so no other test may connect meanwhile.
 
-use kvlane_data::conformance::{run_one, Rng};
-use kvlane_data::{
-    connect_pair, Access, Backend, Descriptor, Op, PeerId, Region, RemoteDescriptor, RemoteKey,
-    TcpBackend, TcpConfig, Transfer,
-};
+use kvlane_data::conformance::{one_span, run_one, Rng};
+use kvlane_data::{connect_pair, Access, Backend, Op, Region, TcpBackend, TcpConfig};
 use std::time::{Duration, Instant};
 
 fn config() -> TcpConfig {
@@ -24,24 +21,6 @@ fn config() -> TcpConfig {
 }
 
 const LEN: u64 = 256 << 10;
-
-fn transfer(peer: PeerId, op: Op, local: &Region, key: RemoteKey) -> Transfer {
-    Transfer::new(
-        peer,
-        op,
-        vec![Descriptor {
-            region: local.id(),
-            offset: 0,
-            len: LEN,
-        }],
-        vec![RemoteDescriptor {
-            key,
-            offset: 0,
-            len: LEN,
-        }],
-    )
-    .with_deadline(Instant::now() + Duration::from_secs(30))
-}
 
 #[test]
 fn peers_past_the_stream_budget_get_one_stream_and_still_move_every_byte() {
@@ -76,9 +55,19 @@ fn peers_past_the_stream_budget_get_one_stream_and_still_move_every_byte() {
 
     // The last peer has one stream: its 16 chunks all go over it.
     let (pa, _) = *pairs.last().unwrap();
-    run_one(&mut a, &mut b, transfer(pa, Op::Write, &src, remote_ad.key)).unwrap();
+    run_one(
+        &mut a,
+        &mut b,
+        one_span(pa, Op::Write, (&src, 0), (remote_ad.key, 0), LEN),
+    )
+    .unwrap();
     assert!(remote.to_vec().unwrap() == data, "a WRITE landed wrong");
-    run_one(&mut a, &mut b, transfer(pa, Op::Read, &back, remote_ad.key)).unwrap();
+    run_one(
+        &mut a,
+        &mut b,
+        one_span(pa, Op::Read, (&back, 0), (remote_ad.key, 0), LEN),
+    )
+    .unwrap();
     assert!(back.to_vec().unwrap() == data, "a READ landed wrong");
 
     // Removed peers give their streams back once their I/O thread let

@@ -132,15 +132,8 @@ impl GenericSocketBackend {
                     }
                 },
             };
-            // kvlane patch: the queue is cloned out of the map so the
-            // bucket lock is not held while a full queue is awaited (see
-            // `send_to_peer`).
-            let queue = self
-                .peers
-                .get_async(&next_peer_id)
-                .await
-                .map(|peer| peer.send_queue.clone());
-            let send_result = match queue {
+            // kvlane patch: see `queue_of`.
+            let send_result = match self.queue_of(&next_peer_id).await {
                 Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
                 None => continue,
             };
@@ -170,19 +163,8 @@ impl GenericSocketBackend {
             SendResolution::Miss(message) => message,
         };
 
-        // kvlane patch: clone the queue out of the map and release the
-        // bucket lock before awaiting a full queue. Holding it across that
-        // await (a peer that does not read) while other tasks removed peers
-        // of the same bucket with the blocking `remove_sync` blocked every
-        // worker thread of the runtime: nothing drove I/O any more, so the
-        // queue never drained (`kvlane serve` hung after SIGTERM under a
-        // hello flood).
-        let queue = self
-            .peers
-            .get_async(peer_id)
-            .await
-            .map(|peer| peer.send_queue.clone());
-        let send_result = match queue {
+        // kvlane patch: see `queue_of`.
+        let send_result = match self.queue_of(peer_id).await {
             Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
             None => return Err(ZmqError::Other("Destination client not found by identity")),
         };
@@ -193,6 +175,20 @@ impl GenericSocketBackend {
                 Err(e.into())
             }
         }
+    }
+
+    /// kvlane patch. A peer's send queue, cloned out of the map so that
+    /// the bucket lock is released before a full queue is awaited.
+    /// Holding it across that await (a peer that does not read) while
+    /// other tasks removed peers of the same bucket with the blocking
+    /// `remove_sync` blocked every worker thread of the runtime: nothing
+    /// drove I/O any more, so the queue never drained (`kvlane serve`
+    /// hung after SIGTERM under a hello flood).
+    async fn queue_of(&self, peer_id: &PeerIdentity) -> Option<mpsc::Sender<Message>> {
+        self.peers
+            .get_async(peer_id)
+            .await
+            .map(|peer| peer.send_queue.clone())
     }
 
     fn try_send_cached_single_peer(

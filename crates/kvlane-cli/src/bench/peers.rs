@@ -13,8 +13,8 @@
 //!
 //! Per N (and op and block size) one row: aggregate GB/s (the bytes of
 //! the transfers that completed within `--duration`, over it), average
-//! and p99 latency over every transfer of every agent, and the resources of both sides. A
-//! count that cannot be reached (a cap, a refused connection, a timeout)
+//! and p99 latency over every transfer of every agent, and the resources
+//! of both sides. A count that cannot be reached (a cap, a refused connection, a timeout)
 //! gives a row with `error` saying which, and the next N still runs.
 
 use super::remote::{flat_layout, RemoteOpts, PAGE};
@@ -92,7 +92,6 @@ struct WorkerReport {
     transfers: u64,
     /// Transfers that completed within the measured window.
     in_window: u64,
-    secs: f64,
     lat_ns: Vec<u64>,
     usage: Usage,
     error: Option<String>,
@@ -450,10 +449,8 @@ pub(crate) fn worker(
         }
         all
     });
-    let secs = started.elapsed().as_secs_f64();
     let mut out = WorkerReport {
         agents,
-        secs,
         usage: Usage::now(),
         ..WorkerReport::default()
     };

@@ -118,7 +118,7 @@ impl Drop for StreamLease {
 
 /// Streams for a new connection that wants `wanted` when `open` streams
 /// are open already: as many as fit under `budget`, and at least one.
-pub(crate) fn streams_within(wanted: usize, budget: usize, open: usize) -> usize {
+fn streams_within(wanted: usize, budget: usize, open: usize) -> usize {
     wanted.min(budget.saturating_sub(open)).max(1)
 }
 
@@ -130,7 +130,7 @@ impl PoolShared {
     pub(crate) fn lease_streams(&self, wanted: usize, budget: usize) -> StreamLease {
         let mut open = self.open.load(Ordering::Acquire);
         loop {
-            let n = streams_within(wanted.max(1), budget, open);
+            let n = streams_within(wanted, budget, open);
             match self.open.compare_exchange_weak(
                 open,
                 open + n,
