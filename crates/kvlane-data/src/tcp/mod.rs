@@ -1068,6 +1068,61 @@ mod tests {
         assert!(got[&ids[1]].0.is_ok(), "{:?}", got[&ids[1]].0);
     }
 
+    /// An I/O thread with nothing to do waits in `epoll_wait`; a request
+    /// queued for one of its streams must wake it (nothing else would: the
+    /// connection is idle, and the backend's poll does no I/O). Each round
+    /// lets the thread park first, then one small WRITE and one small READ
+    /// must complete, byte-checked, long before their deadline.
+    #[test]
+    fn a_parked_io_thread_is_woken_by_each_submission() {
+        use crate::backend::connect_pair;
+        use crate::conformance::{collect, one_span};
+        // A thread count no other test here uses: this pool is its own.
+        let config = TcpConfig {
+            io_threads: 7,
+            ..TcpConfig::default()
+        };
+        let mut init = TcpBackend::new(config.clone()).unwrap();
+        let mut target = TcpBackend::new(config).unwrap();
+        let local = Region::alloc(1 << 16, Access::ALL).unwrap();
+        let remote = Region::alloc(1 << 16, Access::ALL).unwrap();
+        let local_ad = init.register(&local).unwrap();
+        let remote_ad = target.register(&remote).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).unwrap();
+        let deadline = Duration::from_secs(10);
+        for round in 0..20u8 {
+            // Idle long enough for every I/O thread to wait in the kernel.
+            std::thread::sleep(Duration::from_millis(20));
+            local.write(0, &[round; 4096]).unwrap();
+            let w = one_span(peer, Op::Write, (&local, 0), (remote_ad.key, 0), 4096)
+                .with_deadline(Instant::now() + deadline);
+            let id = w.id;
+            init.submit(w).unwrap();
+            let got = collect(&mut init, &[id], deadline + Duration::from_secs(5));
+            assert!(got[&id].0.is_ok(), "round {round} WRITE: {:?}", got[&id].0);
+            let mut landed = vec![0u8; 4096];
+            remote.read(0, &mut landed).unwrap();
+            assert!(
+                landed.iter().all(|&b| b == round),
+                "round {round} WRITE bytes"
+            );
+
+            std::thread::sleep(Duration::from_millis(20));
+            remote.write(8192, &[!round; 4096]).unwrap();
+            let r = one_span(peer, Op::Read, (&local, 8192), (remote_ad.key, 8192), 4096)
+                .with_deadline(Instant::now() + deadline);
+            let id = r.id;
+            init.submit(r).unwrap();
+            let got = collect(&mut init, &[id], deadline + Duration::from_secs(5));
+            assert!(got[&id].0.is_ok(), "round {round} READ: {:?}", got[&id].0);
+            local.read(8192, &mut landed).unwrap();
+            assert!(
+                landed.iter().all(|&b| b == !round),
+                "round {round} READ bytes"
+            );
+        }
+    }
+
     #[test]
     fn a_wildcard_listener_advertises_the_wildcard_or_the_advertised_host() {
         let wild = TcpBackend::new(TcpConfig {

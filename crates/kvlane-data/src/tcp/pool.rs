@@ -48,6 +48,9 @@ pub(crate) struct Inbox {
     adopt: Mutex<Vec<(Arc<PeerConn>, usize)>>,
     /// Streams with requests queued (see [`Inbox::ready`]).
     ready: Mutex<Vec<usize>>,
+    /// The thread is about to wait, or waits, in `epoll_wait`: only then
+    /// does [`Inbox::ready`] wake it (see [`Worker::park`]).
+    parked: AtomicBool,
     next_token: AtomicUsize,
     stop: AtomicBool,
     index: usize,
@@ -60,14 +63,16 @@ impl Inbox {
     }
 
     /// Asks the thread to drive the stream `token` (requests are queued
-    /// for it, or its connection failed). Wakes the thread only when the
-    /// list was empty: otherwise a wake-up is already on its way.
+    /// for it, or its connection failed). Wakes the thread only when it is
+    /// parked: a thread at work drives the list at the end of its turn and
+    /// looks at it again before it waits. Measured: the `eventfd` write of
+    /// a wake-up was ~12% of a Python thread posting 64 KiB WRITEs, with
+    /// the I/O thread busy, not waiting, most of the time.
     pub(crate) fn ready(&self, token: usize) {
-        let mut r = lock(&self.ready);
-        let was_empty = r.is_empty();
-        r.push(token);
-        drop(r);
-        if was_empty {
+        lock(&self.ready).push(token);
+        // SeqCst, with the thread's store in `park`: either the thread sees
+        // the token under the lock before it waits, or this sees it parked.
+        if self.parked.swap(false, Ordering::SeqCst) {
             self.wake();
         }
     }
@@ -204,6 +209,7 @@ impl IoPool {
                 waker,
                 adopt: Mutex::new(Vec::new()),
                 ready: Mutex::new(Vec::new()),
+                parked: AtomicBool::new(false),
                 next_token: AtomicUsize::new(1),
                 stop: AtomicBool::new(false),
                 index,
@@ -298,8 +304,14 @@ impl Worker {
         let mut events = Events::with_capacity(EVENTS);
         let mut ready = Vec::new();
         loop {
-            let timeout = (!self.again.is_empty()).then_some(std::time::Duration::ZERO);
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
+            let timeout = if self.again.is_empty() && self.park() {
+                None
+            } else {
+                Some(std::time::Duration::ZERO)
+            };
+            let polled = self.poll.poll(&mut events, timeout);
+            self.inbox.parked.store(false, Ordering::SeqCst);
+            if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(thread = self.inbox.index, error = %e, "tcp initiator poll failed; the I/O thread stops");
                     for s in self.streams.values() {
@@ -334,6 +346,18 @@ impl Worker {
                 self.drive(t);
             }
         }
+    }
+
+    /// Marks the thread parked unless streams are ready already; whether
+    /// it may wait. A submitter that queued a stream after the look sees
+    /// the mark and wakes the thread (see [`Inbox::ready`]).
+    fn park(&self) -> bool {
+        self.inbox.parked.store(true, Ordering::SeqCst);
+        if lock(&self.inbox.ready).is_empty() {
+            return true;
+        }
+        self.inbox.parked.store(false, Ordering::SeqCst);
+        false
     }
 
     fn adopt(&mut self, conn: Arc<PeerConn>, i: usize) {
