@@ -1090,47 +1090,53 @@ mod tests {
     /// must complete, byte-checked, long before their deadline.
     #[test]
     fn a_parked_io_thread_is_woken_by_each_submission() {
-        use crate::backend::connect_pair;
-        use crate::conformance::{collect, one_span};
-        // A thread count no other test here uses: this pool is its own.
-        let config = TcpConfig {
-            io_threads: 7,
-            ..TcpConfig::default()
-        };
-        let mut init = TcpBackend::new(config.clone()).unwrap();
-        let mut target = TcpBackend::new(config).unwrap();
-        let local = Region::alloc(1 << 16, Access::ALL).unwrap();
-        let remote = Region::alloc(1 << 16, Access::ALL).unwrap();
-        let local_ad = init.register(&local).unwrap();
-        let remote_ad = target.register(&remote).unwrap();
-        let (peer, _) = connect_pair(&mut init, &[local_ad], &mut target, &[remote_ad]).unwrap();
+        use crate::conformance::{one_span, run_one, setup, Fixture};
+        /// Tcp backends on a pool of their own: a thread count no other
+        /// test here uses.
+        struct OwnPool;
+        impl Fixture for OwnPool {
+            type Backend = TcpBackend;
+            fn backends(&self) -> (TcpBackend, TcpBackend) {
+                let config = TcpConfig {
+                    io_threads: 7,
+                    ..TcpConfig::default()
+                };
+                (
+                    TcpBackend::new(config.clone()).unwrap(),
+                    TcpBackend::new(config).unwrap(),
+                )
+            }
+        }
+        let mut s = setup(&OwnPool, 1 << 16, 1 << 16, Access::ALL, 7);
         let deadline = Duration::from_secs(10);
+        let mut landed = vec![0u8; 4096];
         for round in 0..20u8 {
             // Idle long enough for every I/O thread to wait in the kernel.
             std::thread::sleep(Duration::from_millis(20));
-            local.write(0, &[round; 4096]).unwrap();
-            let w = one_span(peer, Op::Write, (&local, 0), (remote_ad.key, 0), 4096)
+            s.local.write(0, &[round; 4096]).unwrap();
+            let w = one_span(s.peer, Op::Write, (&s.local, 0), (s.remote_ad.key, 0), 4096)
                 .with_deadline(Instant::now() + deadline);
-            let id = w.id;
-            init.submit(w).unwrap();
-            let got = collect(&mut init, &[id], deadline + Duration::from_secs(5));
-            assert!(got[&id].0.is_ok(), "round {round} WRITE: {:?}", got[&id].0);
-            let mut landed = vec![0u8; 4096];
-            remote.read(0, &mut landed).unwrap();
+            let r = run_one(&mut s.init, &mut s.target, w);
+            assert!(r.is_ok(), "round {round} WRITE: {r:?}");
+            s.remote.read(0, &mut landed).unwrap();
             assert!(
                 landed.iter().all(|&b| b == round),
                 "round {round} WRITE bytes"
             );
 
             std::thread::sleep(Duration::from_millis(20));
-            remote.write(8192, &[!round; 4096]).unwrap();
-            let r = one_span(peer, Op::Read, (&local, 8192), (remote_ad.key, 8192), 4096)
-                .with_deadline(Instant::now() + deadline);
-            let id = r.id;
-            init.submit(r).unwrap();
-            let got = collect(&mut init, &[id], deadline + Duration::from_secs(5));
-            assert!(got[&id].0.is_ok(), "round {round} READ: {:?}", got[&id].0);
-            local.read(8192, &mut landed).unwrap();
+            s.remote.write(8192, &[!round; 4096]).unwrap();
+            let rd = one_span(
+                s.peer,
+                Op::Read,
+                (&s.local, 8192),
+                (s.remote_ad.key, 8192),
+                4096,
+            )
+            .with_deadline(Instant::now() + deadline);
+            let r = run_one(&mut s.init, &mut s.target, rd);
+            assert!(r.is_ok(), "round {round} READ: {r:?}");
+            s.local.read(8192, &mut landed).unwrap();
             assert!(
                 landed.iter().all(|&b| b == !round),
                 "round {round} READ bytes"
