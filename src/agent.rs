@@ -9,7 +9,7 @@ use crate::peer::Peer;
 use crate::spans::{self, MemSpan};
 use crate::state::{lock, Inner, LocalKv};
 use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
-use kvlane_data::{Backend, KvLayout, Op, Region, Transport};
+use kvlane_data::{Backend, FastMap, KvLayout, Op, Region, Transport};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -309,8 +309,8 @@ impl AgentBuilder {
             transport,
             kv,
             regions: self.regions,
-            peers: Mutex::new(HashMap::new()),
-            by_data_peer: Mutex::new(HashMap::new()),
+            peers: Mutex::new(FastMap::default()),
+            by_data_peer: Mutex::new(FastMap::default()),
             events,
             notifications: Mutex::new(Some(note_rx)),
             note_tx,

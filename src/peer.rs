@@ -7,10 +7,9 @@ use crate::spans::{self, MemSpan};
 use crate::state::{lock, Inner, PeerEntry};
 use kvlane_control::ConnectionId;
 use kvlane_data::{
-    plan, Descriptor, Descriptors, Op, PeerId, RemoteDescriptor, RemoteDescriptors, RemoteRegion,
-    Transfer, TransferId,
+    plan_into, Descriptor, Descriptors, FastMap, Op, PeerId, PlannedCopy, RemoteDescriptor,
+    RemoteDescriptors, RemoteRegion, Transfer, TransferId,
 };
-use std::collections::HashMap;
 use std::future::Future;
 use std::ops::Range;
 use std::pin::Pin;
@@ -18,6 +17,16 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+
+/// Most planned copies whose room [`PLAN`] keeps between calls.
+const PLAN_KEEP: usize = 1024;
+
+thread_local! {
+    /// The planner's output, reused by the thread's next `prepare`: one
+    /// allocation and free per prepared transfer less (a Vec grown from
+    /// empty by `plan`).
+    static PLAN: std::cell::RefCell<Vec<PlannedCopy>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// A block transfer planned against one incarnation of a peer, ready to
 /// [`post`](Peer::post). Posting it after the peer restarted fails with
@@ -149,24 +158,39 @@ impl Peer {
                 ),
             )
         })?;
-        let copies = plan(&local.layout, local_ids, &remote.layout, remote_ids, layers)?;
-        let (l, r): (Descriptors, RemoteDescriptors) = copies
-            .iter()
-            .map(|c| {
-                (
-                    Descriptor {
-                        region: local.region.id(),
-                        offset: c.local,
-                        len: c.len,
-                    },
-                    RemoteDescriptor {
-                        key: remote.region.key,
-                        offset: c.remote,
-                        len: c.len,
-                    },
-                )
-            })
-            .unzip();
+        let (l, r): (Descriptors, RemoteDescriptors) = PLAN.with_borrow_mut(|copies| {
+            let planned = plan_into(
+                &local.layout,
+                local_ids,
+                &remote.layout,
+                remote_ids,
+                layers,
+                copies,
+            );
+            let descriptors = planned.map(|()| {
+                copies
+                    .iter()
+                    .map(|c| {
+                        (
+                            Descriptor {
+                                region: local.region.id(),
+                                offset: c.local,
+                                len: c.len,
+                            },
+                            RemoteDescriptor {
+                                key: remote.region.key,
+                                offset: c.remote,
+                                len: c.len,
+                            },
+                        )
+                    })
+                    .unzip()
+            });
+            if copies.capacity() > PLAN_KEEP {
+                *copies = Vec::new();
+            }
+            descriptors
+        })?;
         let incarnation = entry.incarnation;
         drop(peers);
         self.planned(op, data_peer, incarnation, l, r, notify)
@@ -220,7 +244,7 @@ impl Peer {
     /// This connection's entry and its data-plane peer, or why there is none.
     fn ready<'a>(
         &self,
-        peers: &'a HashMap<ConnectionId, PeerEntry>,
+        peers: &'a FastMap<ConnectionId, PeerEntry>,
     ) -> Result<(&'a PeerEntry, PeerId), Error> {
         let r = match peers.get(&self.conn) {
             None => Err(self.lost("closed")),
@@ -377,7 +401,7 @@ impl Peer {
     /// current incarnation; the peer's metrics recorder.
     fn posting(
         &self,
-        peers: &HashMap<ConnectionId, PeerEntry>,
+        peers: &FastMap<ConnectionId, PeerEntry>,
         prepared: &PreparedTransfer,
     ) -> Result<Arc<PeerMetrics>, Error> {
         let entry = peers

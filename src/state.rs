@@ -7,7 +7,7 @@ use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{DpFrame, KvAdvert};
 use crate::metrics::PeerMetrics;
 use kvlane_control::{ConnectionId, ControlNode};
-use kvlane_data::{KvLayout, PeerId, Region, RemoteRegion, Transport};
+use kvlane_data::{FastMap, KvLayout, PeerId, Region, RemoteRegion, Transport};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -110,11 +110,11 @@ pub(crate) struct Inner {
     pub(crate) kv: Vec<LocalKv>,
     /// Plain regions registered for span transfers.
     pub(crate) regions: Vec<Region>,
-    pub(crate) peers: Mutex<HashMap<ConnectionId, PeerEntry>>,
+    pub(crate) peers: Mutex<FastMap<ConnectionId, PeerEntry>>,
     /// Data-plane peer -> the connection whose `data_peer` or
     /// `served_peer` it is (what a data-plane notification's sender is
     /// looked up by). Written under the `peers` lock, with the entry.
-    pub(crate) by_data_peer: Mutex<HashMap<PeerId, ConnectionId>>,
+    pub(crate) by_data_peer: Mutex<FastMap<PeerId, ConnectionId>>,
     pub(crate) events: broadcast::Sender<PeerEvent>,
     pub(crate) notifications: Mutex<Option<mpsc::Receiver<Notification>>>,
     /// Bounded ([`AgentBuilder::notification_capacity`](crate::AgentBuilder::notification_capacity)):

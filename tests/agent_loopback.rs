@@ -241,3 +241,54 @@ async fn group_connect_reaches_every_rank_or_names_the_failing_one() {
         a.close().await;
     }
 }
+
+/// `prepare` plans into a buffer its thread reuses: a large plan, then a
+/// refused one, then a one-block transfer moves exactly that block, with
+/// nothing of the earlier plans in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_transfer_carries_only_its_own_blocks() {
+    let l = layout();
+    let (prefill, pre_kv) = agent("prefill", "127.0.0.1:0", 1).await;
+    let (decode, dec_kv) = agent("decode", "127.0.0.1:0", 2).await;
+    let peer = prefill.connect(decode.local_addr()).await.unwrap();
+    let before = dec_kv.to_vec().unwrap();
+
+    // Every block of every layer, scattered: 256 copies planned, not posted.
+    let src: Vec<u32> = (0..32).collect();
+    let dst: Vec<u32> = (0..32).rev().collect();
+    let big = peer
+        .prepare(kvlane::data::Op::Write, 0..4, &src, &dst, None)
+        .unwrap();
+    drop(big);
+    // A block id past the cache: refused, naming it.
+    let e = peer
+        .prepare(kvlane::data::Op::Write, 0..4, &[3, 32], &[3, 4], None)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("32"), "{e}");
+
+    let one = peer
+        .prepare(kvlane::data::Op::Write, 1..2, &[7], &[9], None)
+        .unwrap();
+    peer.post(one).unwrap().await.unwrap();
+    let after = dec_kv.to_vec().unwrap();
+    for layer in 0..4 {
+        for part in 0..2 {
+            for block in 0..32 {
+                let at = l.offset(layer, part, block).unwrap() as usize;
+                let got = &after[at..at + l.block_bytes as usize];
+                if (layer, block) == (1, 9) {
+                    assert_eq!(got, block_bytes(&pre_kv, &l, 1, part, 7), "part {part}");
+                } else {
+                    assert_eq!(
+                        got,
+                        &before[at..at + l.block_bytes as usize],
+                        "layer {layer} part {part} block {block} was written"
+                    );
+                }
+            }
+        }
+    }
+    prefill.close().await;
+    decode.close().await;
+}

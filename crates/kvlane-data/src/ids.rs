@@ -57,11 +57,12 @@ impl TransferId {
     }
 }
 
-/// Hasher for the backend's maps keyed by small local ids (transfer,
-/// region, peer, key): one multiply per key instead of SipHash. The keys
-/// come from the local caller, never from the network.
+/// Hasher for maps keyed by small local ids (transfer, region, peer, key,
+/// the facade's connection ids): one multiply per key instead of SipHash.
+/// Only for keys that come from the local process, never from the network
+/// (it offers no defence against chosen collisions).
 #[derive(Default)]
-pub(crate) struct IdHasher(u64);
+pub struct IdHasher(u64);
 
 impl std::hash::Hasher for IdHasher {
     fn write(&mut self, bytes: &[u8]) {
@@ -80,6 +81,5 @@ impl std::hash::Hasher for IdHasher {
     }
 }
 
-/// A map keyed by a local id.
-pub(crate) type FastMap<K, V> =
-    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+/// A map keyed by a local id (see [`IdHasher`]).
+pub type FastMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;

@@ -105,8 +105,8 @@ pub use gpu::{
     ParseGpuDeviceError,
 };
 pub use handle::{OnDone, TransferHandle, Transport};
-pub use ids::{PeerId, RegionId, RemoteKey, TransferId};
-pub use layout::{plan, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
+pub use ids::{FastMap, IdHasher, PeerId, RegionId, RemoteKey, TransferId};
+pub use layout::{plan, plan_into, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};
 #[cfg(unix)]
 pub use memory::send_vectored;
