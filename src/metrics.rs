@@ -358,6 +358,15 @@ pub(crate) struct PeerMetrics {
     ok: [OnceLock<OkSeries>; 2],
 }
 
+/// The facade observes each transfer it posts with its peer's metrics (no
+/// closure allocated per transfer).
+impl kvlane_data::Observer for PeerMetrics {
+    fn ended(&self, t: kvlane_data::Ended, result: &Result<(), kvlane_data::DataError>) {
+        let outcome = result.as_ref().map(|_| ()).map_err(crate::error::data_kind);
+        self.transfer(t.op, t.bytes, t.elapsed, outcome);
+    }
+}
+
 impl PeerMetrics {
     /// Counts one ended transfer.
     pub(crate) fn transfer(

@@ -8,7 +8,7 @@ use crate::state::{lock, Inner, PeerEntry};
 use kvlane_control::ConnectionId;
 use kvlane_data::{
     plan_into, Descriptor, Descriptors, FastMap, Op, PeerId, PlannedCopy, RemoteDescriptor,
-    RemoteDescriptors, RemoteRegion, Transfer, TransferId,
+    RemoteDescriptors, RemoteRegion, Then, Transfer, TransferId,
 };
 use std::future::Future;
 use std::ops::Range;
@@ -339,10 +339,10 @@ impl Peer {
             notify_after_read,
             ..
         } = prepared;
-        let on_done = self.on_done(recorder, &transfer);
         // Never blocks: a full queue is `ErrorKind::Busy` (retry after earlier
-        // transfers completed), not a stalled async task.
-        let data = self.inner.transport.submit_then(transfer, on_done)?;
+        // transfers completed), not a stalled async task. The peer's
+        // metrics observe the transfer's end.
+        let data = self.inner.transport.submit_observed(transfer, recorder)?;
         Ok(self.handle(data, notify_after_read))
     }
 
@@ -367,9 +367,8 @@ impl Peer {
             for p in prepared {
                 match self.posting(&peers, &p) {
                     Ok(recorder) => {
-                        let on_done = self.on_done(recorder, &p.transfer);
                         after.push((out.len(), p.notify_after_read));
-                        submit.push((p.transfer, Some(on_done)));
+                        submit.push((p.transfer, Some(Then::Observe(recorder))));
                         // The submission's result, below.
                         out.push(None);
                     }
@@ -432,15 +431,6 @@ impl Peer {
                 .inner
                 .metrics
                 .for_peer(&entry.engine_id, self.inner.rail),
-        })
-    }
-
-    /// What runs when `transfer` ends: its metrics.
-    fn on_done(&self, metrics: Arc<PeerMetrics>, transfer: &Transfer) -> kvlane_data::OnDone {
-        let (op, bytes, posted) = (transfer.op, transfer.total_len(), Instant::now());
-        Box::new(move |r| {
-            let outcome = r.as_ref().map(|_| ()).map_err(crate::error::data_kind);
-            metrics.transfer(op, bytes, posted.elapsed(), outcome);
         })
     }
 

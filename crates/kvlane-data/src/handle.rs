@@ -8,7 +8,7 @@ use crate::ids::{FastMap, RegionId};
 use crate::ids::{PeerId, TransferId};
 use crate::memory::{Region, RemoteRegion};
 use crate::progress::{Member, ProgressPool};
-use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,11 +33,94 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// before any waiter sees the result (see [`Transport::submit_then`]).
 pub type OnDone = Box<dyn FnOnce(&Result<(), DataError>) + Send>;
 
+/// Told of each transfer submitted with it when that transfer ends, on the
+/// thread that resolves it, before any waiter sees the result (see
+/// [`Then::Observe`]). One observer serves many transfers (a peer's
+/// metrics, say), so observing costs no allocation per transfer, where an
+/// [`OnDone`] closure is a box each.
+pub trait Observer: Send + Sync {
+    /// `transfer` ended with `result`. Keep it short: it runs on the
+    /// thread that resolves transfers.
+    fn ended(&self, transfer: Ended, result: &Result<(), DataError>);
+}
+
+/// What an [`Observer`] is told of an ended transfer.
+#[derive(Clone, Copy, Debug)]
+pub struct Ended {
+    /// READ or WRITE.
+    pub op: Op,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// From submission to the result.
+    pub elapsed: Duration,
+}
+
+/// What runs when a transfer ends (see [`Transport::submit_batch`]).
+pub enum Then {
+    /// A closure of the transfer's own.
+    Call(OnDone),
+    /// A shared observer.
+    Observe(Arc<dyn Observer>),
+}
+
+impl std::fmt::Debug for Then {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Call(_) => "Then::Call",
+            Self::Observe(_) => "Then::Observe",
+        })
+    }
+}
+
+/// A slot's [`Then`], with what an observer is told.
+enum AtEnd {
+    Call(OnDone),
+    Observe {
+        observer: Arc<dyn Observer>,
+        op: Op,
+        bytes: u64,
+        submitted: Instant,
+    },
+}
+
+impl AtEnd {
+    fn new(then: Then, t: &Transfer) -> Self {
+        match then {
+            Then::Call(f) => Self::Call(f),
+            Then::Observe(observer) => Self::Observe {
+                observer,
+                op: t.op,
+                bytes: t.total_len(),
+                submitted: Instant::now(),
+            },
+        }
+    }
+
+    fn run(self, result: &Result<(), DataError>) {
+        match self {
+            Self::Call(f) => f(result),
+            Self::Observe {
+                observer,
+                op,
+                bytes,
+                submitted,
+            } => observer.ended(
+                Ended {
+                    op,
+                    bytes,
+                    elapsed: submitted.elapsed(),
+                },
+                result,
+            ),
+        }
+    }
+}
+
 #[derive(Default)]
 struct SlotState {
     result: Option<Result<(), DataError>>,
     waker: Option<Waker>,
-    on_done: Option<OnDone>,
+    on_done: Option<AtEnd>,
     /// Threads blocked in `wait`: the condition variable is signalled only
     /// for them (a signal is a system call even when nobody waits, and a
     /// batch's handles are mostly done before they are waited on).
@@ -61,8 +144,8 @@ impl Slot {
     /// those of the other transfers resolved with it).
     fn run_on_done(&self, result: &Result<(), DataError>) {
         let on_done = lock(&self.state).on_done.take();
-        if let Some(f) = on_done {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(result))).is_err() {
+        if let Some(p) = on_done {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.run(result))).is_err() {
                 tracing::error!("a transfer's on_done callback panicked; its result is delivered");
             }
         }
@@ -520,8 +603,23 @@ impl Transport {
         transfer: Transfer,
         on_done: OnDone,
     ) -> Result<TransferHandle, SubmitError> {
+        self.submit_with(transfer, Then::Call(on_done))
+    }
+
+    /// Submits a transfer and tells `observer` when it ends (see
+    /// [`Observer`]; as [`submit_then`](Self::submit_then), without a
+    /// closure to allocate per transfer).
+    pub fn submit_observed(
+        &self,
+        transfer: Transfer,
+        observer: Arc<dyn Observer>,
+    ) -> Result<TransferHandle, SubmitError> {
+        self.submit_with(transfer, Then::Observe(observer))
+    }
+
+    fn submit_with(&self, transfer: Transfer, then: Then) -> Result<TransferHandle, SubmitError> {
         let slot = Slot::default();
-        lock(&slot.state).on_done = Some(on_done);
+        lock(&slot.state).on_done = Some(AtEnd::new(then, &transfer));
         self.submit_slot(transfer, slot)
     }
 
@@ -558,8 +656,9 @@ impl Transport {
         Ok(TransferHandle { id, peer, slot })
     }
 
-    /// Submits several transfers in one call, each with its optional
-    /// `on_done` (as [`submit_then`](Self::submit_then)): one result per
+    /// Submits several transfers in one call, each with what runs when it
+    /// ends, if anything (as [`submit_then`](Self::submit_then) or
+    /// [`submit_observed`](Self::submit_observed)): one result per
     /// transfer, in order. The backend is locked once and may hand the
     /// batch's work on together (tcp: one hand-over, and at most one
     /// wake-up of each stream's I/O thread, for the batch instead of one
@@ -569,7 +668,7 @@ impl Transport {
     /// not called.
     pub fn submit_batch(
         &self,
-        transfers: Vec<(Transfer, Option<OnDone>)>,
+        transfers: Vec<(Transfer, Option<Then>)>,
     ) -> Vec<Result<TransferHandle, SubmitError>> {
         let stopped = self.shared.stop.load(Ordering::Acquire);
         let mut out: Vec<Result<TransferHandle, SubmitError>> = Vec::with_capacity(transfers.len());
@@ -578,7 +677,7 @@ impl Transport {
         let mut at = Vec::with_capacity(transfers.len());
         {
             let mut slots = lock(&self.shared.slots);
-            for (t, on_done) in transfers {
+            for (t, then) in transfers {
                 let (id, peer) = (t.id, t.peer);
                 if stopped {
                     out.push(Err(SubmitError::Rejected(DataError::Shutdown(id))));
@@ -592,7 +691,7 @@ impl Transport {
                 slot.state
                     .get_mut()
                     .unwrap_or_else(|e| e.into_inner())
-                    .on_done = on_done;
+                    .on_done = then.map(|then| AtEnd::new(then, &t));
                 let slot = Arc::new(slot);
                 slots.insert(id, slot.clone());
                 at.push(out.len());

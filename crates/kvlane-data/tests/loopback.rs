@@ -148,28 +148,51 @@ mod transport {
         );
     }
 
+    /// Counts what an [`Observer`](kvlane_data::Observer) is told.
+    #[derive(Default)]
+    struct Seen {
+        ended: std::sync::Mutex<Vec<(Op, u64, bool)>>,
+    }
+
+    impl kvlane_data::Observer for Seen {
+        fn ended(&self, t: kvlane_data::Ended, result: &Result<(), DataError>) {
+            self.ended
+                .lock()
+                .unwrap()
+                .push((t.op, t.bytes, result.is_ok()));
+        }
+    }
+
     /// `submit_batch`: one handle per transfer, in order; a refused
     /// transfer (its id already in flight) gets its error and the rest
-    /// land; each `on_done` is called once.
+    /// land; each `on_done` is called once, and the shared observer is
+    /// told of each transfer it observes once, with its operation and
+    /// bytes, but not of the refused one.
     #[test]
     fn a_batch_gets_a_handle_per_transfer_and_refusals_in_place() {
+        use kvlane_data::Then;
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Arc;
         let (t, _target, src, dst, ad, peer) = pair();
         let calls = Arc::new(AtomicUsize::new(0));
-        let mut batch: Vec<(Transfer, Option<kvlane_data::OnDone>)> = (0..8u64)
+        let seen = Arc::new(Seen::default());
+        let mut batch: Vec<(Transfer, Option<Then>)> = (0..8u64)
             .map(|i| {
                 let c = calls.clone();
-                let on_done: kvlane_data::OnDone = Box::new(move |r| {
-                    assert!(r.is_ok(), "{r:?}");
-                    c.fetch_add(1, Ordering::AcqRel);
-                });
-                (write(peer, &src, ad.key, i * 1024), Some(on_done))
+                let then = if i % 2 == 0 {
+                    Then::Call(Box::new(move |r| {
+                        assert!(r.is_ok(), "{r:?}");
+                        c.fetch_add(1, Ordering::AcqRel);
+                    }))
+                } else {
+                    Then::Observe(seen.clone())
+                };
+                (write(peer, &src, ad.key, i * 1024), Some(then))
             })
             .collect();
         // The same id twice: the second is refused, the first runs.
         let again = batch[3].0.clone();
-        batch.insert(4, (again, None));
+        batch.insert(4, (again, Some(Then::Observe(seen.clone()))));
         let handles = t.submit_batch(batch);
         assert_eq!(handles.len(), 9);
         for (i, h) in handles.into_iter().enumerate() {
@@ -180,7 +203,11 @@ mod transport {
                 other => panic!("transfer {i} of the batch: {other:?}"),
             }
         }
-        assert_eq!(calls.load(Ordering::Acquire), 8);
+        assert_eq!(calls.load(Ordering::Acquire), 4);
+        assert_eq!(
+            *seen.ended.lock().unwrap(),
+            vec![(Op::Write, 1024, true); 4]
+        );
         assert_eq!(dst.to_vec().unwrap()[..8192], src.to_vec().unwrap()[..8192]);
     }
 
@@ -191,7 +218,10 @@ mod transport {
         let (t, _target, src, _dst, ad, peer) = pair();
         let boom: kvlane_data::OnDone = Box::new(|_| panic!("test: on_done panics"));
         let batch = vec![
-            (write(peer, &src, ad.key, 0), Some(boom)),
+            (
+                write(peer, &src, ad.key, 0),
+                Some(kvlane_data::Then::Call(boom)),
+            ),
             (write(peer, &src, ad.key, 1024), None),
         ];
         for h in t.submit_batch(batch) {
@@ -215,7 +245,10 @@ mod transport {
             Box::new(|_| std::thread::sleep(Duration::from_millis(100)));
         let batch = vec![
             (write(peer, &src, ad.key, 0), None),
-            (write(peer, &src, ad.key, 1024), Some(slow)),
+            (
+                write(peer, &src, ad.key, 1024),
+                Some(kvlane_data::Then::Call(slow)),
+            ),
         ];
         let mut handles = t.submit_batch(batch).into_iter();
         let first = handles.next().unwrap().unwrap();

@@ -118,7 +118,7 @@ use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, Region, RemoteRegion};
-use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
 use pool::IoPool;
 use serde::{Deserialize, Serialize};
@@ -129,6 +129,10 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
+
+/// A validated transfer's segments with their local regions (most
+/// transfers have one).
+type Checked = smallvec::SmallVec<[(Segment, Region); 2]>;
 
 /// Small chunks are handed to a stream's sender in groups of up to this
 /// many, the rest as `submit` returns: one hand-over (and at most one
@@ -522,7 +526,11 @@ impl TcpBackend {
     /// Everything checkable before sending: deadline, connection, local
     /// regions, and the remote spans against what the peer advertised
     /// (the target checks again).
-    fn validate(&self, t: &Transfer, now: Instant) -> Result<Arc<PeerConn>, DataError> {
+    ///
+    /// Returns the connection and the transfer's segments with their local
+    /// regions, so staging walks them once more without looking anything
+    /// up again.
+    fn validate(&self, t: &Transfer, now: Instant) -> Result<(Arc<PeerConn>, Checked), DataError> {
         if now >= t.deadline {
             return Err(DataError::Timeout {
                 id: t.id,
@@ -539,8 +547,9 @@ impl TcpBackend {
             reason: "prepared but never connected",
             source: None,
         })?;
+        let mut checked = Checked::new();
         for seg in t.segments()? {
-            self.check_local(seg.region, t.op, seg.local_offset, seg.len)?;
+            let region = self.check_local(seg.region, t.op, seg.local_offset, seg.len)?;
             let ad = slot.regions.get(&seg.key).ok_or(DataError::UnknownKey {
                 peer: t.peer,
                 key: seg.key,
@@ -561,8 +570,9 @@ impl TcpBackend {
                     },
                     other => other,
                 })?;
+            checked.push((seg, region.clone()));
         }
-        Ok(conn)
+        Ok((conn, checked))
     }
 
     /// Plans one transfer into [`stage`](Self::stage) (chunks of
@@ -595,8 +605,8 @@ impl TcpBackend {
                 in_flight,
             });
         }
-        let conn = match self.validate(&t, now) {
-            Ok(conn) => conn,
+        let (conn, checked) = match self.validate(&t, now) {
+            Ok(v) => v,
             Err(e) => {
                 self.fail_now(&t, e);
                 return Ok(());
@@ -614,8 +624,7 @@ impl TcpBackend {
             Op::Read => RequestKind::Read,
             Op::Write => RequestKind::Write,
         };
-        // `validate` resolved every segment, so `segments` succeeds. The
-        // connection's staging, searched from the last one staged (a
+        // The connection's staging, searched from the last one staged (a
         // batch's transfers mostly go to one peer).
         let at = match self.stage.iter().rposition(|(c, _)| Arc::ptr_eq(c, &conn)) {
             Some(at) => at,
@@ -628,10 +637,9 @@ impl TcpBackend {
             }
         };
         let stage = &mut self.stage[at].1;
-        for seg in t.segments().into_iter().flatten() {
-            let Some(region) = self.registry.get(seg.region) else {
-                continue;
-            };
+        for (seg, region) in checked {
+            // The last chunk takes the region, the others a reference each.
+            let mut region = Some(region);
             let mut done = 0;
             while done < seg.len {
                 let len = chunk.min(seg.len - done);
@@ -642,7 +650,11 @@ impl TcpBackend {
                     key: seg.key,
                     remote_offset: seg.remote_offset + done,
                     len,
-                    local: Some(region.clone()),
+                    local: if done + len == seg.len {
+                        region.take()
+                    } else {
+                        region.clone()
+                    },
                     local_offset: seg.local_offset + done,
                     xfer: x.clone(),
                 });
