@@ -86,7 +86,21 @@ pub(crate) async fn target(
     ceiling: bool,
 ) -> Result<(), BoxError> {
     let layout = flat_layout(pool)?;
+    // Every page is touched before the target listens (a first touch in
+    // the measured transfers would count the page faults). That can take
+    // seconds: 1 GiB took 1-10 s in this project's VM, whose hypervisor
+    // backs guest memory on first touch. Said, so a quiet start is not
+    // taken for a hang.
+    eprintln!(
+        "kvlane bench: filling the {} pool before listening",
+        fmt_size(pool)
+    );
+    let filling = Instant::now();
     let region = super::pair::filled(layout.required_len().unwrap_or(pool), opts.memory, 0)?;
+    eprintln!(
+        "kvlane bench: pool filled in {:.1} s",
+        filling.elapsed().as_secs_f64()
+    );
     let raw = if ceiling {
         let host = host_of(listen);
         // The ceiling moves the same pool's bytes (a host copy of its size
