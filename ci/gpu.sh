@@ -156,7 +156,19 @@ run() {
     "$dir/kvlane" bench --role target --backend tcp --listen "127.0.0.1:$port" --memory "$dev" \
       --pool 256M --no-baseline > "$dir/target.log" 2>&1 &
     tpid=$!
-    sleep 2
+    # The target listens once its pool is filled (every page touched:
+    # seconds where first touches are slow); its `listening` line says so.
+    local waited=0
+    until grep -q '^listening ' "$dir/target.log"; do
+      if ! kill -0 "$tpid" 2>/dev/null || [ "$waited" -ge 1200 ]; then
+        echo "FAIL: the bench target did not start listening within 120 s:"
+        cat "$dir/target.log"
+        kill "$tpid" 2>/dev/null || true
+        return 1
+      fi
+      sleep 0.1
+      waited=$((waited + 1))
+    done
     timeout 120 "$dir/kvlane" bench --role initiator --backend tcp --connect "127.0.0.1:$port" \
       --op write,read --block-sizes 1M,16M --batch 16 --duration "$dur" --memory "$dev" \
       --no-baseline --json | tee "$dir/bench-2proc.jsonl" || { rc=1; cat "$dir/target.log"; }

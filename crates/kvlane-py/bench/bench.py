@@ -21,6 +21,7 @@ import argparse
 import importlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -165,13 +166,29 @@ def point(impl, size_name, batch, op, duration):
     }
 
 
+def wait_listening(target, timeout):
+    """Waits for the `listening ...` line of a `kvlane bench --role target`
+    (printed once its pool is filled: every page touched, which takes
+    seconds where first touches are slow)."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([target.stdout], [], [], left)[0]:
+            raise TimeoutError(f"the kvlane bench target did not listen within {timeout} s")
+        line = target.stdout.readline()
+        if not line:
+            raise EOFError(f"the kvlane bench target exited ({target.wait()})")
+        if line.startswith("listening "):
+            return
+
+
 def rust_points(binary, sizes, batch, ops, duration):
     port = 25000 + os.getpid() % 20000
     target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
                                "--listen", f"127.0.0.1:{port}", "--pool", "256M"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        time.sleep(1.0)
+        wait_listening(target, timeout=120)
         out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
                               "--connect", f"127.0.0.1:{port}", "--block-sizes", ",".join(sizes),
                               "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),

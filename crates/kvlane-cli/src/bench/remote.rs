@@ -92,7 +92,7 @@ pub(crate) async fn target(
     // backs guest memory on first touch. Said, so a quiet start is not
     // taken for a hang.
     eprintln!(
-        "kvlane bench: filling the {} pool before listening",
+        "kvlane bench: filling the {} pool; the port opens once every page is touched",
         fmt_size(pool)
     );
     let filling = Instant::now();
