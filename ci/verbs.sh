@@ -20,7 +20,8 @@
 #     40.38, 44.49 vs 40.69 MB/s), CLI bench 1.05x / 1.07x;
 #   loaded host (2 cores shared with builds), best of 3: verbs_bench 1.40x /
 #     1.39x, CLI bench 0.76x / 0.89x.
-# verbs_bench runs interleaved with perftest, best of VERBS_REPS, so 0.8
+# verbs_bench runs interleaved with perftest, median of VERBS_REPS (until
+# 2026-12-04 best of, see below the runs), so 0.8
 # leaves room for TCG noise and still catches a real regression; the CLI
 # bench is one 3 s run, not interleaved, and fell to 0.76x under load, so
 # its floor is 0.5 (a halving is a regression, not noise). Unpinned runs
@@ -28,7 +29,7 @@
 # without enforcing.
 #
 # Knobs: VERBS_SIZE (65536) VERBS_ITERS (1000) VERBS_DEPTH (128) VERBS_QPS (1),
-#        VERBS_REPS (5: interleaved runs, best of each is reported),
+#        VERBS_REPS (5: interleaved runs, the median of each is compared),
 #        VERBS_CLI=0 skips building/running the CLI bench (saves ~2 min cold),
 #        VERBS_PEERS (1,10,100: `kvlane bench --peers` counts over verbs; empty skips),
 #        SOFTROCE_ACCEL (auto|kvm|tcg), plus everything ci/softroce.sh reads.
@@ -103,16 +104,24 @@ kv() { # op -> prints MB/s or 0
     --qps $QPS --warmup 100 > /tmp/kv.out 2>&1 || { cat /tmp/kv.out >&2; echo 0; return; }
   awk '/^RESULT/ { sub("MBps=", "", \$NF); print \$NF }' /tmp/kv.out
 }
-max() { awk -v a="\$1" -v b="\$2" 'BEGIN { print (a + 0 > b + 0) ? a : b }'; }
-# TCG timing swings with host load: interleave the runs and keep each one's best.
-echo "===== perftest vs kvlane verbs_bench ($SIZE B x $ITERS, depth $DEPTH, $QPS qp, best of $REPS)"
-PW=0 PR=0 KW=0 KR=0
+med() { printf '%s\n' "\$@" | sort -g | awk 'NF { a[++n] = \$1 } END { print n == 0 ? 0 : (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2 }'; }
+pos() { awk -v v="\$1" 'BEGIN { exit !(v + 0 > 0) }'; }
+# TCG timing swings with host load: interleave the runs and compare each
+# side's median (a best-of compared one side's rare fast mode: perftest
+# READ ran 53.8 MB/s in 2 of 5 reps and ~35 in 3, kvlane 36-38 in all 5,
+# best-of ratio 0.71, median ratio 1.04; 2026-12-04 clean-clone CI).
+echo "===== perftest vs kvlane verbs_bench ($SIZE B x $ITERS, depth $DEPTH, $QPS qp, median of $REPS)"
+PWS= PRS= KWS= KRS=
 for r in \$(seq $REPS); do
-  v=\$(perf ib_write_bw \$((18600 + 2 * r))); echo "rep \$r perftest WRITE \$v MB/s"; PW=\$(max \$PW \$v)
-  v=\$(kv write); echo "rep \$r kvlane   WRITE \$v MB/s"; KW=\$(max \$KW \$v)
-  v=\$(perf ib_read_bw \$((18601 + 2 * r))); echo "rep \$r perftest READ  \$v MB/s"; PR=\$(max \$PR \$v)
-  v=\$(kv read); echo "rep \$r kvlane   READ  \$v MB/s"; KR=\$(max \$KR \$v)
+  # perftest's failed runs (no TSC calibration under TCG) are left out;
+  # kvlane's count as 0.
+  v=\$(perf ib_write_bw \$((18600 + 2 * r))); echo "rep \$r perftest WRITE \$v MB/s"; pos "\$v" && PWS="\$PWS \$v"
+  v=\$(kv write); echo "rep \$r kvlane   WRITE \$v MB/s"; KWS="\$KWS \$v"
+  v=\$(perf ib_read_bw \$((18601 + 2 * r))); echo "rep \$r perftest READ  \$v MB/s"; pos "\$v" && PRS="\$PRS \$v"
+  v=\$(kv read); echo "rep \$r kvlane   READ  \$v MB/s"; KRS="\$KRS \$v"
 done
+PW=\$(med \$PWS) PR=\$(med \$PRS) KW=\$(med \$KWS) KR=\$(med \$KRS)
+case " \$KWS \$KRS " in *" 0 "*) echo "a kvlane bench run failed (counted as 0 MB/s)" ;; esac
 [ "\$KW" = 0 ] || [ "\$KR" = 0 ] && { echo "the kvlane bench failed"; rc=1; }
 
 KC=
