@@ -199,18 +199,35 @@ mod process {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(ok_before_kill > 0, "no transfer finished before the kill");
-        let in_flight = b.in_flight();
-        assert!(in_flight > 0);
+        // Stopped first, so that some transfers are surely in flight when
+        // it dies. Without the stop, one clean-clone CI run (2 cores) saw
+        // no transfer fail: every transfer counted in flight had already
+        // been answered by the kill (most likely the test thread was
+        // descheduled for the ~30 ms the target needs for 64 MiB). A
+        // stopped target answers nothing, so these two can only end by
+        // the kill.
+        let stopped = Command::new("kill")
+            .args(["-STOP", &t.child.id().to_string()])
+            .status()
+            .expect("run kill -STOP");
+        assert!(stopped.success(), "kill -STOP the target failed");
+        let mut doomed = Vec::new();
+        for (op, off) in [(Op::Write, 0), (Op::Read, BLOCK)] {
+            let x = xfer(peer, op, &local, off, &t, off, BLOCK).with_deadline(deadline);
+            doomed.push(x.id);
+            // 66 in flight at most: far from the queue's depth.
+            b.submit(x).expect("submit to the stopped target");
+        }
         t.child.kill().expect("kill target");
         let killed = Instant::now();
         let end = killed + Duration::from_secs(10);
-        let mut lost = 0;
+        let mut lost = Vec::new();
         while b.in_flight() > 0 {
             b.poll(&mut done);
             for c in done.drain(..) {
                 match c.result {
                     Ok(()) => {}
-                    Err(DataError::PeerLost { .. }) => lost += 1,
+                    Err(DataError::PeerLost { .. }) => lost.push(c.id),
                     Err(e) => panic!("{}: expected PeerLost, got {e}", c.id),
                 }
             }
@@ -221,7 +238,12 @@ mod process {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert!(lost > 0, "killing the target failed no transfer");
+        for id in &doomed {
+            assert!(
+                lost.contains(id),
+                "{id}, posted to the stopped target, did not fail with PeerLost when it was killed"
+            );
+        }
         let took = killed.elapsed();
         assert!(
             took < Duration::from_secs(5),
