@@ -163,14 +163,20 @@ impl Transfer {
     /// two lists in order. Zero-length descriptors are skipped.
     pub fn segments(&self) -> Result<Segments<'_>, DataError> {
         self.check_lengths()?;
-        Ok(Segments {
+        Ok(self.checked_segments())
+    }
+
+    /// [`segments`](Self::segments) of a transfer whose lengths the caller
+    /// has already checked ([`check_lengths`](Self::check_lengths)).
+    pub(crate) fn checked_segments(&self) -> Segments<'_> {
+        Segments {
             local: &self.local,
             remote: &self.remote,
             li: 0,
             ri: 0,
             lo: 0,
             ro: 0,
-        })
+        }
     }
 }
 

@@ -88,7 +88,7 @@ pub(crate) async fn target(
     let layout = flat_layout(pool)?;
     // Every page is touched before the target listens (a first touch in
     // the measured transfers would count the page faults). That can take
-    // seconds: 1 GiB took 1-10 s in this project's VM, whose hypervisor
+    // seconds: 1 GiB took 1-16 s in this project's VM, whose hypervisor
     // backs guest memory on first touch. Said, so a quiet start is not
     // taken for a hang.
     eprintln!(

@@ -529,7 +529,8 @@ impl TcpBackend {
     ///
     /// Returns the connection and the transfer's segments with their local
     /// regions, so staging walks them once more without looking anything
-    /// up again.
+    /// up again. The caller has checked the lengths (`submit_staged`
+    /// refuses a mismatch before this).
     fn validate(&self, t: &Transfer, now: Instant) -> Result<(Arc<PeerConn>, Checked), DataError> {
         if now >= t.deadline {
             return Err(DataError::Timeout {
@@ -548,7 +549,7 @@ impl TcpBackend {
             source: None,
         })?;
         let mut checked = Checked::new();
-        for seg in t.segments()? {
+        for seg in t.checked_segments() {
             let region = self.check_local(seg.region, t.op, seg.local_offset, seg.len)?;
             let ad = slot.regions.get(&seg.key).ok_or(DataError::UnknownKey {
                 peer: t.peer,
