@@ -152,8 +152,10 @@ run() {
 
   echo "===== bench: two processes over tcp, GPU memory on both sides"
   two_procs() {
-    local port=$((20000 + RANDOM % 20000)) tpid rc=0
-    "$dir/kvlane" bench --role target --backend tcp --listen "127.0.0.1:$port" --memory "$dev" \
+    # Port 0: the system picks a free one, named by the `listening` line
+    # (a random fixed port could be taken as some connection's local port).
+    local addr tpid rc=0
+    "$dir/kvlane" bench --role target --backend tcp --listen "127.0.0.1:0" --memory "$dev" \
       --pool 256M --no-baseline > "$dir/target.log" 2>&1 &
     tpid=$!
     # The target listens once its pool is filled (every page touched:
@@ -169,7 +171,8 @@ run() {
       sleep 0.1
       waited=$((waited + 1))
     done
-    timeout 120 "$dir/kvlane" bench --role initiator --backend tcp --connect "127.0.0.1:$port" \
+    addr=$(awk '/^listening /{print $2; exit}' "$dir/target.log")
+    timeout 120 "$dir/kvlane" bench --role initiator --backend tcp --connect "$addr" \
       --op write,read --block-sizes 1M,16M --batch 16 --duration "$dur" --memory "$dev" \
       --no-baseline --json | tee "$dir/bench-2proc.jsonl" || { rc=1; cat "$dir/target.log"; }
     kill "$tpid" 2>/dev/null || true

@@ -24,6 +24,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 
 # numpy's OpenBLAS starts a thread per core that spins after use: 5% of
@@ -166,37 +167,46 @@ def point(impl, size_name, batch, op, duration):
     }
 
 
-def wait_listening(target, timeout):
-    """Waits for the `listening ...` line of a `kvlane bench --role target`
-    (printed once its pool is filled: every page touched, which takes
-    seconds where first touches are slow)."""
+def wait_listening(target, timeout, log):
+    """Waits for the `listening HOST:PORT ...` line of a `kvlane bench
+    --role target` (printed once its pool is filled: every page touched,
+    which takes seconds where first touches are slow) and returns the
+    address it listens on. `log` holds the target's stderr, quoted when it
+    exits or never listens."""
+    def why():
+        log.seek(0)
+        return "".join(log.read().decode(errors="replace").splitlines(keepends=True)[-10:])
     end = time.monotonic() + timeout
     while True:
         left = end - time.monotonic()
         if left <= 0 or not select.select([target.stdout], [], [], left)[0]:
-            raise TimeoutError(f"the kvlane bench target did not listen within {timeout} s")
+            raise TimeoutError(f"the kvlane bench target did not listen within {timeout} s; its stderr:\n{why()}")
         line = target.stdout.readline()
         if not line:
-            raise EOFError(f"the kvlane bench target exited ({target.wait()})")
+            raise EOFError(f"the kvlane bench target exited ({target.wait()}); its stderr:\n{why()}")
         if line.startswith("listening "):
-            return
+            return line.split()[1]
 
 
 def rust_points(binary, sizes, batch, ops, duration):
-    port = 25000 + os.getpid() % 20000
+    # Port 0: the system picks a free port, which the `listening` line
+    # names (a fixed port could be one the system had just handed out as
+    # the local port of some outgoing connection; then the target exited).
+    log = tempfile.TemporaryFile()
     target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
-                               "--listen", f"127.0.0.1:{port}", "--pool", "256M"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               "--listen", "127.0.0.1:0", "--pool", "256M"],
+                              stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        wait_listening(target, timeout=120)
+        addr = wait_listening(target, timeout=120, log=log)
         out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
-                              "--connect", f"127.0.0.1:{port}", "--block-sizes", ",".join(sizes),
+                              "--connect", addr, "--block-sizes", ",".join(sizes),
                               "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),
                               "--duration", f"{duration}s", "--json"],
                              capture_output=True, text=True, timeout=600)
     finally:
         target.kill()
         target.wait()
+        log.close()
     rows = []
     for line in out.stdout.splitlines():
         if line.startswith("{"):
