@@ -21,10 +21,8 @@ import argparse
 import importlib
 import json
 import os
-import select
 import subprocess
 import sys
-import tempfile
 import time
 
 # numpy's OpenBLAS starts a thread per core that spins after use: 5% of
@@ -34,6 +32,8 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+
+import rust_target  # noqa: E402  (beside this file)
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20}
 
@@ -167,37 +167,9 @@ def point(impl, size_name, batch, op, duration):
     }
 
 
-def wait_listening(target, timeout, log):
-    """Waits for the `listening HOST:PORT ...` line of a `kvlane bench
-    --role target` (printed once its pool is filled: every page touched,
-    which takes seconds where first touches are slow) and returns the
-    address it listens on. `log` holds the target's stderr, quoted when it
-    exits or never listens."""
-    def why():
-        log.seek(0)
-        return "".join(log.read().decode(errors="replace").splitlines(keepends=True)[-10:])
-    end = time.monotonic() + timeout
-    while True:
-        left = end - time.monotonic()
-        if left <= 0 or not select.select([target.stdout], [], [], left)[0]:
-            raise TimeoutError(f"the kvlane bench target did not listen within {timeout} s; its stderr:\n{why()}")
-        line = target.stdout.readline()
-        if not line:
-            raise EOFError(f"the kvlane bench target exited ({target.wait()}); its stderr:\n{why()}")
-        if line.startswith("listening "):
-            return line.split()[1]
-
-
 def rust_points(binary, sizes, batch, ops, duration):
-    # Port 0: the system picks a free port, which the `listening` line
-    # names (a fixed port could be one the system had just handed out as
-    # the local port of some outgoing connection; then the target exited).
-    log = tempfile.TemporaryFile()
-    target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
-                               "--listen", "127.0.0.1:0", "--pool", "256M"],
-                              stdout=subprocess.PIPE, stderr=log, text=True)
+    target, addr, log = rust_target.start(binary, "256M")
     try:
-        addr = wait_listening(target, timeout=120, log=log)
         out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
                               "--connect", addr, "--block-sizes", ",".join(sizes),
                               "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),
