@@ -6,7 +6,7 @@ kvlane binaries (or one binary against itself, to see the spread).
 
 Each round runs, for every binary in turn, `kvlane bench --role target
 --backend tcp --listen 127.0.0.1:0 --pool 1G`, waits for its `listening` line, then
-`kvlane bench --role initiator` against it (with the raw-tcp baseline),
+`kvlane bench --role initiator --backend tcp` against it (with the raw-tcp baseline),
 and prints tcp GB/s, raw-tcp GB/s and their ratio per op. At the end:
 per binary and op, the median ratio over the rounds and its range.
 
@@ -30,17 +30,12 @@ import rust_target  # noqa: E402
 
 def one_run(binary, args):
     """The initiator's rows of one run of `binary`."""
-    target, addr, log = rust_target.start(binary, args.pool)
-    try:
+    with rust_target.running(binary, args.pool) as addr:
         out = subprocess.run(
-            [binary, "bench", "--role", "initiator", "--connect", addr,
+            [binary, "bench", "--role", "initiator", "--backend", "tcp", "--connect", addr,
              "--block-sizes", args.block_sizes, "--op", args.ops, "--batch", str(args.batch),
              "--duration", args.duration, "--json"],
             capture_output=True, text=True, timeout=600)
-    finally:
-        target.kill()
-        target.wait()
-        log.close()
     if out.returncode != 0:
         raise RuntimeError(f"{binary} bench --role initiator failed ({out.returncode}):\n{out.stderr[-2000:]}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -168,17 +168,12 @@ def point(impl, size_name, batch, op, duration):
 
 
 def rust_points(binary, sizes, batch, ops, duration):
-    target, addr, log = rust_target.start(binary, "256M")
-    try:
+    with rust_target.running(binary, "256M") as addr:
         out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
                               "--connect", addr, "--block-sizes", ",".join(sizes),
                               "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),
                               "--duration", f"{duration}s", "--json"],
                              capture_output=True, text=True, timeout=600)
-    finally:
-        target.kill()
-        target.wait()
-        log.close()
     rows = []
     for line in out.stdout.splitlines():
         if line.startswith("{"):

@@ -2,6 +2,7 @@
 listens: shared by `bench.py` (its `--rust` rows) and `ci/bench-ab.py`.
 Standard library only (`ci/bench-ab.py` runs without numpy)."""
 
+import contextlib
 import select
 import subprocess
 import tempfile
@@ -29,21 +30,20 @@ def wait_listening(target, timeout, log):
             return line.split()[1]
 
 
-def start(binary, pool, timeout=120):
-    """Starts `binary bench --role target --backend tcp` on 127.0.0.1, port
-    0 (the system picks a free port, which the `listening` line names: a
+@contextlib.contextmanager
+def running(binary, pool, timeout=120):
+    """Runs `binary bench --role target --backend tcp` on 127.0.0.1, port 0
+    (the system picks a free port, which the `listening` line names: a
     fixed port could be one the system had just handed out as the local
     port of some outgoing connection; then the target exited), with a
-    `pool` of memory. Returns `(process, address, log)`; the caller kills
-    the process and closes `log` (its stderr) when done."""
-    log = tempfile.TemporaryFile()
-    target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
-                               "--listen", "127.0.0.1:0", "--pool", pool],
-                              stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        return target, wait_listening(target, timeout, log), log
-    except BaseException:
-        target.kill()
-        target.wait()
-        log.close()
-        raise
+    `pool` of memory, and yields the address it listens on; the target is
+    killed on the way out."""
+    with tempfile.TemporaryFile() as log:
+        target = subprocess.Popen([binary, "bench", "--role", "target", "--backend", "tcp",
+                                   "--listen", "127.0.0.1:0", "--pool", pool],
+                                  stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            yield wait_listening(target, timeout, log)
+        finally:
+            target.kill()
+            target.wait()
