@@ -24,6 +24,9 @@ pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 /// How often it re-polls while work is in flight on a backend that
 /// announces completions through its waker (bounds deadline detection).
 const BUSY_PARK: Duration = Duration::from_millis(1);
+/// A thread that waits for a transfer submitted less than this long ago
+/// spins until then before it sleeps (see [`TransferHandle::wait`]).
+pub const SPIN_WINDOW: Duration = Duration::from_micros(50);
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -84,14 +87,14 @@ enum AtEnd {
 }
 
 impl AtEnd {
-    fn new(then: Then, t: &Transfer) -> Self {
+    fn new(then: Then, t: &Transfer, submitted: Instant) -> Self {
         match then {
             Then::Call(f) => Self::Call(f),
             Then::Observe(observer) => Self::Observe {
                 observer,
                 op: t.op,
                 bytes: t.total_len(),
-                submitted: Instant::now(),
+                submitted,
             },
         }
     }
@@ -127,13 +130,25 @@ struct SlotState {
     waiting: usize,
 }
 
-#[derive(Default)]
 struct Slot {
     state: Mutex<SlotState>,
     done: Condvar,
+    /// When the transfer was submitted (see [`SPIN_WINDOW`]).
+    submitted: Instant,
+    /// The result is in `state`: what a spinning waiter watches.
+    ready: AtomicBool,
 }
 
 impl Slot {
+    fn new(submitted: Instant) -> Self {
+        Self {
+            state: Mutex::default(),
+            done: Condvar::new(),
+            submitted,
+            ready: AtomicBool::new(false),
+        }
+    }
+
     fn complete(&self, result: Result<(), DataError>) {
         self.run_on_done(&result);
         self.publish(result);
@@ -168,6 +183,7 @@ impl Slot {
     fn set_result(&self, result: Result<(), DataError>) -> (Option<Waker>, bool) {
         let mut s = lock(&self.state);
         s.result = Some(result);
+        self.ready.store(true, Ordering::Release);
         (s.waker.take(), s.waiting > 0)
     }
 }
@@ -215,7 +231,17 @@ impl TransferHandle {
 
     /// Blocks the thread until the transfer completes. Every transfer
     /// completes by its deadline, so this does not hang.
+    ///
+    /// A transfer submitted less than [`SPIN_WINDOW`] ago is spun for
+    /// until then (checking a flag, no lock) before the thread sleeps: a
+    /// lone transfer's answer then does not also have to wake this thread
+    /// (a futex wake and a context switch, several microseconds on a VM).
+    /// Measured, batch-1 4 KiB READ over loopback tcp on a 2-vCPU VM,
+    /// from before the post to the result: 41 µs sleeping, 25-28 µs
+    /// spinning. A thread that waits on a batch's handles after posting
+    /// it finds them older than that, and sleeps at once.
     pub fn wait(self) -> Result<(), DataError> {
+        self.spin();
         let mut s = lock(&self.slot.state);
         loop {
             if let Some(r) = s.result.take() {
@@ -230,6 +256,7 @@ impl TransferHandle {
     /// Blocks for at most `timeout`; `None` if the transfer is still running.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), DataError>> {
         let end = Instant::now() + timeout;
+        self.spin_until(end);
         let mut s = lock(&self.slot.state);
         loop {
             if let Some(r) = s.result.take() {
@@ -244,6 +271,34 @@ impl TransferHandle {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
             s.waiting -= 1;
+        }
+    }
+}
+
+impl TransferHandle {
+    /// Spins while the transfer is younger than [`SPIN_WINDOW`] and not
+    /// done.
+    fn spin(&self) {
+        self.spin_until(self.slot.submitted + SPIN_WINDOW);
+    }
+
+    /// Spins until the result is ready, the transfer is [`SPIN_WINDOW`]
+    /// old, or `end`.
+    fn spin_until(&self, end: Instant) {
+        let end = end.min(self.slot.submitted + SPIN_WINDOW);
+        if self.slot.ready.load(Ordering::Acquire) || Instant::now() >= end {
+            return;
+        }
+        loop {
+            for _ in 0..64 {
+                if self.slot.ready.load(Ordering::Acquire) {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+            if Instant::now() >= end {
+                return;
+            }
         }
     }
 }
@@ -591,7 +646,7 @@ impl Transport {
     /// Submits a transfer. A full queue hands it back
     /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
     pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {
-        self.submit_slot(transfer, Slot::default())
+        self.submit_slot(transfer, Slot::new(Instant::now()))
     }
 
     /// Submits a transfer and calls `on_done` with its result when it ends
@@ -618,8 +673,8 @@ impl Transport {
     }
 
     fn submit_with(&self, transfer: Transfer, then: Then) -> Result<TransferHandle, SubmitError> {
-        let slot = Slot::default();
-        lock(&slot.state).on_done = Some(AtEnd::new(then, &transfer));
+        let slot = Slot::new(Instant::now());
+        lock(&slot.state).on_done = Some(AtEnd::new(then, &transfer, slot.submitted));
         self.submit_slot(transfer, slot)
     }
 
@@ -675,6 +730,7 @@ impl Transport {
         let mut submit = Vec::with_capacity(transfers.len());
         // Where in `out` each transfer handed to the backend is.
         let mut at = Vec::with_capacity(transfers.len());
+        let submitted = Instant::now();
         {
             let mut slots = lock(&self.shared.slots);
             for (t, then) in transfers {
@@ -687,11 +743,11 @@ impl Transport {
                     out.push(Err(SubmitError::Rejected(DataError::DuplicateTransfer(id))));
                     continue;
                 }
-                let mut slot = Slot::default();
+                let mut slot = Slot::new(submitted);
                 slot.state
                     .get_mut()
                     .unwrap_or_else(|e| e.into_inner())
-                    .on_done = then.map(|then| AtEnd::new(then, &t));
+                    .on_done = then.map(|then| AtEnd::new(then, &t, submitted));
                 let slot = Arc::new(slot);
                 slots.insert(id, slot.clone());
                 at.push(out.len());

@@ -104,7 +104,7 @@ pub use gpu::{
     gpu_device_of, gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,
     ParseGpuDeviceError,
 };
-pub use handle::{Ended, Observer, OnDone, Then, TransferHandle, Transport};
+pub use handle::{Ended, Observer, OnDone, Then, TransferHandle, Transport, SPIN_WINDOW};
 pub use ids::{FastMap, IdHasher, PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, plan_into, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};

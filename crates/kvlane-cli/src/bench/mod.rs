@@ -6,7 +6,8 @@
 //! (baselines included) take turns in slices of at most 200 ms
 //! ([`schedule`]), so that a baseline and the backend it bounds see the
 //! same machine. Reported per point: payload GB/s (10^9 bytes/s), average
-//! and p99 latency of a transfer from post to completion, and the average
+//! and p99 latency of a transfer from just before its post to completion
+//! (so a post that writes the transfer itself counts), and the average
 //! cost of preparing (building descriptors) and posting (`submit`) one
 //! transfer.
 //!

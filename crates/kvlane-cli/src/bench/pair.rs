@@ -213,8 +213,10 @@ impl Pair {
                     Ok(()) => {
                         let now = Instant::now();
                         *post += now - last;
+                        // Latency counts from before the post (which may
+                        // write a lone transfer to the socket).
+                        posted[(id.0 - base) as usize] = Some(last);
                         last = now;
-                        posted[(id.0 - base) as usize] = Some(now);
                         break;
                     }
                     Err(SubmitError::QueueFull { transfer, .. }) => {

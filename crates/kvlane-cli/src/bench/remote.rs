@@ -418,7 +418,9 @@ impl Target<'_> {
                 s.prepare += t1 - t0;
                 s.post += t2 - t1;
             }
-            posted.push((t2, handle));
+            // From before the post: posting a lone transfer may write
+            // it to the socket, which is part of its latency.
+            posted.push((t1, handle));
             t0 = t2;
         }
         Ok(posted)

@@ -6,6 +6,13 @@
 //! state machine: requests and WRITE payloads out (coalesced), responses
 //! and READ payloads in (straight into region memory).
 //!
+//! The stream's state machine sits behind a lock in the connection. A
+//! lone small transfer (its stream idle: nothing in flight, nothing
+//! unwritten) is written by the thread that submits it, without waking the
+//! I/O thread; bursts and large payloads go through the I/O thread, which
+//! writes what queued up in one go ([`PeerConn::send_jobs`]). Answers are
+//! always read by the I/O thread.
+//!
 //! A transfer is split into chunks striped over the streams. Its
 //! [`XferState`] counts outstanding chunks; when the last one is answered
 //! the notification (if any) is sent, so the target sees it only after
@@ -14,7 +21,9 @@
 
 use super::io::{tune_socket, SocketOptions};
 use super::pool::{Inbox, PoolShared, StreamLease};
+use super::serve::Drove;
 use super::shared::{lock, IdMap, Shared};
+use super::stream::Stream;
 use super::wire::{Hello, RequestKind, Status, HELLO_ACK};
 use super::TcpEndpoint;
 use crate::error::DataError;
@@ -25,9 +34,16 @@ use bytes::Bytes;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
+
+/// Most WRITE payload a submitter writes to an idle stream itself (see
+/// [`PeerConn::send_direct`]); more goes through the I/O thread. Measured
+/// (128-transfer batches, loopback): 1 MiB WRITEs posted 4.3 µs a
+/// transfer through the I/O thread and 20 µs writing directly, at 0.92x
+/// the throughput; 64 KiB ones 1.2 against 2.4 µs.
+const DIRECT_PAYLOAD: u64 = 16 << 10;
 
 /// Progress of one submitted transfer, shared by the streams.
 pub(crate) struct XferState {
@@ -77,8 +93,8 @@ impl XferState {
     pub(crate) fn try_take_done_unlanded(&self) -> Option<bool> {
         let _g = match self.landing.try_lock() {
             Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
         };
         Some(self.take_done())
     }
@@ -100,15 +116,48 @@ pub(crate) struct Job {
     pub(crate) xfer: Arc<XferState>,
 }
 
-/// Where one stream's requests wait for its I/O thread.
+/// Requests waiting for a stream, and what submitters need to know of it
+/// to pick who writes them (under the lock submitters take anyway).
+#[derive(Default)]
+struct Queued {
+    jobs: Vec<Job>,
+    /// The stream's driver left it idle (see [`Stream::is_idle`]); set
+    /// by the driver only when it changes.
+    idle: bool,
+    /// A submission found the stream busy since the last one that found
+    /// it idle: requests come in bursts here, and the burst's first goes
+    /// through the I/O thread too (see [`PeerConn::send_direct`]).
+    bursty: bool,
+}
+
+/// One stream: where its requests wait, and its state machine.
 struct StreamQueue {
-    jobs: Mutex<Vec<Job>>,
+    jobs: Mutex<Queued>,
     /// Set while the stream is on its thread's ready list (one wake-up
     /// per burst of submissions); cleared by the thread when it takes the
     /// jobs.
     flagged: AtomicBool,
     inbox: Arc<Inbox>,
     token: usize,
+    /// Driven by the I/O thread, or by a submitter that finds the stream
+    /// idle ([`PeerConn::send_jobs`]); whoever does holds this lock.
+    io: Mutex<Box<Stream>>,
+    /// The I/O thread came to drive the stream (a readiness event) while
+    /// a submitter held `io`: that submitter hands the stream back to it
+    /// when it lets go (see [`PeerConn::drive`]).
+    missed: AtomicBool,
+}
+
+impl StreamQueue {
+    /// Lets go of the stream, telling submitters whether it is idle when
+    /// that changed (a hint: [`PeerConn::send_direct`] checks again).
+    fn release_stream(&self, mut stream: MutexGuard<'_, Box<Stream>>) {
+        let idle = stream.is_idle();
+        if stream.noted_idle != idle {
+            stream.noted_idle = idle;
+            lock(&self.jobs).idle = idle;
+        }
+    }
 }
 
 #[derive(Default)]
@@ -138,6 +187,9 @@ pub(crate) struct PeerConn {
     /// Tests: driving a stream of this connection panics.
     #[cfg(test)]
     pub(crate) panic_in_io: AtomicBool,
+    /// Tests: every request goes through the I/O thread.
+    #[cfg(test)]
+    pub(crate) no_direct: AtomicBool,
 }
 
 pub(crate) struct ConnectConfig {
@@ -213,15 +265,19 @@ impl PeerConn {
             })?;
             sockets.push(s);
         }
-        let queues = sockets
-            .iter()
-            .map(|_| {
+        let queues = (0..sockets.len())
+            .map(|i| {
                 let inbox = pool.pick();
                 StreamQueue {
-                    jobs: Mutex::new(Vec::new()),
+                    jobs: Mutex::new(Queued {
+                        idle: true,
+                        ..Queued::default()
+                    }),
                     flagged: AtomicBool::new(false),
                     token: inbox.token(),
                     inbox,
+                    io: Mutex::new(Box::new(Stream::new(i))),
+                    missed: AtomicBool::new(false),
                 }
             })
             .collect();
@@ -237,6 +293,8 @@ impl PeerConn {
             _lease: lease,
             #[cfg(test)]
             panic_in_io: AtomicBool::new(false),
+            #[cfg(test)]
+            no_direct: AtomicBool::new(false),
         });
         for (i, q) in conn.queues.iter().enumerate() {
             if let Err(e) = PoolShared::adopt(&conn, i, &q.inbox) {
@@ -302,7 +360,14 @@ impl PeerConn {
     /// nothing here.
     pub(crate) fn send_jobs(&self, i: usize, jobs: &mut Vec<Job>) {
         let q = &self.queues[i];
-        {
+        // Payload the submitter would copy into the socket itself: small,
+        // or the I/O thread does it (pipelined with more submissions).
+        let payload: u64 = jobs
+            .iter()
+            .filter(|j| j.kind == RequestKind::Write)
+            .map(|j| j.len)
+            .sum();
+        let direct = {
             let mut queued = lock(&q.jobs);
             if self.is_dead() {
                 // The connection failed, which already failed the
@@ -310,9 +375,99 @@ impl PeerConn {
                 jobs.clear();
                 return;
             }
-            queued.append(jobs);
+            // Idle: its driver left it so and nothing waits for the I/O
+            // thread (the hint is stale until the thread takes the queue).
+            // The first of a burst goes through the I/O thread too, and
+            // the next lone one directly again.
+            let idle = queued.idle && queued.jobs.is_empty();
+            queued.jobs.append(jobs);
+            let direct = idle && !queued.bursty && payload <= DIRECT_PAYLOAD;
+            queued.bursty = !idle;
+            #[cfg(test)]
+            let direct = direct && !self.no_direct.load(Ordering::Relaxed);
+            direct
+        };
+        if !(direct && self.send_direct(i)) {
+            self.ready(i);
         }
-        self.ready(i);
+    }
+
+    /// Writes stream `i`'s queued requests from this thread when the
+    /// stream is idle (nothing in flight, nothing unwritten) and nobody
+    /// drives it; false otherwise, and the caller hands the stream to its
+    /// I/O thread.
+    ///
+    /// A request to an idle stream then leaves without waking the I/O
+    /// thread (an `eventfd` write and a context switch on the way out of
+    /// every lone transfer). Measured, batch-1 4 KiB READ on loopback
+    /// (2-vCPU VM), from before the post to the result: about 44 µs
+    /// before, 41 µs with this alone, 25-28 µs with the waiter's spin
+    /// too ([`crate::TransferHandle::wait`]), against a 19-24 µs TCP
+    /// round trip. The submitting thread's write takes 8-10 µs here: on
+    /// loopback it runs the target's receive path too. The answer
+    /// wakes the I/O thread through the socket, as every answer does. A
+    /// busy stream is left to its thread, which writes what queued up
+    /// meanwhile in one go. What does not fit in the socket stays staged
+    /// for the thread: the writable edge resumes it there.
+    fn send_direct(&self, i: usize) -> bool {
+        let q = &self.queues[i];
+        let Ok(mut stream) = q.io.try_lock() else {
+            // Driven right now (it takes the queued jobs before it lets
+            // go), or poisoned: the I/O thread sees to it.
+            return false;
+        };
+        let sent = stream.is_idle().then(|| stream.send(self));
+        q.release_stream(stream);
+        // Pairs with the fence in `drive`: either the thread's second
+        // try_lock found the lock free, or this sees `missed`.
+        fence(Ordering::SeqCst);
+        let direct = sent.is_some();
+        if direct {
+            self.shared.direct_sends.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(Err(e)) = sent {
+            self.lost(i, e);
+        }
+        if q.missed.load(Ordering::SeqCst) {
+            // The thread came while this held the stream and left it:
+            // back on its ready list even if it looks listed (the turn
+            // that skipped it took it off).
+            q.flagged.store(true, Ordering::Release);
+            q.inbox.ready(q.token);
+            return true;
+        }
+        direct
+    }
+
+    /// Drives stream `i` on its I/O thread (see [`Stream::drive`]). A
+    /// stream a submitter is writing to right now is left to it: it hands
+    /// the stream back when done (`missed`), so no readiness edge is lost.
+    pub(crate) fn drive(&self, i: usize, scratch: &mut [u8]) -> io::Result<Drove> {
+        let q = &self.queues[i];
+        let poisoned = || io::Error::other("a thread panicked while writing to the stream");
+        let mut stream = match q.io.try_lock() {
+            Ok(s) => s,
+            Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+            Err(TryLockError::WouldBlock) => {
+                // A submitter writes to it: say so, then look again.
+                // Pairs with the fence in `send_direct`: either this
+                // finds the lock free, or the submitter sees `missed`
+                // and hands the stream back.
+                q.missed.store(true, Ordering::SeqCst);
+                fence(Ordering::SeqCst);
+                match q.io.try_lock() {
+                    Ok(s) => {
+                        q.missed.store(false, Ordering::Relaxed);
+                        s
+                    }
+                    Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+                    Err(TryLockError::WouldBlock) => return Ok(Drove::Blocked),
+                }
+            }
+        };
+        let r = stream.drive(self, scratch);
+        q.release_stream(stream);
+        r
     }
 
     /// Puts stream `i` on its thread's ready list unless it is there.
@@ -331,10 +486,10 @@ impl PeerConn {
         // ready list again.
         q.flagged.store(false, Ordering::Release);
         let mut queued = lock(&q.jobs);
-        if queued.is_empty() {
+        if queued.jobs.is_empty() {
             return false;
         }
-        into.extend(queued.drain(..));
+        into.extend(queued.jobs.drain(..));
         true
     }
 
@@ -441,7 +596,7 @@ impl PeerConn {
         for (i, q) in self.queues.iter().enumerate() {
             // Queued jobs belong to the failed transfers; the thread
             // drops the stream when it drives it next.
-            lock(&q.jobs).clear();
+            lock(&q.jobs).jobs.clear();
             self.ready(i);
         }
     }

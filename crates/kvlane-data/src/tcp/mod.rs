@@ -495,6 +495,17 @@ impl TcpBackend {
         self.counters.snapshot()
     }
 
+    /// Requests this backend's submitting threads wrote to their streams
+    /// themselves: a transfer submitted to an idle stream (nothing in
+    /// flight on it) leaves from the submitting thread, without waking an
+    /// I/O thread; the first of a burst and the rest of it go through the
+    /// stream's I/O thread, which writes them together.
+    pub fn direct_sends(&self) -> u64 {
+        self.shared
+            .direct_sends
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Initiator streams open in this process's tcp backends that share
     /// this one's I/O threads (what [`TcpConfig::stream_budget`] counts).
     /// A dropped connection's streams leave the count once its I/O thread
@@ -1100,7 +1111,9 @@ mod tests {
     /// queued for one of its streams must wake it (nothing else would: the
     /// connection is idle, and the backend's poll does no I/O). Each round
     /// lets the thread park first, then one small WRITE and one small READ
-    /// must complete, byte-checked, long before their deadline.
+    /// must complete, byte-checked, long before their deadline. Lone
+    /// transfers like these leave from the submitting thread; here the
+    /// connection sends every request through its I/O thread.
     #[test]
     fn a_parked_io_thread_is_woken_by_each_submission() {
         use crate::conformance::{one_span, run_one, setup, Fixture};
@@ -1121,6 +1134,10 @@ mod tests {
             }
         }
         let mut s = setup(&OwnPool, 1 << 16, 1 << 16, Access::ALL, 7);
+        let conn = s.init.peers[&s.peer].conn.clone().unwrap();
+        conn.no_direct
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(conn);
         let deadline = Duration::from_secs(10);
         let mut landed = vec![0u8; 4096];
         for round in 0..20u8 {
@@ -1155,6 +1172,121 @@ mod tests {
                 "round {round} READ bytes"
             );
         }
+    }
+
+    /// A lone transfer on an idle stream is written by the thread that
+    /// submits it; a batch handed over in one call too, as one write.
+    /// Bytes land either way.
+    #[test]
+    fn a_lone_transfer_leaves_from_the_submitting_thread() {
+        use crate::conformance::{collect, one_span, run_one, setup, TcpFixture};
+        let mut s = setup(&TcpFixture(|| None), 1 << 16, 1 << 16, Access::ALL, 11);
+        assert_eq!(s.init.direct_sends(), 0);
+        s.local.write(0, &[0x5a; 4096]).unwrap();
+        let w = one_span(s.peer, Op::Write, (&s.local, 0), (s.remote_ad.key, 0), 4096);
+        run_one(&mut s.init, &mut s.target, w).unwrap();
+        assert_eq!(s.init.direct_sends(), 1, "the lone WRITE");
+        let mut landed = vec![0u8; 4096];
+        s.remote.read(0, &mut landed).unwrap();
+        assert!(landed.iter().all(|&b| b == 0x5a));
+
+        s.remote.write(8192, &[0xa5; 4096]).unwrap();
+        let r = one_span(
+            s.peer,
+            Op::Read,
+            (&s.local, 8192),
+            (s.remote_ad.key, 8192),
+            4096,
+        );
+        run_one(&mut s.init, &mut s.target, r).unwrap();
+        assert_eq!(s.init.direct_sends(), 2, "the lone READ");
+        s.local.read(8192, &mut landed).unwrap();
+        assert!(landed.iter().all(|&b| b == 0xa5));
+
+        // Eight READs in one call: one hand-over to one stream (32 KiB
+        // stay within a stripe), written at once by this thread.
+        let batch: Vec<Transfer> = (0..8u64)
+            .map(|k| {
+                let at = 16384 + k * 4096;
+                one_span(
+                    s.peer,
+                    Op::Read,
+                    (&s.local, at),
+                    (s.remote_ad.key, at),
+                    4096,
+                )
+            })
+            .collect();
+        let ids: Vec<_> = batch.iter().map(|t| t.id).collect();
+        let mut results = Vec::new();
+        s.init.submit_batch(batch, &mut results);
+        assert!(results.iter().all(Result::is_ok));
+        for (_, (r, _)) in collect(&mut s.init, &ids, Duration::from_secs(10)) {
+            r.unwrap();
+        }
+        assert_eq!(s.init.direct_sends(), 3, "the batch, as one write");
+        let (mut want, mut got) = (vec![0u8; 32768], vec![0u8; 32768]);
+        s.remote.read(16384, &mut want).unwrap();
+        s.local.read(16384, &mut got).unwrap();
+        assert!(want == got, "READ bytes of the batch");
+    }
+
+    /// Requests written by submitting threads and by the I/O thread share
+    /// one stream's tag sequence: lone transfers (direct) and bursts
+    /// (the I/O thread) interleaved at random, READ and WRITE, all on one
+    /// stream, every byte checked. A request out of order would fail the
+    /// peer ("response out of order").
+    #[test]
+    fn direct_and_io_thread_requests_interleave_in_order() {
+        use crate::conformance::{collect, contents, setup, Rng, TcpFixture};
+        let mut s = setup(&TcpFixture(|| None), 1 << 20, 1 << 20, Access::ALL, 12);
+        let mut rng = Rng::new(99);
+        let mut lone = 0;
+        let mut touched = Vec::new();
+        for round in 0..200u64 {
+            let n = if rng.below(2) == 0 {
+                1
+            } else {
+                2 + rng.below(6)
+            };
+            lone += u64::from(n == 1);
+            let mut ids = Vec::new();
+            for k in 0..n {
+                // Distinct 1 KiB slots per transfer of the round.
+                let at = ((round * 8 + k) % 1024) * 1024;
+                touched.push(at as usize);
+                let op = if rng.below(2) == 0 {
+                    Op::Read
+                } else {
+                    Op::Write
+                };
+                let t = crate::conformance::one_span(
+                    s.peer,
+                    op,
+                    (&s.local, at),
+                    (s.remote_ad.key, at),
+                    1024,
+                );
+                ids.push(t.id);
+                s.init.submit(t).unwrap();
+            }
+            for (id, (r, _)) in collect(&mut s.init, &ids, Duration::from_secs(10)) {
+                assert!(r.is_ok(), "round {round}: {id}: {r:?}");
+            }
+        }
+        // READs copied target bytes here and WRITEs the reverse: both
+        // sides agree on every slot touched.
+        let (l, r) = (contents(&s.local), contents(&s.remote));
+        for at in touched {
+            assert!(
+                l[at..at + 1024] == r[at..at + 1024],
+                "initiator and target differ at {at}"
+            );
+        }
+        assert!(
+            lone > 0 && s.init.direct_sends() > 0,
+            "no lone transfer went direct"
+        );
     }
 
     #[test]

@@ -25,7 +25,6 @@
 use super::initiator::PeerConn;
 use super::serve::Drove;
 use super::shared::lock;
-use super::stream::Stream;
 use crate::error::DataError;
 use crate::ids::FastMap;
 use mio::unix::SourceFd;
@@ -270,7 +269,8 @@ impl Drop for IoPool {
 struct Worker {
     poll: Poll,
     inbox: Arc<Inbox>,
-    streams: FastMap<usize, Stream>,
+    /// Its streams by token: the connection and the stream's index.
+    streams: FastMap<usize, (Arc<PeerConn>, usize)>,
     scratch: Box<[u8]>,
     /// Streams that yielded (read budget used): driven again after this
     /// turn's events, before the thread waits.
@@ -285,17 +285,16 @@ impl Worker {
                 thread = self.inbox.index,
                 "a tcp initiator I/O thread panicked; its peers are failed"
             );
-            for s in self.streams.values() {
-                s.conn()
-                    .fail("an I/O thread of the connection panicked", None);
+            for (conn, _) in self.streams.values() {
+                conn.fail("an I/O thread of the connection panicked", None);
             }
         }
         // Whatever was handed over and not adopted is let go (no cycle
         // through the inbox keeps a connection alive).
         lock(&self.inbox.adopt).clear();
         lock(&self.inbox.ready).clear();
-        for (_, s) in self.streams.drain() {
-            let fd = s.socket().as_raw_fd();
+        for (_, (conn, i)) in self.streams.drain() {
+            let fd = conn.socket(i).as_raw_fd();
             let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         }
     }
@@ -314,9 +313,8 @@ impl Worker {
             if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(thread = self.inbox.index, error = %e, "tcp initiator poll failed; the I/O thread stops");
-                    for s in self.streams.values() {
-                        s.conn()
-                            .fail("the I/O thread's poll failed", Some(e.kind().into()));
+                    for (conn, _) in self.streams.values() {
+                        conn.fail("the I/O thread's poll failed", Some(e.kind().into()));
                     }
                     return;
                 }
@@ -361,50 +359,46 @@ impl Worker {
     }
 
     fn adopt(&mut self, conn: Arc<PeerConn>, i: usize) {
-        let stream = Stream::new(conn, i);
-        let token = stream.token();
-        let fd = stream.socket().as_raw_fd();
+        let token = conn.stream_token(i);
+        let fd = conn.socket(i).as_raw_fd();
         if let Err(e) = self.poll.registry().register(
             &mut SourceFd(&fd),
             Token(token),
             Interest::READABLE | Interest::WRITABLE,
         ) {
-            stream
-                .conn()
-                .fail("could not register a tcp stream for I/O", Some(e));
+            conn.fail("could not register a tcp stream for I/O", Some(e));
             return;
         }
-        self.streams.insert(token, stream);
+        self.streams.insert(token, (conn, i));
         // Bytes and requests may have arrived before the registration.
         self.drive(token);
     }
 
     fn drive(&mut self, token: usize) {
-        let Some(stream) = self.streams.get_mut(&token) else {
+        let Some((conn, i)) = self.streams.get(&token) else {
             return;
         };
+        let (conn, i) = (&**conn, *i);
         let scratch = &mut self.scratch;
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stream.drive(scratch)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.drive(i, scratch)));
         match r {
             Ok(Ok(Drove::Blocked)) => return,
             Ok(Ok(Drove::Yielded)) => {
                 self.again.push(token);
                 return;
             }
-            Ok(Err(e)) => stream.lost(e),
+            Ok(Err(e)) => conn.lost(i, e),
             Err(_) => {
-                tracing::error!(peer = %stream.conn().peer(), addr = %stream.conn().addr(), "driving a tcp stream panicked");
-                stream
-                    .conn()
-                    .fail("an I/O thread of the connection panicked", None);
+                tracing::error!(peer = %conn.peer(), addr = %conn.addr(), "driving a tcp stream panicked");
+                conn.fail("an I/O thread of the connection panicked", None);
             }
         }
         self.close(token);
     }
 
     fn close(&mut self, token: usize) {
-        if let Some(s) = self.streams.remove(&token) {
-            let fd = s.socket().as_raw_fd();
+        if let Some((conn, i)) = self.streams.remove(&token) {
+            let fd = conn.socket(i).as_raw_fd();
             let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
         }
     }

@@ -5,6 +5,7 @@ use crate::ids::{FastMap, PeerId, TransferId};
 use crate::transfer::Completion;
 use bytes::Bytes;
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
 
@@ -22,6 +23,9 @@ pub(crate) struct Shared {
     pub(crate) completions: Mutex<Vec<Completion>>,
     pub(crate) notifications: Mutex<VecDeque<(Option<PeerId>, Bytes)>>,
     pub(crate) waker: Mutex<Option<Waker>>,
+    /// Requests the submitting thread wrote itself (see
+    /// `PeerConn::send_direct`).
+    pub(crate) direct_sends: AtomicU64,
 }
 
 impl Shared {

@@ -1,5 +1,7 @@
 //! One initiator stream as a non-blocking state machine, driven by an I/O
-//! thread of the [pool](super::pool).
+//! thread of the [pool](super::pool), or, to write a lone request to an
+//! idle stream, by the thread that submits it ([`Stream::send`] only; see
+//! [`PeerConn::send_jobs`]). Whoever drives it holds its lock.
 //!
 //! [`Stream::drive`] takes the requests queued for the stream, stages them
 //! (headers and small WRITE payloads copied, large payloads referenced in
@@ -26,7 +28,6 @@ use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
-use std::sync::Arc;
 
 /// Unwritten output past which no more requests are staged: a few
 /// default chunks in flight per stream keep the socket busy (the kernel
@@ -56,11 +57,13 @@ enum Incoming {
     },
 }
 
-/// One stream of a [`PeerConn`] (see the [module docs](self)).
+/// One stream of a [`PeerConn`] (see the [module docs](self)), kept in
+/// the connection behind a lock: its I/O thread drives it, and a
+/// submitter that finds it idle writes its requests itself
+/// ([`PeerConn::send_jobs`]). Its methods take the connection it belongs
+/// to.
 pub(crate) struct Stream {
-    conn: Arc<PeerConn>,
     i: usize,
-    token: usize,
     /// Requests taken from the queue but not staged yet (output was full).
     backlog: VecDeque<Job>,
     out: Outq,
@@ -73,15 +76,15 @@ pub(crate) struct Stream {
     /// while nothing is buffered, so a large payload behind it is read
     /// straight into region memory instead of through the buffer.
     direct: bool,
+    /// Whether submitters were last told the stream is idle (see
+    /// [`PeerConn::send_jobs`]).
+    pub(crate) noted_idle: bool,
 }
 
 impl Stream {
-    pub(crate) fn new(conn: Arc<PeerConn>, i: usize) -> Self {
-        let token = conn.stream_token(i);
+    pub(crate) fn new(i: usize) -> Self {
         Self {
-            conn,
             i,
-            token,
             backlog: VecDeque::new(),
             out: Outq::requests(),
             pending: VecDeque::new(),
@@ -89,54 +92,38 @@ impl Stream {
             incoming: Incoming::Header,
             carry: Vec::new(),
             direct: false,
+            noted_idle: true,
         }
     }
 
-    pub(crate) fn conn(&self) -> &Arc<PeerConn> {
-        &self.conn
-    }
-
-    pub(crate) fn token(&self) -> usize {
-        self.token
-    }
-
-    pub(crate) fn socket(&self) -> &TcpStream {
-        self.conn.socket(self.i)
-    }
-
-    /// The stream failed: fails its peer (unless the connection was
-    /// closed here first, which already did).
-    pub(crate) fn lost(&self, e: io::Error) {
-        self.conn.lost(self.i, e);
+    /// Nothing in flight and nothing to write: a request staged now is
+    /// written at once and its answer is the next input.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.backlog.is_empty() && self.out.bytes == 0 && self.pending.is_empty()
     }
 
     /// Writes and reads until the socket would block (see the
     /// [module docs](self)); `Err` ends the stream and fails its peer.
-    pub(crate) fn drive(&mut self, scratch: &mut [u8]) -> io::Result<Drove> {
-        if self.conn.is_dead() {
+    pub(crate) fn drive(&mut self, conn: &PeerConn, scratch: &mut [u8]) -> io::Result<Drove> {
+        if conn.is_dead() {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "connection closed locally",
             ));
         }
         #[cfg(test)]
-        if self
-            .conn
-            .panic_in_io
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
-            panic!("test: driving a stream of {} panics", self.conn.peer());
+        if conn.panic_in_io.load(std::sync::atomic::Ordering::Acquire) {
+            panic!("test: driving a stream of {} panics", conn.peer());
         }
-        self.send()?;
-        let drove = self.receive(scratch)?;
+        self.send(conn)?;
+        let drove = self.receive(conn, scratch)?;
         // Answers may have queued a notification on this stream.
-        self.send()?;
+        self.send(conn)?;
         Ok(drove)
     }
 
     /// Stages queued requests and writes until done or blocked.
-    fn send(&mut self) -> io::Result<()> {
-        let conn = self.conn.clone();
+    pub(crate) fn send(&mut self, conn: &PeerConn) -> io::Result<()> {
         let mut sock = conn.socket(self.i);
         loop {
             if self.backlog.is_empty()
@@ -149,7 +136,7 @@ impl Stream {
                 let Some(job) = self.backlog.pop_front() else {
                     break;
                 };
-                self.stage(job)?;
+                self.stage(conn, job)?;
             }
             if !self.out.flush(&mut sock)? {
                 // Blocked: a writable edge resumes us.
@@ -159,11 +146,10 @@ impl Stream {
     }
 
     /// Adds one request (and its payload) to the output.
-    fn stage(&mut self, job: Job) -> io::Result<()> {
+    fn stage(&mut self, conn: &PeerConn, job: Job) -> io::Result<()> {
         if job.xfer.is_done() {
             // Timed out or failed: nothing left to send for it.
-            self.conn
-                .release(&job.xfer, job.kind == RequestKind::Notify);
+            conn.release(&job.xfer, job.kind == RequestKind::Notify);
             return Ok(());
         }
         self.tag = self.tag.wrapping_add(1);
@@ -198,15 +184,14 @@ impl Stream {
     /// Reads and handles what the socket has, up to the read budget.
     /// `scratch` holds the unhandled input, `..end`: less than one header
     /// after every [`consume`](Self::consume).
-    fn receive(&mut self, scratch: &mut [u8]) -> io::Result<Drove> {
-        let conn = self.conn.clone();
+    fn receive(&mut self, conn: &PeerConn, scratch: &mut [u8]) -> io::Result<Drove> {
         let mut sock = conn.socket(self.i);
         let mut end = self.carry.len();
         scratch[..end].copy_from_slice(&self.carry);
         self.carry.clear();
         let mut read = 0usize;
         loop {
-            let r = match self.direct_payload(&mut sock, end, scratch) {
+            let r = match self.direct_payload(conn, &mut sock, end, scratch) {
                 Some(r) => r,
                 None => {
                     // After a large payload, a header on its own (see
@@ -223,7 +208,7 @@ impl Stream {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => {
                     read += n;
-                    let used = self.consume(&scratch[..end])?;
+                    let used = self.consume(conn, &scratch[..end])?;
                     scratch.copy_within(used..end, 0);
                     end -= used;
                     if read >= READ_BUDGET {
@@ -248,6 +233,7 @@ impl Stream {
     /// path.
     fn direct_payload(
         &mut self,
+        conn: &PeerConn,
         sock: &mut &TcpStream,
         end: usize,
         scratch: &mut [u8],
@@ -277,7 +263,7 @@ impl Stream {
         if let Ok(n) = r {
             *done += n as u64;
             if n > 0 && *done == job.len {
-                if let Err(e) = self.landed() {
+                if let Err(e) = self.landed(conn) {
                     return Some(Err(e));
                 }
             }
@@ -287,7 +273,7 @@ impl Stream {
 
     /// Handles buffered input; returns the bytes used (all but a partial
     /// header).
-    fn consume(&mut self, buf: &[u8]) -> io::Result<usize> {
+    fn consume(&mut self, conn: &PeerConn, buf: &[u8]) -> io::Result<usize> {
         let mut at = 0;
         loop {
             let avail = &buf[at..];
@@ -299,7 +285,7 @@ impl Stream {
                     let mut h = [0u8; RESPONSE_LEN];
                     h.copy_from_slice(&avail[..RESPONSE_LEN]);
                     at += RESPONSE_LEN;
-                    self.response(&h)?;
+                    self.response(conn, &h)?;
                 }
                 Incoming::Payload { job, done, staged } => {
                     let n = avail
@@ -322,7 +308,7 @@ impl Stream {
                     at += n;
                     *done += n as u64;
                     if *done == job.len {
-                        self.landed()?;
+                        self.landed(conn)?;
                     }
                 }
             }
@@ -330,7 +316,7 @@ impl Stream {
     }
 
     /// One response header: matched to the oldest request sent.
-    fn response(&mut self, h: &[u8; RESPONSE_LEN]) -> io::Result<()> {
+    fn response(&mut self, conn: &PeerConn, h: &[u8; RESPONSE_LEN]) -> io::Result<()> {
         let protocol = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
         let resp = Response::decode(h).map_err(|e| protocol(e.to_string()))?;
         let Some(p) = self.pending.pop_front() else {
@@ -340,7 +326,7 @@ impl Stream {
             return Err(protocol("response out of order".into()));
         }
         let job = p.job;
-        if let Some(e) = self.conn.refusal(&job, resp.status) {
+        if let Some(e) = conn.refusal(&job, resp.status) {
             lock(&job.xfer.error).get_or_insert(e);
         } else if job.kind == RequestKind::Read {
             let Some(region) = &job.local else {
@@ -361,19 +347,18 @@ impl Stream {
                 staged,
             };
             if empty {
-                self.landed()?;
+                self.landed(conn)?;
             }
             return Ok(());
         }
-        self.conn
-            .release(&job.xfer, job.kind == RequestKind::Notify);
+        conn.release(&job.xfer, job.kind == RequestKind::Notify);
         Ok(())
     }
 
     /// A READ's payload was read in full: GPU bytes go onto the device
     /// (under the landing lock, never after the transfer ended), then the
     /// chunk is done.
-    fn landed(&mut self) -> io::Result<()> {
+    fn landed(&mut self, conn: &PeerConn) -> io::Result<()> {
         let Incoming::Payload { job, staged, .. } =
             std::mem::replace(&mut self.incoming, Incoming::Header)
         else {
@@ -388,7 +373,7 @@ impl Stream {
                     .map_err(io::Error::other)?;
             }
         }
-        self.conn.release(&job.xfer, false);
+        conn.release(&job.xfer, false);
         Ok(())
     }
 }
