@@ -283,7 +283,10 @@ impl TransferHandle {
     }
 
     /// Spins until the result is ready, the transfer is [`SPIN_WINDOW`]
-    /// old, or `end`.
+    /// old, or `end`. It yields the CPU between rounds of checks: the
+    /// thread that completes the transfer may be runnable on this CPU
+    /// (two vCPUs, the target on the other), and a pure spin would hold
+    /// it off until the window ends.
     fn spin_until(&self, end: Instant) {
         let end = end.min(self.slot.submitted + SPIN_WINDOW);
         if self.slot.ready.load(Ordering::Acquire) || Instant::now() >= end {
@@ -299,6 +302,7 @@ impl TransferHandle {
             if Instant::now() >= end {
                 return;
             }
+            thread::yield_now();
         }
     }
 }

@@ -418,9 +418,7 @@ impl PeerConn {
         };
         let sent = stream.is_idle().then(|| stream.send(self));
         q.release_stream(stream);
-        // Pairs with the fence in `drive`: either the thread's second
-        // try_lock found the lock free, or this sees `missed`.
-        fence(Ordering::SeqCst);
+        let handed_back = self.hand_back(i);
         let direct = sent.is_some();
         if direct {
             self.shared.direct_sends.fetch_add(1, Ordering::Relaxed);
@@ -428,15 +426,26 @@ impl PeerConn {
         if let Some(Err(e)) = sent {
             self.lost(i, e);
         }
-        if q.missed.load(Ordering::SeqCst) {
-            // The thread came while this held the stream and left it:
-            // back on its ready list even if it looks listed (the turn
-            // that skipped it took it off).
-            q.flagged.store(true, Ordering::Release);
-            q.inbox.ready(q.token);
-            return true;
+        // Handed back: the I/O thread takes whatever is still queued.
+        direct || handed_back
+    }
+
+    /// After a submitter let go of stream `i`: if the I/O thread came to
+    /// drive it meanwhile and left it (`missed`), puts it back on the
+    /// thread's ready list, even if it looks listed (the turn that
+    /// skipped it took it off), and consumes the flag, so that the next
+    /// direct send wakes nobody. True when it did.
+    fn hand_back(&self, i: usize) -> bool {
+        let q = &self.queues[i];
+        // Pairs with the fence in `drive`: either the thread's second
+        // try_lock found the lock free, or this sees `missed`.
+        fence(Ordering::SeqCst);
+        if !q.missed.swap(false, Ordering::SeqCst) {
+            return false;
         }
-        direct
+        q.flagged.store(true, Ordering::Release);
+        q.inbox.ready(q.token);
+        true
     }
 
     /// Drives stream `i` on its I/O thread (see [`Stream::drive`]). A
@@ -468,6 +477,30 @@ impl PeerConn {
         let r = stream.drive(self, scratch);
         q.release_stream(stream);
         r
+    }
+
+    /// Tests: holds stream `i` as a submitter writing to it does.
+    #[cfg(test)]
+    pub(crate) fn hold_stream(&self, i: usize) -> MutexGuard<'_, Box<Stream>> {
+        lock(&self.queues[i].io)
+    }
+
+    /// Tests: [`hand_back`](Self::hand_back), as a submitter that held
+    /// stream `i` calls it; and whether the I/O thread missed the stream.
+    #[cfg(test)]
+    pub(crate) fn test_hand_back(&self, i: usize) -> bool {
+        self.hand_back(i)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn missed(&self, i: usize) -> bool {
+        self.queues[i].missed.load(Ordering::SeqCst)
+    }
+
+    /// Tests: has stream `i`'s I/O thread drive it.
+    #[cfg(test)]
+    pub(crate) fn test_ready(&self, i: usize) {
+        self.ready(i);
     }
 
     /// Puts stream `i` on its thread's ready list unless it is there.

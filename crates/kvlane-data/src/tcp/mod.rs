@@ -1231,6 +1231,42 @@ mod tests {
         assert!(want == got, "READ bytes of the batch");
     }
 
+    /// The I/O thread that comes to drive a stream while a submitter
+    /// holds it leaves it and sets `missed`; the submitter hands the
+    /// stream back when it lets go and consumes the flag. A flag left set
+    /// would have every later lone transfer wake the I/O thread too.
+    #[test]
+    fn a_stream_missed_by_its_io_thread_is_handed_back_once() {
+        use crate::conformance::{one_span, run_one, setup, TcpFixture};
+        let mut s = setup(&TcpFixture(|| None), 1 << 16, 1 << 16, Access::ALL, 13);
+        let conn = s.init.peers[&s.peer].conn.clone().unwrap();
+        let held = conn.hold_stream(0);
+        conn.test_ready(0);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !conn.missed(0) {
+            assert!(
+                Instant::now() < deadline,
+                "the I/O thread never came to the held stream"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(held);
+        assert!(conn.test_hand_back(0), "the stream is handed back");
+        assert!(!conn.missed(0), "the hand-back consumes the flag");
+        assert!(!conn.test_hand_back(0), "and hands back only once");
+        drop(conn);
+
+        // The stream still works, and a lone READ still leaves directly.
+        s.remote.write(0, &[0x3c; 4096]).unwrap();
+        let before = s.init.direct_sends();
+        let r = one_span(s.peer, Op::Read, (&s.local, 0), (s.remote_ad.key, 0), 4096);
+        run_one(&mut s.init, &mut s.target, r).unwrap();
+        assert_eq!(s.init.direct_sends(), before + 1);
+        let mut landed = vec![0u8; 4096];
+        s.local.read(0, &mut landed).unwrap();
+        assert!(landed.iter().all(|&b| b == 0x3c));
+    }
+
     /// Requests written by submitting threads and by the I/O thread share
     /// one stream's tag sequence: lone transfers (direct) and bursts
     /// (the I/O thread) interleaved at random, READ and WRITE, all on one
