@@ -497,6 +497,23 @@ impl PeerConn {
         self.queues[i].missed.load(Ordering::SeqCst)
     }
 
+    /// Tests: every stream idle, known to be (the hint submitters read),
+    /// not on its thread's ready list and not being driven: the next lone
+    /// request leaves directly.
+    #[cfg(test)]
+    pub(crate) fn settled(&self) -> bool {
+        self.queues.iter().all(|q| {
+            if q.flagged.load(Ordering::Acquire) {
+                return false;
+            }
+            let Ok(stream) = q.io.try_lock() else {
+                return false;
+            };
+            let queued = lock(&q.jobs);
+            stream.is_idle() && queued.idle && queued.jobs.is_empty()
+        })
+    }
+
     /// Tests: has stream `i`'s I/O thread drive it.
     #[cfg(test)]
     pub(crate) fn test_ready(&self, i: usize) {

@@ -1174,6 +1174,19 @@ mod tests {
         }
     }
 
+    /// Waits until every stream of `peer`'s connection is idle and not
+    /// being driven: the I/O thread that took the last answer may still
+    /// be finishing its turn when the transfer's result is out, and a
+    /// submission meeting that turn goes through the I/O thread.
+    fn settle(b: &TcpBackend, peer: PeerId) {
+        let conn = b.peers[&peer].conn.clone().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !conn.settled() {
+            assert!(Instant::now() < deadline, "the streams never settled");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// A lone transfer on an idle stream is written by the thread that
     /// submits it; a batch handed over in one call too, as one write.
     /// Bytes land either way.
@@ -1182,6 +1195,7 @@ mod tests {
         use crate::conformance::{collect, one_span, run_one, setup, TcpFixture};
         let mut s = setup(&TcpFixture(|| None), 1 << 16, 1 << 16, Access::ALL, 11);
         assert_eq!(s.init.direct_sends(), 0);
+        settle(&s.init, s.peer);
         s.local.write(0, &[0x5a; 4096]).unwrap();
         let w = one_span(s.peer, Op::Write, (&s.local, 0), (s.remote_ad.key, 0), 4096);
         run_one(&mut s.init, &mut s.target, w).unwrap();
@@ -1191,6 +1205,7 @@ mod tests {
         assert!(landed.iter().all(|&b| b == 0x5a));
 
         s.remote.write(8192, &[0xa5; 4096]).unwrap();
+        settle(&s.init, s.peer);
         let r = one_span(
             s.peer,
             Op::Read,
@@ -1219,6 +1234,7 @@ mod tests {
             .collect();
         let ids: Vec<_> = batch.iter().map(|t| t.id).collect();
         let mut results = Vec::new();
+        settle(&s.init, s.peer);
         s.init.submit_batch(batch, &mut results);
         assert!(results.iter().all(Result::is_ok));
         for (_, (r, _)) in collect(&mut s.init, &ids, Duration::from_secs(10)) {
@@ -1256,8 +1272,10 @@ mod tests {
         assert!(!conn.test_hand_back(0), "and hands back only once");
         drop(conn);
 
-        // The stream still works, and a lone READ still leaves directly.
+        // The stream still works, and a lone READ still leaves directly
+        // once the handed-back turn is over.
         s.remote.write(0, &[0x3c; 4096]).unwrap();
+        settle(&s.init, s.peer);
         let before = s.init.direct_sends();
         let r = one_span(s.peer, Op::Read, (&s.local, 0), (s.remote_ad.key, 0), 4096);
         run_one(&mut s.init, &mut s.target, r).unwrap();
