@@ -486,12 +486,14 @@ impl PeerConn {
     }
 
     /// Tests: [`hand_back`](Self::hand_back), as a submitter that held
-    /// stream `i` calls it; and whether the I/O thread missed the stream.
+    /// stream `i` calls it.
     #[cfg(test)]
     pub(crate) fn test_hand_back(&self, i: usize) -> bool {
         self.hand_back(i)
     }
 
+    /// Tests: whether the I/O thread came to stream `i` while it was
+    /// held and left it to the holder.
     #[cfg(test)]
     pub(crate) fn missed(&self, i: usize) -> bool {
         self.queues[i].missed.load(Ordering::SeqCst)
