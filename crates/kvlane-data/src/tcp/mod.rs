@@ -1174,17 +1174,22 @@ mod tests {
         }
     }
 
+    /// Waits (10 s at most, then fails) until `cond` holds.
+    pub(super) fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < until, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Waits until every stream of `peer`'s connection is idle and not
     /// being driven: the I/O thread that took the last answer may still
     /// be finishing its turn when the transfer's result is out, and a
     /// submission meeting that turn goes through the I/O thread.
     fn settle(b: &TcpBackend, peer: PeerId) {
         let conn = b.peers[&peer].conn.clone().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !conn.settled() {
-            assert!(Instant::now() < deadline, "the streams never settled");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for("the streams to settle", || conn.settled());
     }
 
     /// A lone transfer on an idle stream is written by the thread that
@@ -1258,14 +1263,9 @@ mod tests {
         let conn = s.init.peers[&s.peer].conn.clone().unwrap();
         let held = conn.hold_stream(0);
         conn.test_ready(0);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !conn.missed(0) {
-            assert!(
-                Instant::now() < deadline,
-                "the I/O thread never came to the held stream"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_for("the I/O thread to come to the held stream", || {
+            conn.missed(0)
+        });
         drop(held);
         assert!(conn.test_hand_back(0), "the stream is handed back");
         assert!(!conn.missed(0), "the hand-back consumes the flag");

@@ -1064,6 +1064,7 @@ fn admit(state: &ServerState, hello: &[u8; HELLO_LEN]) -> Result<PeerId, End> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::wait_for;
     use super::*;
     use crate::memory::Access;
     use proptest::prelude::*;
@@ -1155,14 +1156,6 @@ mod tests {
         let n = s.read(&mut ack).unwrap_or(0);
         ack.truncate(n);
         (s, ack)
-    }
-
-    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-        let until = Instant::now() + Duration::from_secs(10);
-        while !cond() {
-            assert!(Instant::now() < until, "timed out waiting for {what}");
-            thread::sleep(Duration::from_millis(5));
-        }
     }
 
     #[test]
