@@ -34,7 +34,7 @@ def one_run(binary, args):
         out = subprocess.run(
             [binary, "bench", "--role", "initiator", "--backend", "tcp", "--connect", addr,
              "--block-sizes", args.block_sizes, "--op", args.ops, "--batch", str(args.batch),
-             "--duration", args.duration, "--json"],
+             "--duration", args.duration, "--post", args.post, "--json"],
             capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{binary} bench --role initiator failed ({out.returncode}):\n{out.stderr[-2000:]}")
@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--ops", default="read,write")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--duration", default="2s", help="per point, as kvlane bench takes it")
+    ap.add_argument("--post", default="each", choices=["each", "batch", "single"],
+                    help="how the initiator posts a batch (kvlane bench --post)")
     ap.add_argument("--pool", default="1G", help="the target's pool")
     args = ap.parse_args()
     results = {}

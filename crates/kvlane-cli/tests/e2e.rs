@@ -375,14 +375,15 @@ struct BenchRun {
 }
 
 /// `kvlane bench --role target` (with `target_args`) and an initiator
-/// against it.
-fn bench_two_processes(target_args: &[&str]) -> BenchRun {
+/// (with `initiator_args`) against it.
+fn bench_two_processes(target_args: &[&str], initiator_args: &[&str]) -> BenchRun {
     let cmd = Command::new(env!("CARGO_BIN_EXE_kvlane"));
     let (mut target, first, addr) = bench_target(cmd, target_args);
     let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
         .args(["bench", "--role", "initiator", "--connect", &addr, "--json"])
         .args(["--block-sizes", "4K,64K", "--batch", "4"])
         .args(["--duration", "50ms"])
+        .args(initiator_args)
         .output()
         .unwrap();
     let _ = target.kill();
@@ -451,7 +452,7 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
         points: points_seen,
         rows,
         stderr,
-    } = bench_two_processes(&[]);
+    } = bench_two_processes(&[], &[]);
     assert!(first.contains(" raw-tcp="), "{first}");
     // Per block size: the raw-tcp ceiling of the link (READ- and
     // WRITE-shaped, against the target's raw port), then the agent.
@@ -477,6 +478,43 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
+/// `--post single`: each batch goes to the agent as one transfer of its
+/// blocks; the rows say so and count blocks, as the other modes' do.
+#[test]
+fn bench_posts_a_batch_as_one_transfer_with_post_single() {
+    let BenchRun {
+        points: points_seen,
+        rows,
+        stderr,
+        ..
+    } = bench_two_processes(&["--no-baseline"], &["--post", "single"]);
+    assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
+    for r in &rows {
+        let blocks = r["transfers"].as_u64().unwrap();
+        assert_eq!(r["post"], "single", "{r}");
+        // Three batches of 4 blocks at least, and whole batches only.
+        assert!(blocks >= 12 && blocks % 4 == 0, "{r}");
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
+#[test]
+fn post_modes_other_than_each_need_an_initiator() {
+    for mode in ["single", "batch"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+            .args(["bench", "--backend", "loopback", "--post", mode])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains(&format!("--post {mode}")) && err.contains("--role initiator"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn a_target_without_baselines_serves_no_ceiling_and_the_initiator_says_so() {
     let BenchRun {
@@ -484,7 +522,7 @@ fn a_target_without_baselines_serves_no_ceiling_and_the_initiator_says_so() {
         points: points_seen,
         stderr,
         ..
-    } = bench_two_processes(&["--no-baseline"]);
+    } = bench_two_processes(&["--no-baseline"], &[]);
     assert!(!first.contains("raw-tcp"), "{first}");
     assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
     assert!(stderr.contains("serves no raw-tcp ceiling"), "{stderr}");

@@ -54,7 +54,9 @@ pub(crate) struct BenchArgs {
     batch: Vec<usize>,
     /// How a batch is posted: `each`, one call per transfer; `batch`, all
     /// its transfers in one call (`Peer::post_batch`), as raw-tcp deals a
-    /// batch to its streams. `--role initiator` only; rows carry `post`.
+    /// batch to its streams; `single`, the batch as one transfer of all
+    /// its blocks (one block per descriptor, as an engine posts a
+    /// request's blocks). `--role initiator` only; rows carry `post`.
     #[arg(long, value_enum, default_value = "each")]
     post: super::PostMode,
     /// Measuring time per point (e.g. 2s, 500ms).
@@ -316,13 +318,14 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.metrics.is_some() && args.role != Role::Target {
         return Err("--metrics serves the target agent's metrics: it needs --role target".into());
     }
-    if args.post == super::PostMode::Batch
+    if args.post != super::PostMode::Each
         && (args.role != Role::Initiator || !args.peers.is_empty())
     {
-        return Err(
-            "--post batch posts through an agent's Peer::post_batch: it needs --role initiator"
-                .into(),
-        );
+        return Err(format!(
+            "--post {} posts through an agent's Peer: it needs --role initiator",
+            args.post.name()
+        )
+        .into());
     }
     if args.peers_worker {
         let addr = args

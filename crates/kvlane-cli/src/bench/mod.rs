@@ -67,6 +67,13 @@ pub(crate) enum PostMode {
     /// earlier row measured.
     #[default]
     Each,
+    /// The whole batch as a single transfer of `batch` blocks (one
+    /// `Peer::prepare` of every block's ids, one `Peer::post`), as an
+    /// engine posts a request's blocks (NIXL's `make_prepped_xfer` with a
+    /// descriptor per block). The blocks lie one slot apart, so each still
+    /// moves as a request of its own; rows count blocks (a block's latency
+    /// is its transfer's, post time is spread over the blocks).
+    Single,
 }
 
 impl PostMode {
@@ -75,6 +82,7 @@ impl PostMode {
         match self {
             Self::Batch => "batch",
             Self::Each => "each",
+            Self::Single => "single",
         }
     }
 }

@@ -350,10 +350,16 @@ struct Target<'a> {
 impl Target<'_> {
     /// Runs batches for `slice`, after an unmeasured warm-up batch when
     /// `first`. A transfer's latency is from its post until its handle,
-    /// waited for in posting order, returned.
+    /// waited for in posting order, returned; with `--post single` it is
+    /// every block's latency (the sample counts blocks either way).
     fn measure(&self, op: Op, batch: usize, slice: Slice, first: bool) -> Result<Sample, Error> {
         let mut s = Sample::default();
         let mut ids: Vec<u32> = Vec::with_capacity(self.pages as usize);
+        let blocks_per_transfer = if self.post == PostMode::Single {
+            batch
+        } else {
+            1
+        };
         if first {
             for (_, h) in self.post_batch(op, batch, &mut ids, None)? {
                 h.wait()?;
@@ -362,7 +368,8 @@ impl Target<'_> {
         s.secs = run_for(slice, || {
             for (t, h) in self.post_batch(op, batch, &mut ids, Some(&mut s))? {
                 h.wait()?;
-                s.lat.push(t.elapsed());
+                let lat = t.elapsed();
+                s.lat.extend(std::iter::repeat_n(lat, blocks_per_transfer));
             }
             Ok::<_, Error>(())
         })?;
@@ -379,6 +386,26 @@ impl Target<'_> {
         mut record: Option<&mut Sample>,
     ) -> Result<Vec<(Instant, TransferHandle)>, Error> {
         let mut posted = Vec::with_capacity(batch);
+        if self.post == PostMode::Single {
+            // Every other slot: no two blocks are adjacent on either side,
+            // so none merge into one descriptor and each moves as a
+            // request of its own, as the raw-tcp rows' blocks do.
+            let t0 = Instant::now();
+            ids.clear();
+            for i in 0..batch {
+                let first = ((2 * i) as u64 % self.slots) as u32 * self.pages;
+                ids.extend(first..first + self.pages);
+            }
+            let prepared = self.peer.prepare(op, 0..1, ids, ids, None)?;
+            let t1 = Instant::now();
+            let handle = self.peer.post(prepared)?;
+            if let Some(s) = record.as_deref_mut() {
+                s.prepare += t1 - t0;
+                s.post += t1.elapsed();
+            }
+            posted.push((t1, handle));
+            return Ok(posted);
+        }
         if self.post == PostMode::Batch {
             // Prepared one by one, posted in one call; every transfer's
             // latency counts from before that call.
