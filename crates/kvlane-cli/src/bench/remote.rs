@@ -376,6 +376,12 @@ impl Target<'_> {
         Ok(s)
     }
 
+    /// Appends the page ids of block `i` of a batch: slot `i mod slots`.
+    fn push_block(&self, ids: &mut Vec<u32>, i: usize) {
+        let first = (i as u64 % self.slots) as u32 * self.pages;
+        ids.extend(first..first + self.pages);
+    }
+
     /// Prepares and posts `batch` block transfers, timing both into
     /// `record`; each handle with its post time.
     fn post_batch(
@@ -393,8 +399,7 @@ impl Target<'_> {
             let t0 = Instant::now();
             ids.clear();
             for i in 0..batch {
-                let first = ((2 * i) as u64 % self.slots) as u32 * self.pages;
-                ids.extend(first..first + self.pages);
+                self.push_block(ids, 2 * i);
             }
             let prepared = self.peer.prepare(op, 0..1, ids, ids, None)?;
             let t1 = Instant::now();
@@ -412,9 +417,8 @@ impl Target<'_> {
             let t0 = Instant::now();
             let mut prepared = Vec::with_capacity(batch);
             for i in 0..batch {
-                let first = (i as u64 % self.slots) as u32 * self.pages;
                 ids.clear();
-                ids.extend(first..first + self.pages);
+                self.push_block(ids, i);
                 prepared.push(self.peer.prepare(op, 0..1, ids, ids, None)?);
             }
             let t1 = Instant::now();
@@ -434,9 +438,8 @@ impl Target<'_> {
         // on the thread that posts.
         let mut t0 = Instant::now();
         for i in 0..batch {
-            let first = (i as u64 % self.slots) as u32 * self.pages;
             ids.clear();
-            ids.extend(first..first + self.pages);
+            self.push_block(ids, i);
             let prepared = self.peer.prepare(op, 0..1, ids, ids, None)?;
             let t1 = Instant::now();
             let handle = self.peer.post(prepared)?;
