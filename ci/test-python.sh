@@ -32,3 +32,5 @@ export MATURIN_PEP517_ARGS="--profile ${KVLANE_PY_PROFILE:-dev}"
 # Benchmark smoke run (tiny sizes; timings are not checked).
 "$venv/bin/python" crates/kvlane-py/bench/bench.py --impl native,kvlane.nixl \
   --block-sizes 4K --batch 4 --duration 0.05 --rounds 2
+"$venv/bin/python" crates/kvlane-py/bench/bench.py --impl native --post batch \
+  --block-sizes 4K --batch 4 --duration 0.05

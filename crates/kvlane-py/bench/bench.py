@@ -15,6 +15,12 @@ bench, two processes) in the same run, point by point next to the others. ``--js
 round; rows carry ``round``) and ends the table with the median GB/s of
 each point over the rounds and its ratio to the Rust bench and to NIXL: on
 a noisy machine one round's ratio is not a measurement.
+``--post batch`` posts each batch in one call: the native API's
+``Peer.post_batch`` of the batch's prepared transfers, and the Rust bench's
+``--post batch`` (``Peer::post_batch``), so the binding's cost is compared
+on the same call pattern; still one transfer per block. NIXL's API has no
+such call: its rows (the real one's and ``kvlane.nixl``'s) post each
+transfer with its own ``transfer()`` either way.
 """
 
 import argparse
@@ -49,8 +55,22 @@ def hear(stream):
     raise EOFError("the target exited")
 
 
+def filled(nbytes: int, value: int) -> np.ndarray:
+    """`nbytes` of memory as the Rust bench's pool is (`kvlane.host_buffer`:
+    2 MiB-aligned, transparent huge pages), every page touched before the
+    clock starts. With numpy's own buffers (4 KiB pages here, THP in
+    `madvise` mode) the Python rows lost 0.1 of their ratio to the Rust
+    bench at 64 KiB: memory, not the binding. The NIXL rows get the same
+    memory."""
+    import kvlane
+
+    buf = kvlane.host_buffer(nbytes)
+    buf[:] = value
+    return buf
+
+
 def serve(impl: str, nbytes: int) -> None:
-    buf = np.ones(nbytes, dtype=np.uint8)
+    buf = filled(nbytes, 1)
     if impl == "native":
         import kvlane
 
@@ -69,7 +89,7 @@ def pct(xs, p):
     return float(np.percentile(np.asarray(xs, dtype=np.float64), p)) if len(xs) else 0.0
 
 
-def run_native(t, size, batch, op, duration, buf):
+def run_native(t, size, batch, op, duration, buf, post_mode="each"):
     import kvlane
 
     agent = kvlane.Agent(engine_id="init", backend="tcp", regions=[buf])
@@ -78,9 +98,17 @@ def run_native(t, size, batch, op, duration, buf):
     post = peer.write_spans if op == "WRITE" else peer.read_spans
     locs = [[(base + i * size, size)] for i in range(batch)]
     rems = [[(rbase + i * size, size)] for i in range(batch)]
+    if post_mode == "batch":
+        # Each block prepared, every batch, as the Rust bench's `--post
+        # batch` prepares them; the batch posted in one call.
+        def post_all():
+            return peer.post_batch([peer.prepare_spans(op, locs[i], rems[i]) for i in range(batch)])
+    else:
+        def post_all():
+            return [post(locs[i], rems[i]) for i in range(batch)]
     # One unmeasured batch first, as the Rust bench does: it dials the
     # data streams and warms both sides' memory.
-    for h in [post(locs[i], rems[i]) for i in range(batch)]:
+    for h in post_all():
         h.wait()
     # Batches are timed from their first post to their last wait, as the
     # Rust bench times its batches; reading each handle's telemetry into
@@ -90,7 +118,7 @@ def run_native(t, size, batch, op, duration, buf):
     start = time.perf_counter()
     while time.perf_counter() - start < duration:
         a = time.perf_counter()
-        hs = [post(locs[i], rems[i]) for i in range(batch)]
+        hs = post_all()
         for h in hs:
             h.wait()
         busy += time.perf_counter() - a
@@ -143,18 +171,16 @@ def run_nixl(api, t, size, batch, op, duration, buf):
     return moved, secs, lats, posts
 
 
-def point(impl, size_name, batch, op, duration):
+def point(impl, size_name, batch, op, duration, post_mode="each"):
     size = SIZES[size_name]
     nbytes = size * batch
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", impl, str(nbytes)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         t = hear(proc.stdout)
-        # Every page touched before the clock starts, as the Rust bench's
-        # memory is (np.zeros would leave them to fault in during the run).
-        buf = np.full(nbytes, 2, dtype=np.uint8)
+        buf = filled(nbytes, 2)
         if impl == "native":
-            moved, secs, lats, posts = run_native(t, size, batch, op, duration, buf)
+            moved, secs, lats, posts = run_native(t, size, batch, op, duration, buf, post_mode)
         else:
             moved, secs, lats, posts = run_nixl(importlib.import_module(impl), t, size, batch, op, duration, buf)
     finally:
@@ -164,15 +190,16 @@ def point(impl, size_name, batch, op, duration):
         "impl": impl, "op": op, "block_size": size_name, "batch": batch,
         "gbps": moved / secs / 1e9, "lat_avg_us": float(np.mean(lats)), "lat_p99_us": pct(lats, 99),
         "post_avg_us": float(np.mean(posts)), "transfers": len(lats), "seconds": secs,
+        "post": post_mode if impl == "native" else "each",
     }
 
 
-def rust_points(binary, sizes, batch, ops, duration):
+def rust_points(binary, sizes, batch, ops, duration, post_mode="each"):
     with rust_target.running(binary, "256M") as addr:
         out = subprocess.run([binary, "bench", "--role", "initiator", "--backend", "tcp",
                               "--connect", addr, "--block-sizes", ",".join(sizes),
                               "--batch", str(batch), "--op", ",".join(o.lower() for o in ops),
-                              "--duration", f"{duration}s", "--json"],
+                              "--duration", f"{duration}s", "--post", post_mode, "--json"],
                              capture_output=True, text=True, timeout=600)
     rows = []
     for line in out.stdout.splitlines():
@@ -186,7 +213,8 @@ def rust_points(binary, sizes, batch, ops, duration):
             rows.append({"impl": impl, "op": str(r["op"]).upper(), "block_size": sizes[0] if len(sizes) == 1 else r["block_size"],
                          "batch": r["batch"], "gbps": r["gbps"], "lat_avg_us": r["lat_avg_us"],
                          "lat_p99_us": r["lat_p99_us"], "post_avg_us": post,
-                         "transfers": r.get("transfers", 0), "seconds": r.get("seconds", 0.0)})
+                         "transfers": r.get("transfers", 0), "seconds": r.get("seconds", 0.0),
+                         "post": r.get("post", post_mode)})
     if not rows:
         raise RuntimeError(f"kvlane bench printed no rows:\n{out.stdout}\n{out.stderr}")
     return rows
@@ -205,6 +233,8 @@ def main() -> None:
     ap.add_argument("--rust", help="path of the kvlane binary: run its bench in the same go")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="measure every point this many times")
+    ap.add_argument("--post", default="each", choices=["each", "batch"],
+                    help="native and Rust rows: post each transfer, or each batch in one call")
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -215,8 +245,8 @@ def main() -> None:
     for rnd in range(a.rounds):
         for size in sizes:
             for op in ops:
-                got = rust_points(a.rust, [size], a.batch, [op], a.duration) if a.rust else []
-                got += [point(impl, size, a.batch, op, a.duration) for impl in a.impl.split(",")]
+                got = rust_points(a.rust, [size], a.batch, [op], a.duration, a.post) if a.rust else []
+                got += [point(impl, size, a.batch, op, a.duration, a.post) for impl in a.impl.split(",")]
                 for r in got:
                     r["round"] = rnd
                 rows += got

@@ -484,6 +484,71 @@ impl Peer {
         self.post_prepared(prepared.plan.again(), started)
     }
 
+    /// Posts several prepared transfers in one call (`Peer::post_batch`):
+    /// the backend takes them at once (tcp: one hand-over per stream, not a
+    /// write and a thread wake-up per transfer). Returns one `Transfer` per
+    /// item, in order. Never raises for one transfer: a transfer the peer
+    /// refused (busy queue, peer gone) comes back already failed, its
+    /// `wait()` raising the error, so no posted transfer loses its handle.
+    /// A transfer planned against an incarnation the peer no longer has is
+    /// planned again and posted, as `post` does.
+    fn post_batch(&self, py: Python<'_>, prepared: &Bound<'_, PyAny>) -> PyResult<Vec<Transfer>> {
+        self.live()?;
+        // Every item checked before any is posted.
+        let mut batch = Vec::new();
+        for (i, item) in prepared.try_iter()?.enumerate() {
+            let item = item?;
+            let p = item.cast_into::<PreparedTransfer>().map_err(|e| {
+                let ty = e.into_inner().get_type();
+                invalid(format!(
+                    "item {i} of the batch is a {}, not a PreparedTransfer",
+                    ty.name().map_or_else(|_| "?".into(), |n| n.to_string())
+                ))
+            })?;
+            batch.push(p);
+        }
+        // Borrowed one at a time: the same object may appear twice.
+        let mut items = Vec::with_capacity(batch.len());
+        let mut plans = Vec::with_capacity(batch.len());
+        for p in batch {
+            let mut m = p.borrow_mut();
+            let started = m.started();
+            m.posted = true;
+            plans.push(m.plan.again());
+            drop(m);
+            items.push((p, started));
+        }
+        let peer = self.peer.clone();
+        let n = plans.len();
+        let results = detach_if_long(py, n, move || peer.post_batch(plans));
+        let mut out = Vec::with_capacity(n);
+        for ((p, started), r) in items.into_iter().zip(results) {
+            out.push(match r {
+                Ok(handle) => {
+                    let m = p.borrow();
+                    Transfer::watch(handle, started, Instant::now(), m.bytes, m.descriptors)
+                }
+                Err(e) if e.kind() == kvlane::ErrorKind::Stale => {
+                    let mut m = p.borrow_mut();
+                    let m = &mut *m;
+                    let (op, l, r, notify) = (m.op, &m.local, &m.remote, m.notify.as_deref());
+                    let plan =
+                        detach_if_long(py, l.len(), || self.peer.prepare_spans(op, l, r, notify));
+                    let again = plan.and_then(|plan| {
+                        m.plan = plan;
+                        self.try_post(m.plan.again(), started)
+                    });
+                    again.unwrap_or_else(|e| Transfer::failed(e, started, m.bytes, m.descriptors))
+                }
+                Err(e) => {
+                    let m = p.borrow();
+                    Transfer::failed(e, started, m.bytes, m.descriptors)
+                }
+            });
+        }
+        Ok(out)
+    }
+
     /// Prepares and posts a span WRITE.
     #[pyo3(signature = (local, remote, notify = None))]
     fn write_spans(

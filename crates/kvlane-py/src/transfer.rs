@@ -209,6 +209,32 @@ impl Transfer {
         }
     }
 
+    /// A transfer refused at its post (by a batch post, which answers
+    /// every item): already ended with `error`.
+    pub(crate) fn failed(
+        error: kvlane::Error,
+        started: Instant,
+        bytes: u64,
+        descriptors: usize,
+    ) -> Self {
+        let now = Instant::now();
+        let shared = Arc::new(Shared::default());
+        let _ = shared.posted.0.set(now);
+        let mut st = lock(&shared.state);
+        shared.finish(&mut st, Err(error));
+        drop(st);
+        Self {
+            shared: Some(shared),
+            telemetry: Telemetry {
+                start_time_us: unix_us(started),
+                post_us: now.saturating_duration_since(started).as_micros() as u64,
+                xfer_us: 0,
+                bytes,
+                descriptors: descriptors as u64,
+            },
+        }
+    }
+
     fn shared(&self) -> PyResult<&Arc<Shared>> {
         self.shared
             .as_ref()

@@ -87,6 +87,103 @@ def test_a_prepared_transfer_posts_again_with_the_bytes_of_each_post(native_targ
             assert t.post_us <= b - a + slack
 
 
+def test_post_batch_posts_every_item_byte_checked_and_answers_each(native_target):
+    t = native_target.info
+    mine = pattern(1)
+    k, n = 4096, 16
+    with kvlane.Agent(engine_id="init", backend="tcp", regions=[mine]) as agent:
+        peer = agent.connect(t["addr"])
+        base, rbase = mine.ctypes.data, t["buf"]
+        assert peer.post_batch([]) == []
+
+        # n WRITEs of my blocks 0..n to their odd blocks; the last one
+        # notifies, after its own data.
+        writes = [peer.prepare_spans("WRITE", [(base + i * k, k)], [(rbase + (2 * i + 1) * k, k)],
+                                     notify=b"batch" if i == n - 1 else None) for i in range(n)]
+        hs = peer.post_batch(writes)
+        assert len(hs) == n and len({id(h) for h in hs}) == n
+        for h in hs:
+            assert h.wait(10) and h.status == "done"
+        assert all(h.telemetry.bytes == k for h in hs)
+        theirs = pattern(7)
+        for i in range(n):
+            theirs[(2 * i + 1) * k:(2 * i + 2) * k] = mine[i * k:(i + 1) * k]
+        (note,) = native_target.ask({"op": "notes", "n": 1})["notes"]
+        assert note[:2] == ["init", "batch"]
+        assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs)
+
+        # n READs of their even blocks into my blocks n..2n; the same
+        # prepared transfer twice in one batch is two transfers.
+        reads = [peer.prepare_spans("READ", [(base + (n + i) * k, k)], [(rbase + 2 * i * k, k)])
+                 for i in range(n)]
+        hs = peer.post_batch(reads + [reads[0]])
+        assert len(hs) == n + 1
+        assert all(h.wait(10) for h in hs)
+        for i in range(n):
+            assert (mine[(n + i) * k:(n + i + 1) * k] == theirs[2 * i * k:(2 * i + 1) * k]).all(), i
+
+        # An item that is not a prepared transfer: named, nothing posted.
+        mine[:k] = 0xAB
+        with pytest.raises(kvlane.InvalidInputError, match="item 1 of the batch is a str"):
+            peer.post_batch([writes[0], "not a transfer"])
+        assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs)
+
+        # Refused transfers come back failed, each with its error.
+        peer.disconnect()
+        with pytest.raises(kvlane.PeerLostError):
+            peer.post(writes[0])
+        hs = peer.post_batch(writes[:3])
+        assert [h.status for h in hs] == ["failed"] * 3
+        for h in hs:
+            assert isinstance(h.error(), kvlane.PeerLostError)
+            with pytest.raises(kvlane.PeerLostError):
+                h.wait(1)
+        assert native_target.ask({"op": "sha"})["sha"] == expected_sha(theirs)
+    with pytest.raises(kvlane.ClosedError):
+        peer.post_batch(writes)
+
+
+def _vma_fields(addr: int) -> dict:
+    """The `/proc/self/smaps` fields of the mapping holding `addr`."""
+    with open("/proc/self/smaps") as f:
+        fields, inside = {}, False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.split()[0].endswith(":"):
+                fields[line.split()[0][:-1]] = line.split()[1]
+    return fields
+
+
+def test_host_buffer_is_aligned_zeroed_huge_page_memory_that_registers_zero_copy():
+    small = kvlane.host_buffer(4096)
+    assert (small.dtype, small.shape, small.flags.writeable) == (np.uint8, (4096,), True)
+    assert small.ctypes.data % 4096 == 0 and not small.any()
+    n = 3 << 20
+    big = kvlane.host_buffer(n)
+    assert big.shape == (n,) and big.ctypes.data % (2 << 20) == 0 and not big.any()
+    for bad in (0, -1):
+        with pytest.raises(kvlane.InvalidInputError, match="positive size"):
+            kvlane.host_buffer(bad)
+
+    # Registered zero-copy: a WRITE from another agent lands in the array.
+    src = np.arange(n, dtype=np.uint64).view(np.uint8)[:n]
+    with kvlane.Agent(engine_id="dst", backend="tcp", regions=[big]) as dst, \
+         kvlane.Agent(engine_id="src", backend="tcp", regions=[src]) as a:
+        peer = a.connect(dst.addr)
+        assert peer.write_spans([(src.ctypes.data, n)], [(big.ctypes.data, n)]).wait(10)
+        assert (big == src).all()
+
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        mode = f.read()
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages are off here ({mode.strip()}): the advice has no effect")
+    fields = _vma_fields(big.ctypes.data)
+    assert fields.get("THPeligible") == "1", fields
+
+
 def test_blocks_with_kv_layout_in_one_process():
     layout = kvlane.KvLayout(2, 16, 4096)
     a_kv = pattern(3, layout.required_len)

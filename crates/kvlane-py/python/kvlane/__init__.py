@@ -2,10 +2,10 @@
 
 The native API mirrors the Rust facade::
 
-    import numpy as np, kvlane
+    import kvlane
 
     layout = kvlane.KvLayout(layers=2, blocks=16, block_bytes=4096)
-    kv = np.zeros(layout.required_len, dtype=np.uint8)
+    kv = kvlane.host_buffer(layout.required_len)  # or any writable buffer
     with kvlane.Agent(engine_id="prefill", backend="tcp", kv=[(layout, kv)]) as agent:
         peer = agent.connect("127.0.0.1:5555")
         peer.write_blocks((0, 2), [0, 1], [8, 9], notify=b"req-1").wait()
@@ -37,6 +37,7 @@ from kvlane._kvlane import (
     UnsupportedError,
     __version__,
 )
+from kvlane._memory import host_buffer
 
 __all__ = [
     "Agent",
@@ -61,4 +62,5 @@ __all__ = [
     "Transfer",
     "UnsupportedError",
     "__version__",
+    "host_buffer",
 ]

@@ -1,6 +1,6 @@
 """Type stubs of kvlane's native module (re-exported by ``kvlane``)."""
 
-from typing import Any, Awaitable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Dict, Generator, Iterable, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 
@@ -174,6 +174,15 @@ class Peer:
     ) -> PreparedTransfer: ...
     def check_remote_spans(self, op: str, spans_: Spans) -> None: ...
     def post(self, prepared: PreparedTransfer) -> Transfer: ...
+    def post_batch(self, prepared: Iterable[PreparedTransfer]) -> List[Transfer]:
+        """Posts every item in one call (one hand-over to the backend);
+        one ``Transfer`` per item, in order. A transfer the peer refused
+        comes back already failed (its ``wait()`` raises), never as an
+        exception from this call, so no posted transfer loses its handle.
+        Raises ``InvalidInputError`` naming an item that is not a
+        ``PreparedTransfer`` (before posting any) and ``ClosedError`` on a
+        closed agent."""
+        ...
     def write_spans(self, local: Spans, remote: Spans, notify: Optional[bytes] = None) -> Transfer: ...
     def read_spans(self, local: Spans, remote: Spans, notify: Optional[bytes] = None) -> Transfer: ...
     def notify(self, payload: bytes) -> None: ...
