@@ -370,3 +370,13 @@ def test_psk_authenticates_and_a_wrong_key_is_refused():
         with pytest.raises(kvlane.RefusedError, match="pre-shared key"):
             c.connect(b.addr)
         assert time.monotonic() - start < 30
+
+
+def test_the_readme_python_quick_start_runs_as_written():
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")
+    with open(readme) as f:
+        text = f.read()
+    section = text.split("## Quick start (Python)", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "kvlane.Agent" in code and "host_buffer" in code
+    exec(compile(code, "README.md (Quick start, Python)", "exec"), {"__name__": "readme"})
