@@ -53,6 +53,7 @@ pub struct AgentBuilder {
     rails: crate::backend::RailChoice,
     notification_capacity: usize,
     dial_any_data_host: bool,
+    transfer_deadline: Duration,
 }
 
 /// Default of [`AgentBuilder::notification_capacity`]: with the default
@@ -91,6 +92,7 @@ impl Default for AgentBuilder {
             rails: crate::backend::RailChoice::default(),
             notification_capacity: DEFAULT_NOTIFICATION_CAPACITY,
             dial_any_data_host: false,
+            transfer_deadline: crate::DEFAULT_TRANSFER_DEADLINE,
         }
     }
 }
@@ -192,6 +194,16 @@ impl AgentBuilder {
     /// `advertise` another host on purpose.
     pub fn dial_any_data_host(mut self, yes: bool) -> Self {
         self.dial_any_data_host = yes;
+        self
+    }
+
+    /// How long after its post a transfer may run before it fails with
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) (at least 1 ms;
+    /// default [`DEFAULT_TRANSFER_DEADLINE`](crate::DEFAULT_TRANSFER_DEADLINE)).
+    /// It counts from each post, not from the prepare: a plan made ahead
+    /// and posted later gets the whole deadline.
+    pub fn transfer_deadline(mut self, d: Duration) -> Self {
+        self.transfer_deadline = d.max(Duration::from_millis(1));
         self
     }
 
@@ -317,6 +329,7 @@ impl AgentBuilder {
             notes_dropped: Default::default(),
             notes_refused: Default::default(),
             dial_any_data_host: self.dial_any_data_host,
+            transfer_deadline: self.transfer_deadline,
             data_rails,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),

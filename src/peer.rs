@@ -56,15 +56,14 @@ impl PreparedTransfer {
         self.incarnation
     }
 
-    /// The same plan for one more post, with a transfer id and deadline of
-    /// its own (a plan posts once; this posts it again without planning
-    /// again). Still for the incarnation it was planned against: after
-    /// the peer restarted, posting it fails with [`ErrorKind::Stale`] as
-    /// the original would.
+    /// The same plan for one more post, with a transfer id of its own (a
+    /// plan posts once; this posts it again without planning again; the
+    /// deadline, as every post's, runs from the post). Still for the
+    /// incarnation it was planned against: after the peer restarted,
+    /// posting it fails with [`ErrorKind::Stale`] as the original would.
     pub fn again(&self) -> Self {
         let mut transfer = self.transfer.clone();
         transfer.id = TransferId::next();
-        transfer.deadline = Instant::now() + DEFAULT_TRANSFER_DEADLINE;
         Self {
             conn: self.conn,
             incarnation: self.incarnation,
@@ -93,7 +92,14 @@ impl std::fmt::Debug for Peer {
     }
 }
 
-/// Default deadline of block transfers.
+/// Stands for a prepared transfer's deadline until its post stamps it.
+fn unposted() -> Instant {
+    static AT: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *AT.get_or_init(Instant::now)
+}
+
+/// Default deadline of transfers, from their post
+/// ([`AgentBuilder::transfer_deadline`](crate::AgentBuilder::transfer_deadline)).
 pub const DEFAULT_TRANSFER_DEADLINE: Duration = Duration::from_secs(30);
 
 impl Peer {
@@ -300,8 +306,9 @@ impl Peer {
         r: RemoteDescriptors,
         notify: Option<&[u8]>,
     ) -> Result<PreparedTransfer, Error> {
-        let deadline = Instant::now() + DEFAULT_TRANSFER_DEADLINE;
-        let mut transfer = Transfer::due(data_peer, op, l, r, deadline);
+        // The deadline is stamped by the post (a plan may be posted long
+        // after it was made); until then it holds a placeholder.
+        let mut transfer = Transfer::due(data_peer, op, l, r, unposted());
         let frame = notify
             .map(|p| frames::notify_frame(&self.inner.engine_id, p))
             .transpose()?;
@@ -335,14 +342,21 @@ impl Peer {
     fn post_inner(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
         let recorder = self.posting(&lock(&self.inner.peers), &prepared)?;
         let PreparedTransfer {
-            transfer,
+            mut transfer,
             notify_after_read,
             ..
         } = prepared;
+        // The transfer's one clock read on this path: its deadline, its
+        // submission time and the backend's.
+        let now = Instant::now();
+        transfer.deadline = now + self.inner.transfer_deadline;
         // Never blocks: a full queue is `ErrorKind::Busy` (retry after earlier
         // transfers completed), not a stalled async task. The peer's
         // metrics observe the transfer's end.
-        let data = self.inner.transport.submit_observed(transfer, recorder)?;
+        let data = self
+            .inner
+            .transport
+            .submit_observed_at(transfer, recorder, now)?;
         Ok(self.handle(data, notify_after_read))
     }
 
@@ -362,9 +376,11 @@ impl Peer {
         // Where each submitted transfer's result goes, and its READ
         // notification.
         let mut after = Vec::with_capacity(prepared.len());
+        let deadline = Instant::now() + self.inner.transfer_deadline;
         {
             let peers = lock(&self.inner.peers);
-            for p in prepared {
+            for mut p in prepared {
+                p.transfer.deadline = deadline;
                 match self.posting(&peers, &p) {
                     Ok(recorder) => {
                         after.push((out.len(), p.notify_after_read));

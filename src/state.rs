@@ -127,6 +127,8 @@ pub(crate) struct Inner {
     /// Dial data endpoints on any host, not only on the host of the
     /// control connection (see the `dial` module).
     pub(crate) dial_any_data_host: bool,
+    /// Each transfer's deadline, from its post.
+    pub(crate) transfer_deadline: Duration,
     /// Rails of this agent's data plane (1 for one device): how many of a
     /// peer's rails it pairs.
     pub(crate) data_rails: usize,

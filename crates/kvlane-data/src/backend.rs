@@ -6,6 +6,7 @@ use crate::memory::{Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 use std::any::Any;
 use std::task::Waker;
+use std::time::Instant;
 
 /// The part of connecting a peer that may wait on the network (dialing,
 /// authenticating), returned by [`Backend::start_connect`] and run by the
@@ -142,6 +143,15 @@ pub trait Backend: Send + 'static {
     /// Queues a transfer. Never blocks.
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError>;
 
+    /// [`submit`](Self::submit) with the time the caller read just before
+    /// (the transfer's submission time), for a backend that needs the
+    /// time at submission: the posting path then reads the clock once per
+    /// transfer, not once per layer. The default ignores `now`.
+    fn submit_at(&mut self, transfer: Transfer, now: Instant) -> Result<(), SubmitError> {
+        let _ = now;
+        self.submit(transfer)
+    }
+
     /// Queues several transfers, appending one result per transfer, in
     /// order, to `results`; returns whether any of them left something
     /// only `poll` moves on (what [`poll_after_submit`](Self::poll_after_submit)
@@ -212,7 +222,7 @@ pub trait Backend: Send + 'static {
     /// the caller (its earliest deadline: only `poll` notices a transfer
     /// that timed out). `None` (the default): unknown, so a driver re-polls
     /// about every millisecond while work is in flight.
-    fn poll_by(&self) -> Option<std::time::Instant> {
+    fn poll_by(&self) -> Option<Instant> {
         None
     }
 
@@ -287,6 +297,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
         (**self).submit(transfer)
     }
+    fn submit_at(&mut self, transfer: Transfer, now: Instant) -> Result<(), SubmitError> {
+        (**self).submit_at(transfer, now)
+    }
     fn submit_batch(
         &mut self,
         transfers: Vec<Transfer>,
@@ -309,7 +322,7 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn needs_busy_poll(&self) -> bool {
         (**self).needs_busy_poll()
     }
-    fn poll_by(&self) -> Option<std::time::Instant> {
+    fn poll_by(&self) -> Option<Instant> {
         (**self).poll_by()
     }
     fn poll_after_submit(&self) -> bool {

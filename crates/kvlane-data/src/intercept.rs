@@ -100,6 +100,9 @@ impl Backend for Intercept {
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
         self.inner.submit(t)
     }
+    fn submit_at(&mut self, t: Transfer, now: std::time::Instant) -> Result<(), SubmitError> {
+        self.inner.submit_at(t, now)
+    }
     fn submit_batch(
         &mut self,
         ts: Vec<Transfer>,

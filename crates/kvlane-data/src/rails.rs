@@ -1304,7 +1304,11 @@ impl Backend for Rails {
     }
 
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
-        let (rails, whole) = self.admit(&transfer, Instant::now())?;
+        self.submit_at(transfer, Instant::now())
+    }
+
+    fn submit_at(&mut self, transfer: Transfer, now: Instant) -> Result<(), SubmitError> {
+        let (rails, whole) = self.admit(&transfer, now)?;
         if whole {
             self.submit_whole(transfer, rails)
         } else {

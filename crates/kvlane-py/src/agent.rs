@@ -30,6 +30,16 @@ fn detach_if_long<T: Send>(py: Python<'_>, n: usize, f: impl FnOnce() -> T + Sen
     }
 }
 
+/// A positive, finite number of seconds (`name` for the error).
+fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+    match Duration::try_from_secs_f64(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        _ => Err(invalid(format!(
+            "{name} is a positive number of seconds, not {s}"
+        ))),
+    }
+}
+
 fn closed() -> PyErr {
     ClosedError::new_err("the agent is closed")
 }
@@ -67,7 +77,8 @@ pub(crate) struct Agent {
 impl Agent {
     #[new]
     #[pyo3(signature = (engine_id = None, listen = "127.0.0.1:0", backend = "auto", psk = None,
-        advertise = None, kv = None, regions = None, keepalive_interval = None, liveness_budget = None))]
+        advertise = None, kv = None, regions = None, keepalive_interval = None, liveness_budget = None,
+        transfer_deadline = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python constructor
     fn py_new(
         py: Python<'_>,
@@ -80,6 +91,7 @@ impl Agent {
         regions: Option<Vec<Bound<'_, PyAny>>>,
         keepalive_interval: Option<f64>,
         liveness_budget: Option<u32>,
+        transfer_deadline: Option<f64>,
     ) -> PyResult<Self> {
         let choice = match backend {
             "auto" => BackendChoice::Auto,
@@ -102,12 +114,15 @@ impl Agent {
         if keepalive_interval.is_some() || liveness_budget.is_some() {
             let mut c = Config::default();
             if let Some(k) = keepalive_interval {
-                c.keepalive_interval = Duration::from_secs_f64(k);
+                c.keepalive_interval = seconds("keepalive_interval", k)?;
             }
             if let Some(n) = liveness_budget {
                 c.liveness_budget = n;
             }
             b = b.control_config(c);
+        }
+        if let Some(d) = transfer_deadline {
+            b = b.transfer_deadline(seconds("transfer_deadline", d)?);
         }
         if let Some(k) = psk {
             b = b.psk(k);

@@ -380,3 +380,20 @@ def test_the_readme_python_quick_start_runs_as_written():
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert "kvlane.Agent" in code and "host_buffer" in code
     exec(compile(code, "README.md (Quick start, Python)", "exec"), {"__name__": "readme"})
+
+
+def test_transfer_deadline_fails_a_longer_transfer_with_timeout_and_bad_seconds_are_refused():
+    for kw in ({"transfer_deadline": 0}, {"transfer_deadline": -1.0}, {"keepalive_interval": -1.0},
+               {"transfer_deadline": float("nan")}):
+        name = next(iter(kw))
+        with pytest.raises(kvlane.InvalidInputError, match=f"{name} is a positive number of seconds"):
+            kvlane.Agent(backend="tcp", **kw)
+    n = 256 << 20  # tens of milliseconds over tcp at least; the deadline is 1 ms
+    src, dst = kvlane.host_buffer(n), kvlane.host_buffer(n)
+    with kvlane.Agent(engine_id="dst", backend="tcp", regions=[dst]) as b, \
+         kvlane.Agent(engine_id="src", backend="tcp", regions=[src], transfer_deadline=0.001) as a:
+        peer = a.connect(b.addr)
+        h = peer.write_spans([(src.ctypes.data, n)], [(dst.ctypes.data, n)])
+        with pytest.raises(kvlane.TimeoutError):
+            h.wait(10)
+        assert h.status == "failed"

@@ -864,11 +864,15 @@ impl Backend for TcpBackend {
     }
 
     fn submit(&mut self, t: Transfer) -> Result<(), SubmitError> {
+        self.submit_at(t, Instant::now())
+    }
+
+    fn submit_at(&mut self, t: Transfer, now: Instant) -> Result<(), SubmitError> {
         // A deadline sooner than the driver's longest sleep needs a poll
         // scheduled by it; so does a failure queued here. Every chunk goes
         // to its stream before `submit` returns.
         self.poll_due = false;
-        let r = self.submit_staged(t, Instant::now());
+        let r = self.submit_staged(t, now);
         self.hand_over();
         r
     }

@@ -203,7 +203,11 @@ class Agent:
         regions: Optional[Sequence[Any]] = None,
         keepalive_interval: Optional[float] = None,
         liveness_budget: Optional[int] = None,
-    ) -> None: ...
+        transfer_deadline: Optional[float] = None,
+    ) -> None:
+        """``transfer_deadline``: seconds after its post a transfer may run
+        before it fails with ``TimeoutError`` (default 30)."""
+        ...
     @property
     def engine_id(self) -> str: ...
     @property
