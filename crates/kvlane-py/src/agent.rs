@@ -353,8 +353,22 @@ impl Peer {
         l: &[MemSpan],
         r: &[MemSpan],
         notify: Option<&[u8]>,
-    ) -> PyResult<RsPrepared> {
-        detach_if_long(py, l.len(), || self.peer.prepare_spans(op, l, r, notify)).map_err(to_py)
+    ) -> Result<RsPrepared, kvlane::Error> {
+        detach_if_long(py, l.len(), || self.peer.prepare_spans(op, l, r, notify))
+    }
+
+    /// Plans `prepared`'s spans again (planned against an incarnation the
+    /// peer no longer has), keeps the new plan and posts it.
+    fn post_replanned(
+        &self,
+        py: Python<'_>,
+        prepared: &mut PreparedTransfer,
+        started: Instant,
+    ) -> Result<Transfer, kvlane::Error> {
+        let p = &*prepared;
+        let plan = self.plan(py, p.op, &p.local, &p.remote, p.notify.as_deref())?;
+        prepared.plan = plan;
+        self.try_post(prepared.plan.again(), started)
     }
 
     fn span_lists(
@@ -452,7 +466,9 @@ impl Peer {
         let t = Instant::now();
         let op = op_of(op)?;
         let (l, r) = Self::span_lists(local, remote)?;
-        let p = self.plan(py, op, &l, &r, notify.as_deref())?;
+        let p = self
+            .plan(py, op, &l, &r, notify.as_deref())
+            .map_err(to_py)?;
         Ok(PreparedTransfer {
             descriptors: p.descriptors(),
             bytes: p.bytes(),
@@ -488,15 +504,7 @@ impl Peer {
             Err(e) if e.kind() == kvlane::ErrorKind::Stale => {}
             r => return r.map_err(to_py),
         }
-        // Planned against an incarnation the peer no longer has.
-        prepared.plan = self.plan(
-            py,
-            prepared.op,
-            &prepared.local,
-            &prepared.remote,
-            prepared.notify.as_deref(),
-        )?;
-        self.post_prepared(prepared.plan.again(), started)
+        self.post_replanned(py, prepared, started).map_err(to_py)
     }
 
     /// Posts several prepared transfers in one call (`Peer::post_batch`):
@@ -536,29 +544,17 @@ impl Peer {
         let peer = self.peer.clone();
         let n = plans.len();
         let results = detach_if_long(py, n, move || peer.post_batch(plans));
+        // Every item's post returned together.
+        let posted = Instant::now();
         let mut out = Vec::with_capacity(n);
         for ((p, started), r) in items.into_iter().zip(results) {
+            let mut m = p.borrow_mut();
             out.push(match r {
-                Ok(handle) => {
-                    let m = p.borrow();
-                    Transfer::watch(handle, started, Instant::now(), m.bytes, m.descriptors)
-                }
-                Err(e) if e.kind() == kvlane::ErrorKind::Stale => {
-                    let mut m = p.borrow_mut();
-                    let m = &mut *m;
-                    let (op, l, r, notify) = (m.op, &m.local, &m.remote, m.notify.as_deref());
-                    let plan =
-                        detach_if_long(py, l.len(), || self.peer.prepare_spans(op, l, r, notify));
-                    let again = plan.and_then(|plan| {
-                        m.plan = plan;
-                        self.try_post(m.plan.again(), started)
-                    });
-                    again.unwrap_or_else(|e| Transfer::failed(e, started, m.bytes, m.descriptors))
-                }
-                Err(e) => {
-                    let m = p.borrow();
-                    Transfer::failed(e, started, m.bytes, m.descriptors)
-                }
+                Ok(handle) => Transfer::watch(handle, started, posted, m.bytes, m.descriptors),
+                Err(e) if e.kind() == kvlane::ErrorKind::Stale => self
+                    .post_replanned(py, &mut m, started)
+                    .unwrap_or_else(|e| Transfer::failed(e, started, m.bytes, m.descriptors)),
+                Err(e) => Transfer::failed(e, started, m.bytes, m.descriptors),
             });
         }
         Ok(out)

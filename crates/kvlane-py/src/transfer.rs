@@ -172,6 +172,20 @@ pub(crate) struct Telemetry {
     descriptors: u64,
 }
 
+impl Telemetry {
+    /// A transfer whose prepare (or post) began at `started` and whose
+    /// post returned at `posted`; its transfer time comes at its end.
+    fn posted(started: Instant, posted: Instant, bytes: u64, descriptors: usize) -> Self {
+        Self {
+            start_time_us: unix_us(started),
+            post_us: posted.saturating_duration_since(started).as_micros() as u64,
+            xfer_us: 0,
+            bytes,
+            descriptors: descriptors as u64,
+        }
+    }
+}
+
 /// A posted transfer. `wait(timeout)` blocks (GIL released, Ctrl-C
 /// interrupts) and returns `True` when it finished, `False` if it is still
 /// running after `timeout` seconds, raising the transfer's error if it
@@ -199,13 +213,7 @@ impl Transfer {
         lock(&shared.state).handle = Some(handle);
         Self {
             shared: Some(shared),
-            telemetry: Telemetry {
-                start_time_us: unix_us(started),
-                post_us: posted.saturating_duration_since(started).as_micros() as u64,
-                xfer_us: 0,
-                bytes,
-                descriptors: descriptors as u64,
-            },
+            telemetry: Telemetry::posted(started, posted, bytes, descriptors),
         }
     }
 
@@ -220,18 +228,10 @@ impl Transfer {
         let now = Instant::now();
         let shared = Arc::new(Shared::default());
         let _ = shared.posted.0.set(now);
-        let mut st = lock(&shared.state);
-        shared.finish(&mut st, Err(error));
-        drop(st);
+        shared.finish(&mut lock(&shared.state), Err(error));
         Self {
             shared: Some(shared),
-            telemetry: Telemetry {
-                start_time_us: unix_us(started),
-                post_us: now.saturating_duration_since(started).as_micros() as u64,
-                xfer_us: 0,
-                bytes,
-                descriptors: descriptors as u64,
-            },
+            telemetry: Telemetry::posted(started, now, bytes, descriptors),
         }
     }
 
