@@ -9,6 +9,7 @@ use crate::ids::{PeerId, TransferId};
 use crate::memory::{Region, RemoteRegion};
 use crate::progress::{Member, ProgressPool};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
+use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -701,8 +702,12 @@ impl Transport {
         then: Then,
         now: Instant,
     ) -> Result<TransferHandle, SubmitError> {
-        let slot = Slot::new(now);
-        lock(&slot.state).on_done = Some(AtEnd::new(then, &transfer, slot.submitted));
+        let mut slot = Slot::new(now);
+        // Not shared yet: no lock to take.
+        slot.state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .on_done = Some(AtEnd::new(then, &transfer, now));
         self.submit_slot(transfer, slot)
     }
 
@@ -712,12 +717,13 @@ impl Transport {
             return Err(SubmitError::Rejected(DataError::Shutdown(id)));
         }
         let slot = Arc::new(slot);
-        {
-            let mut slots = lock(&self.shared.slots);
-            if slots.contains_key(&id) {
-                return Err(SubmitError::Rejected(DataError::DuplicateTransfer(id)));
+        match lock(&self.shared.slots).entry(id) {
+            Entry::Occupied(_) => {
+                return Err(SubmitError::Rejected(DataError::DuplicateTransfer(id)))
             }
-            slots.insert(id, slot.clone());
+            Entry::Vacant(v) => {
+                v.insert(slot.clone());
+            }
         }
         let (r, due) = {
             let mut b = lock(&self.shared.backend);
