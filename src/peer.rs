@@ -340,15 +340,16 @@ impl Peer {
     }
 
     fn post_inner(&self, prepared: PreparedTransfer) -> Result<TransferHandle, Error> {
+        // The transfer's one clock read on this path, as the post begins:
+        // its deadline, its submission time (the handle's `posted_at`)
+        // and the backend's.
+        let now = Instant::now();
         let recorder = self.posting(&lock(&self.inner.peers), &prepared)?;
         let PreparedTransfer {
             mut transfer,
             notify_after_read,
             ..
         } = prepared;
-        // The transfer's one clock read on this path: its deadline, its
-        // submission time and the backend's.
-        let now = Instant::now();
         transfer.deadline = now + self.inner.transfer_deadline;
         // Never blocks: a full queue is `ErrorKind::Busy` (retry after earlier
         // transfers completed), not a stalled async task. The peer's
@@ -457,9 +458,11 @@ impl Peer {
         data: kvlane_data::TransferHandle,
         notify_after_read: Option<Vec<u8>>,
     ) -> TransferHandle {
+        let posted = data.submitted_at();
         let Some(frame) = notify_after_read else {
             return TransferHandle {
                 inner: HandleInner::Data(data),
+                posted,
             };
         };
         let (tx, rx) = oneshot::channel();
@@ -478,6 +481,7 @@ impl Peer {
         });
         TransferHandle {
             inner: HandleInner::Task(rx),
+            posted,
         }
     }
 
@@ -541,6 +545,8 @@ enum HandleInner {
 #[must_use = "a transfer's result reports whether its bytes landed"]
 pub struct TransferHandle {
     inner: HandleInner,
+    /// When the post began (see [`posted_at`](Self::posted_at)).
+    posted: Instant,
 }
 
 impl std::fmt::Debug for TransferHandle {
@@ -550,6 +556,17 @@ impl std::fmt::Debug for TransferHandle {
 }
 
 impl TransferHandle {
+    /// When the transfer was posted: the clock read that stamped its
+    /// deadline ([`AgentBuilder::transfer_deadline`] from here), taken as
+    /// [`Peer::post`] began (one read for all of a
+    /// [`Peer::post_batch`]). A caller timing transfers can measure from
+    /// here instead of reading the clock again before each post.
+    ///
+    /// [`AgentBuilder::transfer_deadline`]: crate::AgentBuilder::transfer_deadline
+    pub fn posted_at(&self) -> Instant {
+        self.posted
+    }
+
     /// Blocks the thread until the transfer ends (not from async code).
     pub fn wait(self) -> Result<(), Error> {
         match self.inner {

@@ -31,13 +31,35 @@ async fn a_plan_posted_after_the_deadline_has_passed_since_its_prepare_still_run
     let prepared = peer
         .prepare_spans(Op::Write, &local, &remote, None)
         .unwrap();
-    let again = prepared.again();
+    let again = [prepared.again(), prepared.again()];
+    let prepared_at = Instant::now();
     // Twice the deadline between the prepare and the posts.
     tokio::time::sleep(2 * deadline).await;
-    peer.post(prepared).unwrap().await.unwrap();
+    let before = Instant::now();
+    let handle = peer.post(prepared).unwrap();
+    let after = Instant::now();
+    // The deadline's clock read is the post's, and the handle reports it.
+    let posted = handle.posted_at();
+    assert!(
+        before <= posted && posted <= after,
+        "{before:?} {posted:?} {after:?}"
+    );
+    assert!(posted >= prepared_at + 2 * deadline);
+    handle.await.unwrap();
     assert_eq!(b_mem.to_vec().unwrap(), src);
-    for r in peer.post_batch(vec![again]) {
-        r.unwrap().await.unwrap();
+    let before = Instant::now();
+    let handles: Vec<_> = peer
+        .post_batch(again.into())
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let after = Instant::now();
+    // One clock read for the whole batch.
+    let posted = handles[0].posted_at();
+    assert!(before <= posted && posted <= after);
+    assert!(handles.iter().all(|h| h.posted_at() == posted));
+    for h in handles {
+        h.await.unwrap();
     }
     a.close().await;
     b.close().await;

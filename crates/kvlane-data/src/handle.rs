@@ -224,6 +224,14 @@ impl TransferHandle {
         self.peer
     }
 
+    /// When the transfer was submitted: the transport's clock read at
+    /// submission, or the time its caller passed
+    /// ([`Transport::submit_observed_at`]); one for all of a
+    /// [`Transport::submit_batch`].
+    pub fn submitted_at(&self) -> Instant {
+        self.slot.submitted
+    }
+
     /// Whether the result is ready.
     pub fn is_done(&self) -> bool {
         lock(&self.slot.state).result.is_some()
