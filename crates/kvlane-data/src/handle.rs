@@ -143,9 +143,13 @@ struct Slot {
 }
 
 impl Slot {
-    fn new(submitted: Instant) -> Self {
+    /// A slot whose transfer runs `on_done` when it ends, if any.
+    fn new(submitted: Instant, on_done: Option<AtEnd>) -> Self {
         Self {
-            state: Mutex::default(),
+            state: Mutex::new(SlotState {
+                on_done,
+                ..SlotState::default()
+            }),
             done: Condvar::new(),
             submitted,
             ready: AtomicBool::new(false),
@@ -665,7 +669,7 @@ impl Transport {
     /// Submits a transfer. A full queue hands it back
     /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
     pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {
-        self.submit_slot(transfer, Slot::new(Instant::now()))
+        self.submit_slot(transfer, Slot::new(Instant::now(), None))
     }
 
     /// Submits a transfer and calls `on_done` with its result when it ends
@@ -710,12 +714,7 @@ impl Transport {
         then: Then,
         now: Instant,
     ) -> Result<TransferHandle, SubmitError> {
-        let mut slot = Slot::new(now);
-        // Not shared yet: no lock to take.
-        slot.state
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .on_done = Some(AtEnd::new(then, &transfer, now));
+        let slot = Slot::new(now, Some(AtEnd::new(then, &transfer, now)));
         self.submit_slot(transfer, slot)
     }
 
@@ -781,17 +780,13 @@ impl Transport {
                     out.push(Err(SubmitError::Rejected(DataError::Shutdown(id))));
                     continue;
                 }
-                if slots.contains_key(&id) {
+                let Entry::Vacant(v) = slots.entry(id) else {
                     out.push(Err(SubmitError::Rejected(DataError::DuplicateTransfer(id))));
                     continue;
-                }
-                let mut slot = Slot::new(submitted);
-                slot.state
-                    .get_mut()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .on_done = then.map(|then| AtEnd::new(then, &t, submitted));
-                let slot = Arc::new(slot);
-                slots.insert(id, slot.clone());
+                };
+                let on_done = then.map(|then| AtEnd::new(then, &t, submitted));
+                let slot = Arc::new(Slot::new(submitted, on_done));
+                v.insert(slot.clone());
                 at.push(out.len());
                 out.push(Ok(TransferHandle { id, peer, slot }));
                 submit.push(t);

@@ -22,7 +22,7 @@ use super::stats::Sample;
 use super::{op_name, BenchPlan};
 use crate::units::fmt_size;
 use kvlane::data::{Access, Op, Region};
-use kvlane::{Agent, Error, Peer};
+use kvlane::{Agent, Error, Peer, TransferHandle};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -432,20 +432,14 @@ pub(crate) fn worker(
     // 1,000 agents' cold first batches (p99 0.5-0.8 s on the 2-core VM):
     // 1,000-peer WRITE measured 0.62-0.83x one peer over 3 s windows and
     // 1.02-1.13x over 6 s ones.
-    let warmed: Result<Vec<()>, String> = rt.block_on(async {
-        let mut set = tokio::task::JoinSet::new();
-        for peer in &peers {
-            set.spawn(warm_up(peer.clone(), op, pages, batch));
-        }
-        let mut all = Vec::new();
-        while let Some(r) = set.join_next().await {
-            all.push(
-                r.map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| e.to_string())),
-            );
-        }
-        all.into_iter().collect()
-    });
+    let warmed: Result<Vec<()>, String> = rt
+        .block_on(join_all(
+            peers
+                .iter()
+                .map(|peer| warm_up(peer.clone(), op, pages, batch)),
+        ))
+        .into_iter()
+        .collect();
     if let Err(e) = warmed {
         report(&WorkerReport {
             error: Some(format!("warm-up batch: {e}")),
@@ -462,20 +456,11 @@ pub(crate) fn worker(
     }
     let started = Instant::now();
     let end = started + plan.duration;
-    let results: Vec<Result<(Vec<u64>, u64), String>> = rt.block_on(async {
-        let mut set = tokio::task::JoinSet::new();
-        for peer in peers {
-            set.spawn(drive(peer, op, pages, batch, end));
-        }
-        let mut all = Vec::new();
-        while let Some(r) = set.join_next().await {
-            all.push(
-                r.map_err(|e| e.to_string())
-                    .and_then(|r| r.map_err(|e| e.to_string())),
-            );
-        }
-        all
-    });
+    let results = rt.block_on(join_all(
+        peers
+            .into_iter()
+            .map(|peer| drive(peer, op, pages, batch, end)),
+    ));
     let mut out = WorkerReport {
         agents,
         usage: Usage::now(),
@@ -578,14 +563,49 @@ async fn connect_all(
     Ok((agents, peers))
 }
 
-/// One unmeasured batch of `batch` block transfers, waited for.
-async fn warm_up(peer: Peer, op: Op, pages: u32, batch: usize) -> Result<(), Error> {
-    let mut handles = Vec::with_capacity(batch);
-    for i in 0..batch as u32 {
-        let ids: Vec<u32> = (i * pages..(i + 1) * pages).collect();
-        handles.push(peer.post(peer.prepare(op, 0..1, &ids, &ids, None)?)?);
+/// Runs every task at once on the runtime; their results, a panicked
+/// task's as its message.
+async fn join_all<T: Send + 'static>(
+    tasks: impl Iterator<Item = impl std::future::Future<Output = Result<T, Error>> + Send + 'static>,
+) -> Vec<Result<T, String>> {
+    let mut set = tokio::task::JoinSet::new();
+    for t in tasks {
+        set.spawn(t);
     }
-    for h in handles {
+    let mut all = Vec::new();
+    while let Some(r) = set.join_next().await {
+        all.push(
+            r.map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string())),
+        );
+    }
+    all
+}
+
+/// Posts one batch: block `i` of the agent's memory to block `i` of the
+/// target's, each handle with its post time.
+fn post_batch(
+    peer: &Peer,
+    op: Op,
+    pages: u32,
+    batch: usize,
+    ids: &mut Vec<u32>,
+    posted: &mut Vec<(Instant, TransferHandle)>,
+) -> Result<(), Error> {
+    for i in 0..batch as u32 {
+        ids.clear();
+        ids.extend(i * pages..(i + 1) * pages);
+        let prepared = peer.prepare(op, 0..1, ids, ids, None)?;
+        posted.push((Instant::now(), peer.post(prepared)?));
+    }
+    Ok(())
+}
+
+/// One unmeasured batch, waited for.
+async fn warm_up(peer: Peer, op: Op, pages: u32, batch: usize) -> Result<(), Error> {
+    let mut posted = Vec::with_capacity(batch);
+    post_batch(&peer, op, pages, batch, &mut Vec::new(), &mut posted)?;
+    for (_, h) in posted {
         h.await?;
     }
     Ok(())
@@ -606,12 +626,7 @@ async fn drive(
     let mut ids: Vec<u32> = Vec::with_capacity(pages as usize);
     let mut posted = Vec::with_capacity(batch);
     while Instant::now() < end {
-        for i in 0..batch as u32 {
-            ids.clear();
-            ids.extend(i * pages..(i + 1) * pages);
-            let prepared = peer.prepare(op, 0..1, &ids, &ids, None)?;
-            posted.push((Instant::now(), peer.post(prepared)?));
-        }
+        post_batch(&peer, op, pages, batch, &mut ids, &mut posted)?;
         for (t, h) in posted.drain(..) {
             h.await?;
             let now = Instant::now();
