@@ -33,8 +33,15 @@ struct alloc {
 struct op {
     uintptr_t dst, src;
     size_t len;
+    const void *issuer; /* &issuer_tag of the thread that queued it */
     struct op *next;
 };
+
+/* Per thread: an address that names it, and the most streams that held a
+ * copy it queued at one time (kvlane_mock_in_flight_peak). Double-buffered
+ * staging reaches 2; a copy synchronized before the next is issued, 1. */
+static __thread char issuer_tag;
+static __thread int in_flight_peak;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc allocs[MAX_ALLOCS];
@@ -85,13 +92,29 @@ static int find(uintptr_t p, size_t len, struct alloc *out) {
 static int enqueue(int s, uintptr_t dst, uintptr_t src, size_t len) {
     struct op *o = malloc(sizeof *o);
     if (!o) return 0;
-    *o = (struct op){dst, src, len, NULL};
+    *o = (struct op){dst, src, len, &issuer_tag, NULL};
     pthread_mutex_lock(&lock);
     if (queued_last[s]) queued_last[s]->next = o;
     else queued[s] = o;
     queued_last[s] = o;
+    int streams_busy = 0;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        for (struct op *q = queued[i]; q; q = q->next) {
+            if (q->issuer == &issuer_tag) { streams_busy++; break; }
+        }
+    }
     pthread_mutex_unlock(&lock);
+    if (streams_busy > in_flight_peak) in_flight_peak = streams_busy;
     return 1;
+}
+
+/* Test helper (not in any runtime): the most streams that held a copy
+ * queued by the calling thread at one time, since the last reset; resets
+ * it when `reset` is nonzero. */
+int kvlane_mock_in_flight_peak(int reset) {
+    int peak = in_flight_peak;
+    if (reset) in_flight_peak = 0;
+    return peak;
 }
 
 /* Runs the copies queued on stream `s`, in order (under the lock, so that

@@ -6,6 +6,8 @@
 //! (`tests/gpu.rs`, run by `ci/gpu.sh`, does).
 
 use kvlane_data::conformance::{contents, region_in, use_mock_cuda};
+use std::ffi::c_int;
+
 use kvlane_data::{gpu_devices, Access, DataError, GpuDevice, GpuError, GpuRuntime, Region};
 
 /// The whole conformance suite with every region in (mock) GPU memory.
@@ -140,6 +142,57 @@ fn copies_span_many_staging_chunks() {
         (128 << 10..=2 << 20).contains(&seen),
         "stopped after the first chunk, not after {seen} bytes"
     );
+}
+
+/// Of the mock driver that `use_mock_cuda` loaded: the most streams that
+/// held a copy queued by the calling thread at one time since the last
+/// reset (`kvlane_mock_in_flight_peak` in testdata/mock_gpu.h); `reset`
+/// starts the count again.
+fn mock_cuda_in_flight_peak(reset: bool) -> u32 {
+    let path = std::env::var_os("KVLANE_CUDA_LIBRARY").expect("use_mock_cuda() first");
+    // SAFETY: the mock driver built by `use_mock_cuda` and already loaded
+    // by this process (this takes one more reference); its initializers
+    // have no preconditions.
+    let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock CUDA driver");
+    // SAFETY: the symbol is `int kvlane_mock_in_flight_peak(int)`; the
+    // function pointer is used only while `lib` lives.
+    let peak = unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(c_int) -> c_int> = lib
+            .get(b"kvlane_mock_in_flight_peak\0")
+            .expect("the mock CUDA driver exports kvlane_mock_in_flight_peak");
+        f(c_int::from(reset))
+    };
+    u32::try_from(peak).expect("a count")
+}
+
+/// Staging is pipelined: each chunk's copy is issued while the copy of the
+/// chunk before it is still in flight (the mock runs a copy only when its
+/// stream is synchronized, the latest a GPU may). A stager that waited for
+/// each copy before issuing the next would peak at one stream.
+#[test]
+fn staged_copies_keep_two_chunks_in_flight() {
+    let dev = use_mock_cuda();
+    // One tcp request's worth (512 KiB, four chunks) and a large range
+    // (buffer-sized chunks).
+    for len in [512usize << 10, (6 << 20) + 5] {
+        let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        let r = Region::alloc_device(dev, len, Access::ALL).unwrap();
+        mock_cuda_in_flight_peak(true);
+        r.copy_in(0, &data).unwrap();
+        assert_eq!(
+            mock_cuda_in_flight_peak(true),
+            2,
+            "write_chunks of {len} bytes: streams with a host-to-device copy in flight at once"
+        );
+        let mut back = vec![0u8; len];
+        r.copy_out(0, &mut back).unwrap();
+        assert_eq!(
+            mock_cuda_in_flight_peak(true),
+            2,
+            "read_chunks of {len} bytes: streams with a device-to-host copy in flight at once"
+        );
+        assert!(back == data, "{len} bytes came back changed");
+    }
 }
 
 #[test]
