@@ -198,12 +198,14 @@ impl AgentBuilder {
     }
 
     /// How long after its post a transfer may run before it fails with
-    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) (at least 1 ms;
-    /// default [`DEFAULT_TRANSFER_DEADLINE`](crate::DEFAULT_TRANSFER_DEADLINE)).
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) (clamped to 1 ms
+    /// ..= [`MAX_TRANSFER_DEADLINE`](crate::MAX_TRANSFER_DEADLINE), a day:
+    /// every transfer ends; default
+    /// [`DEFAULT_TRANSFER_DEADLINE`](crate::DEFAULT_TRANSFER_DEADLINE)).
     /// It counts from each post, not from the prepare: a plan made ahead
     /// and posted later gets the whole deadline.
     pub fn transfer_deadline(mut self, d: Duration) -> Self {
-        self.transfer_deadline = d.max(Duration::from_millis(1));
+        self.transfer_deadline = d.clamp(Duration::from_millis(1), crate::MAX_TRANSFER_DEADLINE);
         self
     }
 
@@ -309,6 +311,7 @@ impl AgentBuilder {
         let incarnation = local.identity.incarnation;
         let data_rails = backend.rail_stats().len().max(1);
         let transport = Transport::new(backend)?;
+        let notify_cap = self.control.notify_cap;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
         let (events, _) = broadcast::channel(1024);
         let (note_tx, note_rx) = mpsc::channel(self.notification_capacity);
@@ -330,6 +333,7 @@ impl AgentBuilder {
             notes_refused: Default::default(),
             dial_any_data_host: self.dial_any_data_host,
             transfer_deadline: self.transfer_deadline,
+            notify_cap,
             data_rails,
             tasks: Mutex::new(Vec::new()),
             runtime: tokio::runtime::Handle::current(),
@@ -440,14 +444,8 @@ impl Inner {
                 return;
             }
             Event::Notification { payload, .. } => {
-                let note = frames::notification(payload, || {
-                    lock(&self.peers)
-                        .get(&id)
-                        .map(|e| e.engine_id.clone())
-                        .filter(|e| !e.is_empty())
-                        .unwrap_or_else(|| addr.clone())
-                });
-                self.deliver(note);
+                let engine = lock(&self.peers).get(&id).map(|e| e.engine_id.clone());
+                self.deliver_from(payload, engine, "control", || addr.clone());
                 return;
             }
             _ => return,
@@ -639,8 +637,9 @@ impl Agent {
         lock(&self.inner.notifications).take()
     }
 
-    /// Data-plane notifications refused because they named another sender
-    /// than the peer they came from (see [`Notification::from`]).
+    /// Notifications refused because they named another sender than the
+    /// peer they came from, over the data plane or the control plane (see
+    /// [`Notification::from`]).
     pub fn notifications_refused(&self) -> u64 {
         self.inner
             .notes_refused

@@ -104,6 +104,17 @@ impl Inner {
         info: RemoteInfo,
     ) {
         let (who, incarnation) = (&info.identity, info.identity.incarnation);
+        {
+            // The engine this connection handshook as, recorded whether or
+            // not its data plane attaches: notifications that arrive on it
+            // are checked against it (`Inner::deliver_from`).
+            let mut peers = lock(&self.peers);
+            let entry = peers.entry(id).or_insert_with(PeerEntry::new);
+            if entry.engine_id != who.engine_id {
+                entry.metrics = None;
+                entry.engine_id.clone_from(&who.engine_id);
+            }
+        }
         let dp =
             frames::decode::<DataPlaneInfo>("a data-plane description", &addr, &info.data_plane)
                 .and_then(|dp| dp.check(&addr).map(|()| dp));

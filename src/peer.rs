@@ -102,6 +102,12 @@ fn unposted() -> Instant {
 /// ([`AgentBuilder::transfer_deadline`](crate::AgentBuilder::transfer_deadline)).
 pub const DEFAULT_TRANSFER_DEADLINE: Duration = Duration::from_secs(30);
 
+/// The longest transfer deadline
+/// ([`AgentBuilder::transfer_deadline`](crate::AgentBuilder::transfer_deadline)
+/// clamps to it): a day. Every transfer ends, and a deadline stays far
+/// from the clock's range.
+pub const MAX_TRANSFER_DEADLINE: Duration = Duration::from_secs(24 * 3600);
+
 impl Peer {
     pub(crate) fn new(inner: Arc<Inner>, conn: ConnectionId, addr: String) -> Self {
         Self { inner, conn, addr }
@@ -315,6 +321,19 @@ impl Peer {
         let mut notify_after_read = None;
         match (op, frame) {
             (Op::Write, Some(f)) => transfer = transfer.with_notify(f),
+            // Sent over the control plane once the data is here: checked
+            // now, not after the bytes moved.
+            (Op::Read, Some(f)) if f.len() > self.inner.notify_cap => {
+                return Err(Error::msg(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "a READ's notification to peer {} is {} bytes framed; the control plane carries at most {} (Config::notify_cap)",
+                        self.addr,
+                        f.len(),
+                        self.inner.notify_cap
+                    ),
+                ));
+            }
             (Op::Read, Some(f)) => notify_after_read = Some(f),
             (_, None) => {}
         }

@@ -129,6 +129,9 @@ pub(crate) struct Inner {
     pub(crate) dial_any_data_host: bool,
     /// Each transfer's deadline, from its post.
     pub(crate) transfer_deadline: Duration,
+    /// The largest control-plane notification (`Config::notify_cap`): what
+    /// a READ's notification, sent there after the data, may be.
+    pub(crate) notify_cap: usize,
     /// Rails of this agent's data plane (1 for one device): how many of a
     /// peer's rails it pairs.
     pub(crate) data_rails: usize,
@@ -182,15 +185,30 @@ impl Inner {
                 .filter(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
                 .map(|e| e.engine_id.clone())
         });
-        let note = crate::frames::notification(n.payload.to_vec(), || {
-            engine
-                .clone()
-                .unwrap_or_else(|| "a data-plane peer".to_owned())
+        self.deliver_from(n.payload.to_vec(), engine, "data-plane", || {
+            "a data-plane peer".to_owned()
         });
+    }
+
+    /// Delivers a notification that came from the peer whose engine id is
+    /// `engine` (`None` when unknown, then `fallback` names it if the
+    /// payload does not); over the `plane` it came by. A frame that names
+    /// another engine than its sender is refused and counted
+    /// ([`Agent::notifications_refused`](crate::Agent::notifications_refused)):
+    /// one peer cannot speak for another.
+    pub(crate) fn deliver_from(
+        &self,
+        payload: Vec<u8>,
+        engine: Option<String>,
+        plane: &str,
+        fallback: impl FnOnce() -> String,
+    ) {
+        let engine = engine.filter(|e| !e.is_empty());
+        let note = crate::frames::notification(payload, || engine.clone().unwrap_or_else(fallback));
         if let Some(engine) = engine.filter(|e| *e != note.from) {
             let refused = self.notes_refused.fetch_add(1, Ordering::AcqRel) + 1;
-            debug!(claimed = %note.from, sender = %engine, refused,
-                "refused a data-plane notification that names another sender");
+            debug!(claimed = %note.from, sender = %engine, refused, plane,
+                "refused a notification that names another sender");
             return;
         }
         self.deliver(note);

@@ -97,3 +97,38 @@ async fn a_transfer_longer_than_the_deadline_fails_with_timeout() {
     a.close().await;
     b.close().await;
 }
+
+/// A deadline past what the clock can hold is clamped
+/// (`MAX_TRANSFER_DEADLINE`), not a panic at the post; and a READ whose
+/// notification the control plane cannot carry is refused at its
+/// prepare, before any byte moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_deadline_is_clamped_and_an_oversized_read_notification_is_refused_up_front() {
+    let src: Vec<u8> = (0..4096u32).map(|i| (i * 3) as u8).collect();
+    let a_mem = Region::from_vec(vec![0; 4096], Access::ALL).unwrap();
+    let b_mem = Region::from_vec(src.clone(), Access::ALL).unwrap();
+    let a = agent("a", a_mem.clone(), Duration::MAX).await;
+    let b = agent("b", b_mem.clone(), Duration::MAX).await;
+    let peer = a.connect(b.local_addr()).await.unwrap();
+    let local = [MemSpan::new(a_mem.addr(), 4096)];
+    let remote = [MemSpan::new(b_mem.addr(), 4096)];
+    let Err(err) = peer.prepare_spans(Op::Read, &local, &remote, Some(&[7u8; 70_000])) else {
+        panic!("a READ with a 70,000-byte notification was prepared");
+    };
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.to_string().contains("notification") && err.to_string().contains(b.local_addr()),
+        "{err}"
+    );
+    assert_eq!(a_mem.to_vec().unwrap(), vec![0; 4096], "nothing moved");
+    let handle = peer
+        .post(
+            peer.prepare_spans(Op::Read, &local, &remote, Some(b"fits"))
+                .unwrap(),
+        )
+        .unwrap();
+    handle.await.unwrap();
+    assert_eq!(a_mem.to_vec().unwrap(), src);
+    a.close().await;
+    b.close().await;
+}

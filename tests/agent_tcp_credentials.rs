@@ -247,3 +247,51 @@ async fn a_data_notification_naming_another_sender_is_refused() {
     a.close().await;
     b.close().await;
 }
+
+/// The control plane checks the sender as the data plane does: a peer
+/// handshaken as "a" that sends a notification frame naming "mallory"
+/// over its control connection is refused and counted, not delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_notification_naming_another_sender_is_refused() {
+    use kvlane::control::{Config, ControlNode, LocalInfo, Ranks};
+    let (b, _) = agent("b", None).await;
+    let mut notes = b.notifications().unwrap();
+    // A bare control node: it handshakes as engine "a" (no data plane).
+    let a = ControlNode::bind(
+        Config::default(),
+        LocalInfo::new("a", Ranks::default(), "kvlane"),
+        "127.0.0.1:0",
+    )
+    .await
+    .unwrap();
+    let (id, _) = a.connect(b.local_addr()).await.unwrap();
+    let frame = |from: &str, payload: &[u8]| {
+        rmp_serde::to_vec_named(&Frame {
+            from: from.into(),
+            payload: payload.to_vec(),
+        })
+        .unwrap()
+    };
+    a.notify(id, 0, frame("a", b"real")).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((n.from.as_str(), &n.payload[..]), ("a", &b"real"[..]));
+    a.notify(id, 0, frame("mallory", b"forged")).await.unwrap();
+    // A later honest frame on the same connection: once it is delivered,
+    // the forged one (sent before it, in order) was handled.
+    a.notify(id, 0, frame("a", b"after")).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (n.from.as_str(), &n.payload[..]),
+        ("a", &b"after"[..]),
+        "the forged notification was delivered"
+    );
+    assert_eq!(b.notifications_refused(), 1);
+    a.close().await;
+    b.close().await;
+}

@@ -38,12 +38,21 @@ fn note(py: Python<'_>, n: kvlane::Notification) -> Notification {
     }
 }
 
+/// When a wait of `timeout` seconds from now ends: `None` (no end) for
+/// `None`, and for a timeout past what the clock can hold (`inf`, `1e300`);
+/// a negative or NaN timeout ends at once.
+pub(crate) fn wait_end(timeout: Option<f64>) -> Option<Instant> {
+    let t = timeout?;
+    let d = Duration::try_from_secs_f64(t.max(0.0)).ok()?;
+    Instant::now().checked_add(d)
+}
+
 /// Waits up to `timeout` (forever with `None`) in slices, for `poll`.
 fn wait_for<T: Send, F>(py: Python<'_>, timeout: Option<f64>, mut poll: F) -> PyResult<Option<T>>
 where
     F: FnMut(Duration) -> Option<Option<T>> + Send,
 {
-    let end = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+    let end = wait_end(timeout);
     loop {
         let slice = end.map_or(SLICE, |e| {
             e.saturating_duration_since(Instant::now()).min(SLICE)

@@ -263,7 +263,7 @@ impl Transfer {
             return check(o);
         }
         let shared = self.shared()?.clone();
-        let end = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        let end = crate::events::wait_end(timeout);
         loop {
             let slice = match end {
                 Some(end) => end.saturating_duration_since(Instant::now()).min(SLICE),

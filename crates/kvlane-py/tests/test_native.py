@@ -397,3 +397,22 @@ def test_transfer_deadline_fails_a_longer_transfer_with_timeout_and_bad_seconds_
         with pytest.raises(kvlane.TimeoutError):
             h.wait(10)
         assert h.status == "failed"
+
+
+def test_waits_take_endless_timeouts_and_an_endless_deadline_is_clamped():
+    # inf and 1e300 seconds are "no end" (not a panic past the clock's
+    # range); a deadline of 1e19 s is clamped to a day (every transfer ends).
+    n = 4096
+    src, dst = kvlane.host_buffer(n), kvlane.host_buffer(n)
+    src[:] = 7
+    with kvlane.Agent(engine_id="dst", backend="tcp", regions=[dst]) as b, \
+         kvlane.Agent(engine_id="src", backend="tcp", regions=[src], transfer_deadline=1e19) as a:
+        notes = b.notifications()
+        peer = a.connect(b.addr)
+        h = peer.write_spans([(src.ctypes.data, n)], [(dst.ctypes.data, n)], notify=b"landed")
+        assert h.wait(float("inf")) is True
+        assert h.wait(1e300) is True
+        note = notes.recv(float("inf"))
+        assert (note.sender, note.payload) == ("src", b"landed")
+        assert notes.recv(-1.0) is None
+        assert (dst == 7).all()

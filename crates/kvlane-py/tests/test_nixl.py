@@ -249,3 +249,60 @@ def test_kvlane_psk_from_the_environment_and_a_warning_without_one(monkeypatch):
             quiet = nixl_agent("quiet", cfg)
             quiet.get_agent_metadata()
             quiet.close()
+
+
+class _FailingPeer:
+    """Stands in for a handle's kvlane.Peer: raises `error` from `method`
+    (once), forwards everything else to the real peer."""
+
+    def __init__(self, peer, method: str, error: Exception):
+        self._peer, self._method, self._error = peer, method, error
+
+    def __getattr__(self, name):
+        if name == self._method and self._error is not None:
+            def fail(*args, **kwargs):
+                e, self._error = self._error, None
+                raise e
+            return fail
+        return getattr(self._peer, name)
+
+
+def test_a_failed_post_leaves_no_stale_result_and_no_stale_notification():
+    size = 4 * BLOCK
+    a_buf, b_buf = pattern(3, size), np.zeros(size, dtype=np.uint8)
+    a, b = agent("a", a_buf), agent("b", b_buf)
+    name = a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", blocks(a_buf.ctypes.data, 4), "DRAM")
+    remote = a.prep_xfer_dlist(name, blocks(b_buf.ctypes.data, 4), "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0, 1, 2, 3], remote, [0, 1, 2, 3], b"A")
+    assert a.transfer(h) in ("DONE", "PROC")
+    assert wait_done(a, h, 30) == "DONE"
+
+    def notes(want: int) -> list:
+        got, end = [], time.monotonic() + 10
+        while len(got) < want and time.monotonic() < end:
+            got += b.get_new_notifs().get("a", [])
+        return got
+
+    assert notes(1) == [b"A"]
+    x = a._xfers[h._handle]
+    real = x.peer
+    # A repost that raises (not a peer failure): the handle must not keep
+    # reporting the previous post's DONE.
+    x.peer = _FailingPeer(real, "post", kvlane.BusyError("injected"))
+    with pytest.raises(kvlane.BusyError, match="injected"):
+        a.transfer(h)
+    with pytest.raises(kvlane.InvalidInputError, match="not posted"):
+        a.check_xfer_state(h)
+    # A new message whose plan fails (peer lost): ERR, and the next repost
+    # with that message carries it, not the old one.
+    x.peer = _FailingPeer(real, "prepare_spans", kvlane.PeerLostError("injected"))
+    assert a.transfer(h, b"B") == "ERR"
+    assert a.check_xfer_state(h) == "ERR"
+    x.peer = real
+    assert a.transfer(h, b"B") in ("DONE", "PROC")
+    assert wait_done(a, h, 30) == "DONE"
+    assert notes(1) == [b"B"]
+    assert (b_buf == a_buf).all()
+    a.close()
+    b.close()

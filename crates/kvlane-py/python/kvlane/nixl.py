@@ -617,16 +617,19 @@ class nixl_agent:
         if x.transfer is not None and not x.transfer.done():
             raise kvlane.BusyError(f"kvlane.nixl: transfer handle {handle!r} is still in progress")
         notif = _bytes(notif_msg) if notif_msg else None
+        # Until the post below succeeds the handle holds no result: a post
+        # that raises leaves it "not posted", never the last post's DONE.
+        x.transfer, x.failed = None, None
         try:
             if notif is not None and notif != x.notif:
-                x.notif = notif
+                # The new message is kept only with the plan that carries it.
                 x.prepared = x.peer.prepare_spans(x.op, x.local, x.remote, notif)
+                x.notif = notif
             # Reposting reuses the plan, or plans the spans again once the
             # peer restarted (PreparedTransfer).
-            x.failed = None
             x.transfer = x.peer.post(x.prepared)
         except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
-            x.transfer, x.failed = None, e
+            x.failed = e
             return "ERR"
         return "DONE" if x.transfer.status == "done" else "PROC"
 
