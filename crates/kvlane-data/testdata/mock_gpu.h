@@ -46,6 +46,11 @@ static __thread int in_flight_peak;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc allocs[MAX_ALLOCS];
 static struct op *queued[MAX_STREAMS], *queued_last[MAX_STREAMS];
+/* Bytes copied out of device memory, per source allocation base (test
+ * helper kvlane_mock_copied_out); an entry is cleared when its
+ * allocation is freed. */
+struct copied_out { uintptr_t base; unsigned long long bytes; };
+static struct copied_out copied_out[MAX_ALLOCS];
 
 static int track(void *p, size_t len, int device) {
     pthread_mutex_lock(&lock);
@@ -65,6 +70,9 @@ static int untrack(uintptr_t p, int device_side) {
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].base == p && (allocs[i].device >= 0) == device_side) {
             allocs[i].base = 0;
+            for (int j = 0; device_side && j < MAX_ALLOCS; j++) {
+                if (copied_out[j].base == p) copied_out[j] = (struct copied_out){0, 0};
+            }
             pthread_mutex_unlock(&lock);
             return 1;
         }
@@ -117,6 +125,37 @@ int kvlane_mock_in_flight_peak(int reset) {
     return peak;
 }
 
+/* Counts `len` bytes copied from device address `src` (lock held). */
+static void count_copied_out(uintptr_t src, size_t len) {
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && a.device >= 0 && src >= a.base && src - a.base < a.len) {
+            int slot = -1;
+            for (int j = 0; j < MAX_ALLOCS; j++) {
+                if (copied_out[j].base == a.base) { slot = j; break; }
+                if (slot < 0 && copied_out[j].base == 0) slot = j;
+            }
+            if (slot >= 0) {
+                copied_out[slot].base = a.base;
+                copied_out[slot].bytes += len;
+            }
+            return;
+        }
+    }
+}
+
+/* Test helper (not in any runtime): bytes copied out of the device
+ * allocation that starts at `base` so far. */
+unsigned long long kvlane_mock_copied_out(uintptr_t base) {
+    unsigned long long n = 0;
+    pthread_mutex_lock(&lock);
+    for (int j = 0; j < MAX_ALLOCS; j++) {
+        if (copied_out[j].base == base) { n = copied_out[j].bytes; break; }
+    }
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
 /* Runs the copies queued on stream `s`, in order (under the lock, so that
  * a free that drains every stream waits for copies another thread runs). */
 static void drain(int s) {
@@ -125,6 +164,7 @@ static void drain(int s) {
     queued[s] = queued_last[s] = NULL;
     while (o) {
         struct op *next = o->next;
+        count_copied_out(o->src, o->len);
         memcpy((void *)o->dst, (const void *)o->src, o->len);
         free(o);
         o = next;

@@ -165,6 +165,125 @@ fn mock_cuda_in_flight_peak(reset: bool) -> u32 {
     u32::try_from(peak).expect("a count")
 }
 
+/// Bytes the mock driver has copied out of the device allocation that
+/// starts at `base` (`kvlane_mock_copied_out` in testdata/mock_gpu.h).
+fn mock_cuda_copied_out(base: u64) -> u64 {
+    let path = std::env::var_os("KVLANE_CUDA_LIBRARY").expect("use_mock_cuda() first");
+    // SAFETY: as in `mock_cuda_in_flight_peak`.
+    let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock CUDA driver");
+    // SAFETY: the symbol is `unsigned long long kvlane_mock_copied_out(uintptr_t)`;
+    // the function pointer is used only while `lib` lives.
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(usize) -> u64> = lib
+            .get(b"kvlane_mock_copied_out\0")
+            .expect("the mock CUDA driver exports kvlane_mock_copied_out");
+        f(usize::try_from(base).expect("an address"))
+    }
+}
+
+/// A peer that asks for the largest READ of GPU memory the wire allows
+/// and then reads nothing holds the target to about one staged piece:
+/// GPU answers are staged as the socket takes them, not whole when
+/// queued (64 MiB of host memory per connection before). The whole
+/// answer still arrives intact when the peer reads it.
+#[test]
+fn a_large_gpu_read_is_staged_as_the_socket_takes_it() {
+    use kvlane_data::tcp::wire::{
+        Hello, Request, RequestKind, Response, Status, HELLO_ACK, MAX_CHUNK, RESPONSE_LEN,
+    };
+    use kvlane_data::{Backend, RemoteKey, TcpBackend, TcpConfig, TcpEndpoint};
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let dev = use_mock_cuda();
+    let len = MAX_CHUNK as usize;
+    let r = region_in(
+        Some(dev),
+        len,
+        Access::ALL,
+        &(0..=250u8).collect::<Vec<_>>(),
+    );
+    let mut backend = TcpBackend::new(TcpConfig::default()).unwrap();
+    let ad = backend.register(&r).unwrap();
+    let (_, endpoint) = backend.prepare_peer().unwrap();
+    let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+    let mut s = std::net::TcpStream::connect(ep.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(&Hello { token: ep.token }.encode()).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(ack, HELLO_ACK);
+    let before = mock_cuda_copied_out(r.addr());
+    let req = Request {
+        kind: RequestKind::Read,
+        key: RemoteKey(ad.key.0),
+        tag: 7,
+        offset: 0,
+        len: MAX_CHUNK,
+    };
+    s.write_all(&req.encode()).unwrap();
+    let mut h = [0u8; RESPONSE_LEN];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        Response::decode(&h).unwrap(),
+        Response {
+            status: Status::Ok,
+            tag: 7
+        }
+    );
+    // Reading nothing more: staging stops once the socket buffers are
+    // full. Wait until the count holds still for half a second.
+    let (mut last, mut since, start) = (u64::MAX, Instant::now(), Instant::now());
+    loop {
+        let now = mock_cuda_copied_out(r.addr()) - before;
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if since.elapsed() > Duration::from_millis(500) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "staging never settled ({now} bytes)"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        last < MAX_CHUNK / 2,
+        "{last} bytes of a {MAX_CHUNK}-byte answer staged for a peer that reads nothing"
+    );
+    let mut got = vec![0u8; len];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(
+        mock_cuda_copied_out(r.addr()) - before,
+        MAX_CHUNK,
+        "each byte staged once"
+    );
+    let all = contents(&r);
+    assert!(got == all, "the answer differs from the region");
+    // An empty READ of GPU memory is answered and the connection lives on.
+    for (tag, offset, n) in [(8u64, 100u64, 0usize), (9, 100, 5)] {
+        let req = Request {
+            kind: RequestKind::Read,
+            key: RemoteKey(ad.key.0),
+            tag,
+            offset,
+            len: n as u64,
+        };
+        s.write_all(&req.encode()).unwrap();
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            Response::decode(&h).unwrap(),
+            Response {
+                status: Status::Ok,
+                tag
+            }
+        );
+        let mut got = vec![0u8; n];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(got[..], all[100..100 + n]);
+    }
+    drop(backend);
+}
+
 /// Staging is pipelined: each chunk's copy is issued while the copy of the
 /// chunk before it is still in flight (the mock runs a copy only when its
 /// stream is synchronized, the latest a GPU may). A stager that waited for

@@ -5,7 +5,9 @@
 //! Headers and small payloads are copied into buffers of up to
 //! [`IO_BUF`] bytes; larger host payloads are referenced in region memory
 //! and go from there to the socket (`writev`, no user-space copy); GPU
-//! payloads are staged out (pinned chunks) into a buffer when queued.
+//! payloads are staged out (pinned chunks) a [`STAGE`] piece at a time, as
+//! the socket takes them: a peer that stops reading holds at most one
+//! piece of staged memory per connection, whatever length it asked for.
 
 use super::io::{DIRECT_MIN, IO_BUF};
 use crate::memory::{send_vectored, IoPart, Region};
@@ -99,10 +101,33 @@ impl<T: Read + AsFd> Sock for T {
     }
 }
 
+/// Most bytes of a GPU payload staged into host memory at once.
+const STAGE: u64 = 1 << 20;
+
 /// One queued piece of output.
 enum Out {
     Buf(Vec<u8>),
     Mem(Region, u64, u64),
+    /// `len` bytes of GPU `region` from `offset`; `piece` holds the bytes
+    /// from `at` (relative to `offset`) that are staged now.
+    Staged {
+        region: Region,
+        offset: u64,
+        len: u64,
+        at: u64,
+        piece: Vec<u8>,
+    },
+}
+
+impl Out {
+    fn len(&self) -> usize {
+        match self {
+            Out::Buf(v) => v.len(),
+            Out::Mem(_, _, len) | Out::Staged { len, .. } => {
+                usize::try_from(*len).unwrap_or(usize::MAX)
+            }
+        }
+    }
 }
 
 /// Output waiting for the socket.
@@ -164,13 +189,24 @@ impl Outq {
     /// Queues `len` bytes of `region` from `offset`.
     pub(crate) fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
         if region.device().is_some() {
-            // GPU memory: staged out into the output buffer (no socket I/O
-            // straight from device memory).
+            // GPU memory: staged out a piece at a time when written (no
+            // socket I/O straight from device memory).
             region.check_range(offset, len).map_err(io::Error::other)?;
-            let mut v = vec![0u8; len as usize];
-            region.copy_out(offset, &mut v).map_err(io::Error::other)?;
-            self.bytes = self.bytes.saturating_add(v.len());
-            self.segs.push_back(Out::Buf(v));
+            if len == 0 {
+                // Nothing to send (an empty segment would read as a
+                // zero-byte write, taken for a dead socket).
+                return Ok(());
+            }
+            self.bytes = self
+                .bytes
+                .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
+            self.segs.push_back(Out::Staged {
+                region: region.clone(),
+                offset,
+                len,
+                at: 0,
+                piece: Vec::new(),
+            });
             return Ok(());
         }
         if len < self.copy_max {
@@ -195,6 +231,7 @@ impl Outq {
     /// Writes until done or the socket would block; `Ok(true)` when empty.
     pub(crate) fn flush<S: Sock>(&mut self, s: &mut S) -> io::Result<bool> {
         while !self.segs.is_empty() {
+            self.stage_front()?;
             let n = match self.write_some(s) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
@@ -207,15 +244,54 @@ impl Outq {
         Ok(true)
     }
 
-    /// One `writev` of the leading segments.
+    /// Stages the next piece of a GPU payload at the front once the
+    /// socket has taken the previous one (the bytes from `head` on).
+    fn stage_front(&mut self) -> io::Result<()> {
+        let head = self.head as u64;
+        let Some(Out::Staged {
+            region,
+            offset,
+            len,
+            at,
+            piece,
+        }) = self.segs.front_mut()
+        else {
+            return Ok(());
+        };
+        if head < *at + piece.len() as u64 {
+            return Ok(());
+        }
+        let n = (*len - head).min(STAGE) as usize;
+        piece.clear();
+        piece.resize(n, 0);
+        region
+            .copy_out(*offset + head, piece)
+            .map_err(io::Error::other)?;
+        *at = head;
+        Ok(())
+    }
+
+    /// One `writev` of the leading segments (a GPU payload goes as far as
+    /// its staged piece; one behind the front waits for its turn there).
     fn write_some<S: Sock>(&self, s: &mut S) -> io::Result<usize> {
         let mut parts: Vec<IoPart<'_>> = Vec::with_capacity(self.slices.min(self.segs.len()));
         let mut skip = self.head;
-        for seg in self.segs.iter().take(self.slices) {
+        for (i, seg) in self.segs.iter().take(self.slices).enumerate() {
             parts.push(match seg {
                 Out::Buf(v) => IoPart::Bytes(&v[skip..]),
                 Out::Mem(region, off, len) => {
                     IoPart::Region(region, off + skip as u64, len - skip as u64)
+                }
+                Out::Staged { .. } if i > 0 => break,
+                Out::Staged { at, piece, len, .. } => {
+                    let from = skip - *at as usize;
+                    parts.push(IoPart::Bytes(&piece[from..]));
+                    if *at + (piece.len() as u64) < *len {
+                        // More of it is to be staged first.
+                        break;
+                    }
+                    skip = 0;
+                    continue;
                 }
             });
             skip = 0;
@@ -229,10 +305,7 @@ impl Outq {
             let Some(front) = self.segs.front() else {
                 return;
             };
-            let len = match front {
-                Out::Buf(v) => v.len(),
-                Out::Mem(_, _, len) => usize::try_from(*len).unwrap_or(usize::MAX),
-            } - self.head;
+            let len = front.len() - self.head;
             if n < len {
                 self.head += n;
                 return;
