@@ -122,8 +122,8 @@ enum Out {
 impl Out {
     fn len(&self) -> usize {
         match self {
-            Out::Buf(v) => v.len(),
-            Out::Mem(_, _, len) | Out::Staged { len, .. } => {
+            Self::Buf(v) => v.len(),
+            Self::Mem(_, _, len) | Self::Staged { len, .. } => {
                 usize::try_from(*len).unwrap_or(usize::MAX)
             }
         }
