@@ -530,7 +530,10 @@ impl Peer {
 
     fn start_attempt(&mut self, now: Instant) {
         self.attempts += 1;
-        let nonce_i = auth::nonce();
+        let nonce_i = match &self.config.psk {
+            Some(key) => auth::own_nonce(key.as_bytes(), &self.local.identity.transcript_bytes()),
+            None => auth::nonce(),
+        };
         let keyed = self.config.psk.is_some();
         let hello = Hello::new(
             self.local.identity.clone(),

@@ -419,3 +419,66 @@ fn refusals_are_counted_and_logged_as_one_summary_line() {
     assert!(warns <= 1, "{warns} WARN lines:\n{text}");
     assert_eq!(b.stats().refused_inbound, 2_000);
 }
+
+/// Reflection: `a` dials an attacker X who has no key. X sends `a`'s own
+/// keyed hello to a listener of the same node (`a` itself, or another
+/// registry speaking as the same identity) and relays every answer back
+/// to `a`'s dialing side, and every frame of the dialing side back to the
+/// listener. A proof made by the node itself must not pass for a peer's:
+/// no `auth` (identity, blob) is sent, and nobody becomes ready.
+#[test]
+fn a_handshake_reflected_back_to_the_same_node_is_refused() {
+    for same_registry in [true, false] {
+        let now = Instant::now();
+        let me = Arc::new(local("a"));
+        let mut a = Registry::new(Arc::new(keyed(KEY)), Arc::clone(&me));
+        let mut twin = Registry::new(Arc::new(keyed(KEY)), me);
+        let dial = a.connect(now, "x:1").expect("connect");
+        let rid = Link::Accepted(Bytes::from_static(b"x-to-a"));
+        let mut relayed = Vec::new();
+        let mut events = Vec::new();
+        for _ in 0..20 {
+            let mut moved = false;
+            let mut out: Vec<_> = std::iter::from_fn(|| a.poll_transmit()).collect();
+            out.extend(std::iter::from_fn(|| twin.poll_transmit()));
+            for (_, link, t) in out {
+                let Transmit::Frame(f) = t else { continue };
+                moved = true;
+                relayed.push(f.clone());
+                match link {
+                    Link::Dial(_) if same_registry => a.handle_frame(now, rid.clone(), &f),
+                    Link::Dial(_) => twin.handle_frame(now, rid.clone(), &f),
+                    Link::Accepted(_) => a.handle_frame(now, Link::Dial(dial), &f),
+                }
+            }
+            events.extend(std::iter::from_fn(|| a.poll_event()));
+            events.extend(std::iter::from_fn(|| twin.poll_event()));
+            if !moved {
+                break;
+            }
+        }
+        let case = if same_registry {
+            "same registry"
+        } else {
+            "twin"
+        };
+        assert!(!ready(&events), "{case}: ready with itself: {events:?}");
+        for f in &relayed {
+            assert!(
+                !matches!(Message::decode(f, 1 << 20), Ok(Message::Auth(_))),
+                "{case}: auth sent to the reflector"
+            );
+            for needle in [&b"SECRET-BLOB-a"[..], b"fingerprint-secret", b"cap-of-a"] {
+                assert!(
+                    !f.windows(needle.len()).any(|w| w == needle),
+                    "{case}: {} leaked to the reflector",
+                    String::from_utf8_lossy(needle)
+                );
+            }
+        }
+        assert!(
+            matches!(refused(&events), Some(Refusal::Reflected { .. })),
+            "{case}: {events:?}"
+        );
+    }
+}
