@@ -149,6 +149,17 @@ enum Hs {
     HelloAck { nonce_i: Vec<u8>, nonce_a: Vec<u8> },
 }
 
+impl Hs {
+    /// The frame this step waits for (for logs).
+    fn awaits(&self) -> &'static str {
+        match self {
+            Self::Hello { .. } => "hello_ack",
+            Self::Auth { .. } => "auth_ack",
+            Self::HelloAck { .. } => "auth",
+        }
+    }
+}
+
 /// One peer connection as a pure state machine: no sockets, no clock.
 ///
 /// Calling order for a driver, after every input:
@@ -557,7 +568,10 @@ impl Peer {
     fn on_timer(&mut self, now: Instant, timer: Timer) {
         match timer {
             Timer::Handshake => {
-                if self.hs.is_some() || matches!(self.state, State::Connecting) {
+                // Also without `hs`: a handshake that lost its state for
+                // any reason still ends at its deadline.
+                if self.hs.is_some() || matches!(self.state, State::Connecting | State::Handshaking)
+                {
                     if self.last_error.is_none() {
                         self.last_error =
                             Some(PeerError::HandshakeTimeout(self.config.handshake_timeout));

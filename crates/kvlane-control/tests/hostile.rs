@@ -482,3 +482,80 @@ fn a_handshake_reflected_back_to_the_same_node_is_refused() {
         );
     }
 }
+
+fn stray_auth_ack() -> Vec<u8> {
+    Message::AuthAck(AuthAck {
+        version: PROTOCOL_VERSION,
+        mac: vec![0; 32],
+        data_plane: Vec::new(),
+        identity: kvlane_control::wire::Identity::default(),
+    })
+    .encode()
+    .expect("encode")
+}
+
+fn timed_out(events: &[PeerEvent], id: ConnectionId) -> bool {
+    events.iter().any(|e| {
+        e.id == id
+            && matches!(
+                e.event,
+                Event::Dead {
+                    last_error: kvlane_control::PeerError::HandshakeTimeout(_),
+                    ..
+                }
+            )
+    })
+}
+
+/// A handshake frame for the wrong step (anybody can send one) is dropped
+/// and counted: the handshake deadline still fires on both sides, and the
+/// right frames arriving afterwards still complete the handshake.
+#[test]
+fn a_handshake_frame_for_the_wrong_step_never_wedges_the_handshake() {
+    let timeout = keyed(KEY).handshake_timeout;
+    let now = Instant::now();
+
+    // Dialing side: an auth_ack while it waits for hello_ack.
+    let mut a = registry("a", keyed(KEY));
+    let id = a.connect(now, "b:1").expect("connect");
+    a.handle_frame(now, Link::Dial(id), &stray_auth_ack());
+    assert_eq!(a.stats().unexpected, 1);
+    a.handle_timeout(now + timeout);
+    let events: Vec<_> = std::iter::from_fn(|| a.poll_event()).collect();
+    assert!(timed_out(&events, id), "dialer wedged: {events:?}");
+    assert_eq!(a.peer(id).map(|p| p.state()), Some(State::Dead));
+
+    // Accepting side: an auth_ack while it waits for auth.
+    let mut b = registry("b", keyed(KEY));
+    let rid = Link::Accepted(Bytes::from_static(b"r"));
+    b.handle_frame(now, rid.clone(), &forged_hello("x", 32));
+    let inbound = b.ids()[0];
+    b.handle_frame(now, rid, &stray_auth_ack());
+    b.handle_timeout(now + timeout);
+    let events: Vec<_> = std::iter::from_fn(|| b.poll_event()).collect();
+    assert!(timed_out(&events, inbound), "acceptor wedged: {events:?}");
+
+    // A stray frame on each side before the real ones: still ready.
+    let mut p = Pair::new(keyed(KEY), keyed(KEY));
+    let id = p.a.connect(p.now, "b:1").expect("connect");
+    p.a.handle_frame(p.now, Link::Dial(id), &stray_auth_ack());
+    let stray = stray_auth_ack();
+    let rid = p.rid.clone();
+    let mut hello_seen = false;
+    let now = p.now;
+    let mut late = Vec::new();
+    p.pump(|from_a, m| {
+        if from_a && matches!(m, Message::Hello(_)) {
+            hello_seen = true;
+            late.push(m.encode().expect("encode"));
+            return None;
+        }
+        Some(m)
+    });
+    assert!(hello_seen);
+    p.b.handle_frame(now, Link::Accepted(rid.clone()), &late[0]);
+    p.b.handle_frame(now, Link::Accepted(rid), &stray);
+    p.pump(|_, m| Some(m));
+    assert!(ready(&p.events_a), "{:?}", p.events_a);
+    assert!(ready(&p.events_b), "{:?}", p.events_b);
+}

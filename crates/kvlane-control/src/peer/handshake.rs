@@ -5,6 +5,8 @@
 
 use std::time::Instant;
 
+use tracing::debug;
+
 use super::{encode, Hs, Peer, Transmit};
 use crate::auth::{self, Proof};
 use crate::config::RemoteInfo;
@@ -109,9 +111,9 @@ impl Peer {
     }
 
     pub(super) fn on_hello_ack(&mut self, now: Instant, ack: HelloAck) {
-        let Some(Hs::Hello { nonce_i }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let nonce_i = match self.hs.take() {
+            Some(Hs::Hello { nonce_i }) => nonce_i,
+            other => return self.wrong_step(other, "hello_ack"),
         };
         match self.key() {
             None => {
@@ -181,9 +183,9 @@ impl Peer {
     }
 
     pub(super) fn on_auth(&mut self, now: Instant, a: Auth) {
-        let Some(Hs::HelloAck { nonce_i, nonce_a }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let (nonce_i, nonce_a) = match self.hs.take() {
+            Some(Hs::HelloAck { nonce_i, nonce_a }) => (nonce_i, nonce_a),
+            other => return self.wrong_step(other, "auth"),
         };
         let Some(key) = self.key() else {
             self.stats.unexpected += 1;
@@ -241,9 +243,9 @@ impl Peer {
     }
 
     pub(super) fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
-        let Some(Hs::Auth { nonce_i, nonce_a }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let (nonce_i, nonce_a) = match self.hs.take() {
+            Some(Hs::Auth { nonce_i, nonce_a }) => (nonce_i, nonce_a),
+            other => return self.wrong_step(other, "auth_ack"),
         };
         let Some(key) = self.key() else {
             self.stats.unexpected += 1;
@@ -283,6 +285,15 @@ impl Peer {
         );
     }
 
+    /// A handshake frame for another step (or none in flight): dropped and
+    /// counted, and the handshake state it found is put back, so the right
+    /// frame still completes it and its deadline still fires.
+    fn wrong_step(&mut self, hs: Option<Hs>, frame: &str) {
+        debug!(peer = %self.addr, frame, awaiting = ?hs.as_ref().map(Hs::awaits), "handshake frame for another step dropped");
+        self.hs = hs;
+        self.stats.unexpected += 1;
+    }
+
     /// The handshake came back to us (see [`Refusal::Reflected`]).
     fn refuse_reflected(&mut self, now: Instant) {
         let peer = self.addr.clone();
@@ -299,6 +310,8 @@ impl Peer {
 mod tests {
     use std::sync::Arc;
     use std::time::Instant;
+
+    use tracing::debug;
 
     use super::*;
     use crate::config::{Config, LocalInfo, Psk};
