@@ -130,6 +130,14 @@ impl Stats {
         self.oversized + self.malformed + self.unknown_type + self.unexpected
     }
 
+    /// Adds the counters a peer keeps (the others are node-level).
+    pub(crate) fn add_peer(&mut self, p: &Self) {
+        self.oversized += p.oversized;
+        self.malformed += p.malformed;
+        self.unknown_type += p.unknown_type;
+        self.unexpected += p.unexpected;
+    }
+
     pub(crate) fn count(&mut self, e: &WireError) {
         match e {
             WireError::Oversized { .. } => self.oversized += 1,

@@ -559,3 +559,37 @@ fn a_handshake_frame_for_the_wrong_step_never_wedges_the_handshake() {
     assert!(ready(&p.events_a), "{:?}", p.events_a);
     assert!(ready(&p.events_b), "{:?}", p.events_b);
 }
+
+/// Drop counters never go backwards: the frames a connection dropped stay
+/// counted after the connection is released (evicted for a newer
+/// handshake, timed out and reaped, or replaced by a new hello).
+#[test]
+fn drop_counters_survive_the_connection_that_counted_them() {
+    let now = Instant::now();
+    let cb = Config {
+        handshake_cap: 1,
+        ..keyed(KEY)
+    };
+    let timeout = cb.handshake_timeout;
+    let mut b = registry("b", cb);
+    let rid = |r: &'static [u8]| Link::Accepted(Bytes::from_static(r));
+    let mut expected = 0;
+    for r in [&b"r1"[..], b"r2", b"r3"] {
+        b.handle_frame(now, rid(r), &forged_hello("x", 32));
+        for _ in 0..3 {
+            b.handle_frame(now, rid(r), b"\xc1\xc1 not msgpack");
+            expected += 1;
+            assert_eq!(b.stats().malformed, expected);
+        }
+        b.handle_frame(now, rid(r), &stray_auth_ack());
+        // r1 is evicted by r2's hello, r2 by r3's: the counts stay.
+        assert_eq!(b.stats().malformed, expected);
+        assert_eq!(b.stats().unexpected, expected / 3);
+    }
+    // r3 times out and is reaped on the next frame; a new hello on r3.
+    b.handle_timeout(now + timeout);
+    b.handle_frame(now + timeout, rid(b"r3"), &forged_hello("x", 32));
+    assert_eq!(b.len(), 1);
+    assert_eq!(b.stats().malformed, expected);
+    assert_eq!(b.stats().unexpected, expected / 3);
+}
