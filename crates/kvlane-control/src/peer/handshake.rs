@@ -311,8 +311,6 @@ mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use tracing::debug;
-
     use super::*;
     use crate::config::{Config, LocalInfo, Psk};
     use crate::ids::Ranks;
