@@ -19,6 +19,8 @@ pub(crate) enum Proof {
     Initiator,
     /// The acceptor's final proof (`auth_ack`): the whole transcript.
     AcceptorFinal,
+    /// The tag in the second half of a nonce: who made it (see [`own_nonce`]).
+    NonceTag,
 }
 
 impl Proof {
@@ -27,6 +29,7 @@ impl Proof {
             Self::AcceptorHello => b"kvlane-control/acceptor!",
             Self::Initiator => b"kvlane-control/initiator",
             Self::AcceptorFinal => b"kvlane-control/acceptor2",
+            Self::NonceTag => b"kvlane-control/nonce-tag",
         }
     }
 }
@@ -66,6 +69,31 @@ pub(crate) fn nonce() -> Vec<u8> {
     n
 }
 
+/// Random bytes in a nonce; the rest is the maker's tag.
+const NONCE_RANDOM: usize = NONCE_LEN / 2;
+
+/// A fresh nonce its maker can recognize: 16 random bytes `r`, then the
+/// first 16 bytes of `H("kvlane-control/nonce-tag", r, identity)`, where
+/// `identity` is the maker's [`transcript_bytes`](crate::wire::Identity::transcript_bytes).
+/// Without the key it looks random and names nobody; a key holder tells
+/// its own nonces apart ([`is_own_nonce`]), so a proof over a nonce it made
+/// itself is never taken for a peer's (a reflected handshake). Random for
+/// an empty key, which proves nothing anyway.
+pub(crate) fn own_nonce(key: &[u8], identity: &[u8]) -> Vec<u8> {
+    let mut n = nonce();
+    if let Some(m) = keyed(key, Proof::NonceTag, &[&n[..NONCE_RANDOM], identity]) {
+        n[NONCE_RANDOM..].copy_from_slice(&m.finalize().into_bytes()[..NONCE_LEN - NONCE_RANDOM]);
+    }
+    n
+}
+
+/// Whether `nonce` was made by [`own_nonce`] for `identity` (constant time).
+pub(crate) fn is_own_nonce(key: &[u8], identity: &[u8], nonce: &[u8]) -> bool {
+    nonce.len() == NONCE_LEN
+        && keyed(key, Proof::NonceTag, &[&nonce[..NONCE_RANDOM], identity])
+            .is_some_and(|m| m.verify_truncated_left(&nonce[NONCE_RANDOM..]).is_ok())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,6 +103,19 @@ mod tests {
         let tag = mac(b"", Proof::Initiator, &[b"a"]);
         assert!(tag.is_empty());
         assert!(!verify(b"", Proof::Initiator, &[b"a"], &tag));
+    }
+
+    #[test]
+    fn a_node_recognizes_its_own_nonces_and_nobody_elses() {
+        let (k, me, other) = (b"key", b"me".as_slice(), b"other".as_slice());
+        let n = own_nonce(k, me);
+        assert_eq!(n.len(), NONCE_LEN);
+        assert!(is_own_nonce(k, me, &n));
+        assert!(!is_own_nonce(k, other, &n));
+        assert!(!is_own_nonce(b"other key", me, &n));
+        assert!(!is_own_nonce(k, me, &nonce()));
+        assert!(!is_own_nonce(k, me, &n[..NONCE_LEN - 1]));
+        assert!(!is_own_nonce(b"", me, &own_nonce(b"", me)));
     }
 
     #[test]

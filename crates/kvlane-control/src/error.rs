@@ -72,6 +72,14 @@ pub enum Refusal {
         /// What failed.
         reason: String,
     },
+    /// The handshake came back to the node that started it: whoever is at
+    /// `peer` relayed this node's own handshake to it (a reflection), or
+    /// another node runs with the very same identity (incarnation included).
+    #[error("{peer} reflected this node's own handshake back to it")]
+    Reflected {
+        /// The address the reflected handshake came from or went to.
+        peer: String,
+    },
     /// The remote node has reached its peer cap.
     #[error("peer cap of {cap} reached")]
     PeerCap {
@@ -95,6 +103,7 @@ impl Refusal {
             Self::Version { .. } => "version_mismatch",
             Self::Fingerprint { .. } => "fingerprint_mismatch",
             Self::Auth { .. } => "auth_failed",
+            Self::Reflected { .. } => "reflected",
             Self::PeerCap { .. } => "peer_cap",
             Self::Remote { code, .. } => code,
         }

@@ -130,6 +130,14 @@ impl Stats {
         self.oversized + self.malformed + self.unknown_type + self.unexpected
     }
 
+    /// Adds the counters a peer keeps (the others are node-level).
+    pub(crate) fn add_peer(&mut self, p: &Self) {
+        self.oversized += p.oversized;
+        self.malformed += p.malformed;
+        self.unknown_type += p.unknown_type;
+        self.unexpected += p.unexpected;
+    }
+
     pub(crate) fn count(&mut self, e: &WireError) {
         match e {
             WireError::Oversized { .. } => self.oversized += 1,
@@ -147,6 +155,17 @@ enum Hs {
     Auth { nonce_i: Vec<u8>, nonce_a: Vec<u8> },
     /// Acceptor sent hello_ack with its first proof.
     HelloAck { nonce_i: Vec<u8>, nonce_a: Vec<u8> },
+}
+
+impl Hs {
+    /// The frame this step waits for (for logs).
+    fn awaits(&self) -> &'static str {
+        match self {
+            Self::Hello { .. } => "hello_ack",
+            Self::Auth { .. } => "auth_ack",
+            Self::HelloAck { .. } => "auth",
+        }
+    }
 }
 
 /// One peer connection as a pure state machine: no sockets, no clock.
@@ -530,7 +549,10 @@ impl Peer {
 
     fn start_attempt(&mut self, now: Instant) {
         self.attempts += 1;
-        let nonce_i = auth::nonce();
+        let nonce_i = match &self.config.psk {
+            Some(key) => auth::own_nonce(key.as_bytes(), &self.local.identity.transcript_bytes()),
+            None => auth::nonce(),
+        };
         let keyed = self.config.psk.is_some();
         let hello = Hello::new(
             self.local.identity.clone(),
@@ -554,7 +576,10 @@ impl Peer {
     fn on_timer(&mut self, now: Instant, timer: Timer) {
         match timer {
             Timer::Handshake => {
-                if self.hs.is_some() || matches!(self.state, State::Connecting) {
+                // Also without `hs`: a handshake that lost its state for
+                // any reason still ends at its deadline.
+                if self.hs.is_some() || matches!(self.state, State::Connecting | State::Handshaking)
+                {
                     if self.last_error.is_none() {
                         self.last_error =
                             Some(PeerError::HandshakeTimeout(self.config.handshake_timeout));

@@ -150,16 +150,12 @@ impl Registry {
         self.peers.is_empty()
     }
 
-    /// Frames dropped at the node level plus those of current peers.
+    /// Frames dropped at the node level, by released connections and by
+    /// current ones: every counter only ever grows.
     pub fn stats(&self) -> Stats {
         let mut s = self.stats;
         for e in self.peers.values() {
-            // Node-level counters are not kept per peer.
-            let p = e.peer.stats();
-            s.oversized += p.oversized;
-            s.malformed += p.malformed;
-            s.unknown_type += p.unknown_type;
-            s.unexpected += p.unexpected;
+            s.add_peer(&e.peer.stats());
         }
         s
     }
@@ -656,6 +652,8 @@ impl Registry {
         let Some(e) = self.peers.remove(&id) else {
             return;
         };
+        // What it dropped stays counted (invariant 9).
+        self.stats.add_peer(&e.peer.stats());
         match &e.link {
             Link::Dial(_) => {
                 if self.by_addr.get(e.peer.addr()) == Some(&id) {

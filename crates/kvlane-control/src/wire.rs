@@ -24,8 +24,25 @@
 //! `mac_c = H("kvlane-control/initiator", nonce_c, nonce_s, identity_c, blob_c)`,
 //! `mac_a = H("kvlane-control/acceptor2", nonce_c, nonce_s, identity_c, blob_c, identity_s, blob_s)`,
 //! where an identity is its msgpack encoding (an array, see [`Identity`]);
-//! nonces are exactly 32 random bytes (any other length is refused); an
+//! nonces are exactly 32 bytes (any other length is refused); an
 //! empty key is refused by [`Config::validate`](crate::Config::validate).
+//!
+//! Reflection: every key holder can compute every proof, so a proof says
+//! "some key holder", not "not me". A node dialing a keyless attacker
+//! would otherwise accept its own acceptor's `mac_s` (the attacker sends
+//! the node's `hello` to the node's listener and relays the answer) and
+//! send its identity and blob to the attacker. So a nonce names its maker
+//! to key holders only: `nonce = r || H("kvlane-control/nonce-tag", r,
+//! identity)[..16]` with 16 random bytes `r` and the maker's own identity.
+//! An acceptor refuses a `hello` whose nonce it made itself, a dialer a
+//! `hello_ack` whose `nonce_s` it made itself (`mac_s` covers `nonce_s`,
+//! so the tag cannot be swapped), and both refuse an `auth` / `auth_ack`
+//! carrying their own identity, with
+//! [`Refusal::Reflected`](crate::Refusal::Reflected). Peers that send
+//! random nonces (older builds) interoperate: the tag is only checked
+//! against one's own identity. Not covered: a relay between two
+//! *different* key holders (the proofs authenticate, they do not
+//! encrypt: whoever relays sees what a passive observer of the link sees).
 //!
 //! Fields per `type` (every message also has `type: str` and `version: int`;
 //! `bin` is msgpack bin, Python `bytes`):

@@ -419,3 +419,177 @@ fn refusals_are_counted_and_logged_as_one_summary_line() {
     assert!(warns <= 1, "{warns} WARN lines:\n{text}");
     assert_eq!(b.stats().refused_inbound, 2_000);
 }
+
+/// Reflection: `a` dials an attacker X who has no key. X sends `a`'s own
+/// keyed hello to a listener of the same node (`a` itself, or another
+/// registry speaking as the same identity) and relays every answer back
+/// to `a`'s dialing side, and every frame of the dialing side back to the
+/// listener. A proof made by the node itself must not pass for a peer's:
+/// no `auth` (identity, blob) is sent, and nobody becomes ready.
+#[test]
+fn a_handshake_reflected_back_to_the_same_node_is_refused() {
+    for same_registry in [true, false] {
+        let now = Instant::now();
+        let me = Arc::new(local("a"));
+        let mut a = Registry::new(Arc::new(keyed(KEY)), Arc::clone(&me));
+        let mut twin = Registry::new(Arc::new(keyed(KEY)), me);
+        let dial = a.connect(now, "x:1").expect("connect");
+        let rid = Link::Accepted(Bytes::from_static(b"x-to-a"));
+        let mut relayed = Vec::new();
+        let mut events = Vec::new();
+        for _ in 0..20 {
+            let mut moved = false;
+            let mut out: Vec<_> = std::iter::from_fn(|| a.poll_transmit()).collect();
+            out.extend(std::iter::from_fn(|| twin.poll_transmit()));
+            for (_, link, t) in out {
+                let Transmit::Frame(f) = t else { continue };
+                moved = true;
+                relayed.push(f.clone());
+                match link {
+                    Link::Dial(_) if same_registry => a.handle_frame(now, rid.clone(), &f),
+                    Link::Dial(_) => twin.handle_frame(now, rid.clone(), &f),
+                    Link::Accepted(_) => a.handle_frame(now, Link::Dial(dial), &f),
+                }
+            }
+            events.extend(std::iter::from_fn(|| a.poll_event()));
+            events.extend(std::iter::from_fn(|| twin.poll_event()));
+            if !moved {
+                break;
+            }
+        }
+        let case = if same_registry {
+            "same registry"
+        } else {
+            "twin"
+        };
+        assert!(!ready(&events), "{case}: ready with itself: {events:?}");
+        for f in &relayed {
+            assert!(
+                !matches!(Message::decode(f, 1 << 20), Ok(Message::Auth(_))),
+                "{case}: auth sent to the reflector"
+            );
+            for needle in [&b"SECRET-BLOB-a"[..], b"fingerprint-secret", b"cap-of-a"] {
+                assert!(
+                    !f.windows(needle.len()).any(|w| w == needle),
+                    "{case}: {} leaked to the reflector",
+                    String::from_utf8_lossy(needle)
+                );
+            }
+        }
+        assert!(
+            matches!(refused(&events), Some(Refusal::Reflected { .. })),
+            "{case}: {events:?}"
+        );
+    }
+}
+
+fn stray_auth_ack() -> Vec<u8> {
+    Message::AuthAck(AuthAck {
+        version: PROTOCOL_VERSION,
+        mac: vec![0; 32],
+        data_plane: Vec::new(),
+        identity: kvlane_control::wire::Identity::default(),
+    })
+    .encode()
+    .expect("encode")
+}
+
+fn timed_out(events: &[PeerEvent], id: ConnectionId) -> bool {
+    events.iter().any(|e| {
+        e.id == id
+            && matches!(
+                e.event,
+                Event::Dead {
+                    last_error: kvlane_control::PeerError::HandshakeTimeout(_),
+                    ..
+                }
+            )
+    })
+}
+
+/// A handshake frame for the wrong step (anybody can send one) is dropped
+/// and counted: the handshake deadline still fires on both sides, and the
+/// right frames arriving afterwards still complete the handshake.
+#[test]
+fn a_handshake_frame_for_the_wrong_step_never_wedges_the_handshake() {
+    let timeout = keyed(KEY).handshake_timeout;
+    let now = Instant::now();
+
+    // Dialing side: an auth_ack while it waits for hello_ack.
+    let mut a = registry("a", keyed(KEY));
+    let id = a.connect(now, "b:1").expect("connect");
+    a.handle_frame(now, Link::Dial(id), &stray_auth_ack());
+    assert_eq!(a.stats().unexpected, 1);
+    a.handle_timeout(now + timeout);
+    let events: Vec<_> = std::iter::from_fn(|| a.poll_event()).collect();
+    assert!(timed_out(&events, id), "dialer wedged: {events:?}");
+    assert_eq!(a.peer(id).map(|p| p.state()), Some(State::Dead));
+
+    // Accepting side: an auth_ack while it waits for auth.
+    let mut b = registry("b", keyed(KEY));
+    let rid = Link::Accepted(Bytes::from_static(b"r"));
+    b.handle_frame(now, rid.clone(), &forged_hello("x", 32));
+    let inbound = b.ids()[0];
+    b.handle_frame(now, rid, &stray_auth_ack());
+    b.handle_timeout(now + timeout);
+    let events: Vec<_> = std::iter::from_fn(|| b.poll_event()).collect();
+    assert!(timed_out(&events, inbound), "acceptor wedged: {events:?}");
+
+    // A stray frame on each side before the real ones: still ready.
+    let mut p = Pair::new(keyed(KEY), keyed(KEY));
+    let id = p.a.connect(p.now, "b:1").expect("connect");
+    p.a.handle_frame(p.now, Link::Dial(id), &stray_auth_ack());
+    let stray = stray_auth_ack();
+    let rid = p.rid.clone();
+    let mut hello_seen = false;
+    let now = p.now;
+    let mut late = Vec::new();
+    p.pump(|from_a, m| {
+        if from_a && matches!(m, Message::Hello(_)) {
+            hello_seen = true;
+            late.push(m.encode().expect("encode"));
+            return None;
+        }
+        Some(m)
+    });
+    assert!(hello_seen);
+    p.b.handle_frame(now, Link::Accepted(rid.clone()), &late[0]);
+    p.b.handle_frame(now, Link::Accepted(rid), &stray);
+    p.pump(|_, m| Some(m));
+    assert!(ready(&p.events_a), "{:?}", p.events_a);
+    assert!(ready(&p.events_b), "{:?}", p.events_b);
+}
+
+/// Drop counters never go backwards: the frames a connection dropped stay
+/// counted after the connection is released (evicted for a newer
+/// handshake, timed out and reaped, or replaced by a new hello).
+#[test]
+fn drop_counters_survive_the_connection_that_counted_them() {
+    let now = Instant::now();
+    let cb = Config {
+        handshake_cap: 1,
+        ..keyed(KEY)
+    };
+    let timeout = cb.handshake_timeout;
+    let mut b = registry("b", cb);
+    let rid = |r: &'static [u8]| Link::Accepted(Bytes::from_static(r));
+    let mut expected = 0;
+    for r in [&b"r1"[..], b"r2", b"r3"] {
+        b.handle_frame(now, rid(r), &forged_hello("x", 32));
+        for _ in 0..3 {
+            b.handle_frame(now, rid(r), b"\xc1\xc1 not msgpack");
+            expected += 1;
+            assert_eq!(b.stats().malformed, expected);
+        }
+        b.handle_frame(now, rid(r), &stray_auth_ack());
+        // r1 is evicted by r2's hello, r2 by r3's: the counts stay.
+        assert_eq!(b.stats().malformed, expected);
+        assert_eq!(b.stats().unexpected, expected / 3);
+    }
+    // r3 times out and is reaped on the next frame; a new hello on r3.
+    b.handle_timeout(now + timeout);
+    b.handle_frame(now + timeout, rid(b"r3"), &forged_hello("x", 32));
+    assert_eq!(b.len(), 1);
+    assert_eq!(b.stats().malformed, expected);
+    assert_eq!(b.stats().unexpected, expected / 3);
+}

@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fast_config, local, wait_for};
+use common::{fast_config, is_ready, local, wait_for};
 use kvlane_control::{ControlNode, Event, MemNetwork, State};
 
 #[tokio::test(start_paused = true)]
@@ -132,6 +132,33 @@ async fn notify_over_cap_is_a_typed_error() {
         err,
         kvlane_control::ControlError::PayloadTooLarge { cap: 65536, .. }
     ));
+    a.close().await;
+    b.close().await;
+}
+
+/// A connect whose caller gave up (timed out, or a group past its
+/// deadline) before the peer became ready leaves no connection behind:
+/// nobody holds its id, so nobody would ever close it (invariant 7: a
+/// failed group keeps no rank that turned ready after its deadline).
+#[tokio::test(start_paused = true)]
+async fn a_connect_given_up_before_ready_leaves_no_connection() {
+    let net = MemNetwork::new();
+    let a = ControlNode::with_channel(fast_config(), local("a"), net.bind("a:1"));
+    let mut events = a.events();
+    // b is not there yet: a redials with backoff, within its handshake deadline.
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), a.connect("b:1")).await;
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    let b = ControlNode::with_channel(fast_config(), local("b"), net.bind("b:1"));
+    let ready = wait_for(&mut events, Duration::from_secs(1), is_ready(None)).await;
+    wait_for(&mut events, Duration::from_secs(1), |e| {
+        e.id == ready.id && matches!(e.event, Event::Closed)
+    })
+    .await;
+    assert_eq!(a.peers().await.expect("peers"), Vec::new());
+    // A later connect dials afresh and keeps its connection.
+    let (id, _) = a.connect("b:1").await.expect("connect");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(a.peers().await.expect("peers")[0].id, id);
     a.close().await;
     b.close().await;
 }

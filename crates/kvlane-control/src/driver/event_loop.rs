@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{broadcast, mpsc, oneshot};
-use tracing::error;
+use tracing::{debug, error};
 
 use crate::channel::{Channel, ChannelEvent};
 use crate::error::{ControlError, PeerError};
@@ -271,8 +271,18 @@ impl<C: Channel> Driver<C> {
     fn resolve(&mut self, ev: &PeerEvent) {
         let failure = match &ev.event {
             Event::Ready(info) => {
-                for w in self.waiters.remove(&ev.id).unwrap_or_default() {
-                    let _ = w.reply.send(Ok((ev.id, info.clone())));
+                let ws = self.waiters.remove(&ev.id).unwrap_or_default();
+                let waited = !ws.is_empty();
+                let mut taken = false;
+                for w in ws {
+                    taken |= w.reply.send(Ok((ev.id, info.clone()))).is_ok();
+                }
+                if waited && !taken {
+                    // Every caller gave up (timed out, or a group past its
+                    // deadline) before the handshake finished: nobody holds
+                    // the id, so nobody would ever close the connection.
+                    debug!(id = %ev.id, addr = %ev.addr, "connect given up before ready; closing");
+                    self.reg.disconnect(now(), ev.id);
                 }
                 return;
             }

@@ -241,7 +241,8 @@ impl ControlNode {
     /// Connects to every tensor-parallel rank of data-parallel rank `dp_rank`
     /// of a remote engine at once (ports `base + dp_rank * tp_size + tp_rank`).
     /// All ranks ready, or an error naming every failing rank with its own
-    /// cause, within one deadline; on failure no rank stays connected.
+    /// cause, within one handshake deadline after the host is resolved; on
+    /// failure no rank stays connected.
     pub async fn connect_group(
         &self,
         host: &str,
@@ -250,13 +251,17 @@ impl ControlNode {
         tp_size: u32,
     ) -> Result<Vec<GroupMember>, GroupError> {
         let plan = PortPlan::new(base_port, &[dp_rank], tp_size)?;
-        let deadline = now() + self.config.handshake_timeout + DRIVER_GRACE;
         // One host: resolved once (ports do not change the route).
         let route = route_to(
             &format!("{host}:{base_port}"),
             self.config.handshake_timeout,
         )
         .await;
+        // After the resolution (as in `connect`): the driver gives each rank
+        // the handshake deadline from when it dials, so ours ends after it.
+        // A rank that turns ready after ours anyway is closed by the driver
+        // (its reply finds nobody waiting), so a failed group keeps none.
+        let deadline = now() + self.config.handshake_timeout + DRIVER_GRACE;
         let mut pending = Vec::new();
         for ranks in plan.ranks() {
             let addr = format!("{host}:{}", plan.port(ranks)?);

@@ -5,6 +5,8 @@
 
 use std::time::Instant;
 
+use tracing::debug;
+
 use super::{encode, Hs, Peer, Transmit};
 use crate::auth::{self, Proof};
 use crate::config::RemoteInfo;
@@ -75,7 +77,13 @@ impl Peer {
                     );
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 }
-                let nonce_a = auth::nonce();
+                let me = self.local.identity.transcript_bytes();
+                if auth::is_own_nonce(&key, &me, &h.nonce) {
+                    // Our own dialing side's hello, relayed back to us: a
+                    // proof over it would be accepted by that side.
+                    return self.refuse_reflected(now);
+                }
+                let nonce_a = auth::own_nonce(&key, &me);
                 let mac = auth::mac(&key, Proof::AcceptorHello, &[&h.nonce, &nonce_a]);
                 let ack = HelloAck::keyed(nonce_a.clone(), mac);
                 self.transmits
@@ -103,9 +111,9 @@ impl Peer {
     }
 
     pub(super) fn on_hello_ack(&mut self, now: Instant, ack: HelloAck) {
-        let Some(Hs::Hello { nonce_i }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let nonce_i = match self.hs.take() {
+            Some(Hs::Hello { nonce_i }) => nonce_i,
+            other => return self.wrong_step(other, "hello_ack"),
         };
         match self.key() {
             None => {
@@ -147,6 +155,11 @@ impl Peer {
                     return self.refuse(now, Refusal::Auth { reason }, true);
                 }
                 let identity = self.local.identity.transcript_bytes();
+                if auth::is_own_nonce(&key, &identity, &ack.nonce) {
+                    // The proof was made by our own acceptor (our hello was
+                    // relayed to it): nobody else proved the key.
+                    return self.refuse_reflected(now);
+                }
                 let blob = &self.local.data_plane;
                 let mac = auth::mac(
                     &key,
@@ -170,9 +183,9 @@ impl Peer {
     }
 
     pub(super) fn on_auth(&mut self, now: Instant, a: Auth) {
-        let Some(Hs::HelloAck { nonce_i, nonce_a }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let (nonce_i, nonce_a) = match self.hs.take() {
+            Some(Hs::HelloAck { nonce_i, nonce_a }) => (nonce_i, nonce_a),
+            other => return self.wrong_step(other, "auth"),
         };
         let Some(key) = self.key() else {
             self.stats.unexpected += 1;
@@ -187,6 +200,9 @@ impl Peer {
         ) {
             let reason = format!("{} failed to prove the pre-shared key", self.addr);
             return self.refuse(now, Refusal::Auth { reason }, true);
+        }
+        if a.identity == self.local.identity {
+            return self.refuse_reflected(now);
         }
         // The peer is authenticated: from here on a refusal may name values.
         if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
@@ -227,9 +243,9 @@ impl Peer {
     }
 
     pub(super) fn on_auth_ack(&mut self, now: Instant, a: AuthAck) {
-        let Some(Hs::Auth { nonce_i, nonce_a }) = self.hs.take() else {
-            self.stats.unexpected += 1;
-            return;
+        let (nonce_i, nonce_a) = match self.hs.take() {
+            Some(Hs::Auth { nonce_i, nonce_a }) => (nonce_i, nonce_a),
+            other => return self.wrong_step(other, "auth_ack"),
         };
         let Some(key) = self.key() else {
             self.stats.unexpected += 1;
@@ -253,6 +269,9 @@ impl Peer {
             let reason = format!("{} sent an auth_ack that does not prove the key", self.addr);
             return self.refuse(now, Refusal::Auth { reason }, true);
         }
+        if a.identity == self.local.identity {
+            return self.refuse_reflected(now);
+        }
         if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
             return self.refuse(now, r, true);
         }
@@ -266,8 +285,86 @@ impl Peer {
         );
     }
 
+    /// A handshake frame for another step (or none in flight): dropped and
+    /// counted, and the handshake state it found is put back, so the right
+    /// frame still completes it and its deadline still fires.
+    fn wrong_step(&mut self, hs: Option<Hs>, frame: &str) {
+        debug!(peer = %self.addr, frame, awaiting = ?hs.as_ref().map(Hs::awaits), "handshake frame for another step dropped");
+        self.hs = hs;
+        self.stats.unexpected += 1;
+    }
+
+    /// The handshake came back to us (see [`Refusal::Reflected`]).
+    fn refuse_reflected(&mut self, now: Instant) {
+        let peer = self.addr.clone();
+        self.refuse(now, Refusal::Reflected { peer }, true);
+    }
+
     /// The pre-shared key, if one is configured.
     fn key(&self) -> Option<Vec<u8>> {
         self.config.psk.as_ref().map(|k| k.as_bytes().to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::config::{Config, LocalInfo, Psk};
+    use crate::ids::Ranks;
+    use crate::peer::Event;
+
+    /// The dialer's own check, apart from the acceptor's: a valid proof
+    /// over a nonce made by this very identity is a proof by this node
+    /// (its hello was relayed to its own acceptor, or to an acceptor that
+    /// does not check): refused, and no `auth` leaves.
+    #[test]
+    fn dialer_refuses_a_proof_its_own_identity_made() {
+        let key = b"k";
+        let config = Arc::new(Config {
+            psk: Some(Psk::new(&key[..])),
+            ..Config::default()
+        });
+        let ranks = Ranks {
+            dp_rank: 0,
+            tp_rank: 0,
+            tp_size: 1,
+        };
+        let local = Arc::new(LocalInfo::new("a", ranks, "fp").with_data_plane(b"blob".to_vec()));
+        let now = Instant::now();
+        let mut p = Peer::initiator(now, "x:1".into(), config, Arc::clone(&local));
+        let nonce_c = std::iter::from_fn(|| p.poll_transmit())
+            .find_map(|t| match t {
+                Transmit::Frame(f) => match Message::decode(&f, 1 << 20) {
+                    Ok(Message::Hello(h)) => Some(h.nonce),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .expect("hello");
+        let nonce_a = auth::own_nonce(key, &local.identity.transcript_bytes());
+        let mac = auth::mac(key, Proof::AcceptorHello, &[&nonce_c, &nonce_a]);
+        p.handle_message(now, Message::HelloAck(HelloAck::keyed(nonce_a, mac)));
+        for t in std::iter::from_fn(|| p.poll_transmit()) {
+            if let Transmit::Frame(f) = t {
+                assert!(!matches!(
+                    Message::decode(&f, 1 << 20),
+                    Ok(Message::Auth(_))
+                ));
+            }
+        }
+        let events: Vec<_> = std::iter::from_fn(|| p.poll_event()).collect();
+        assert!(
+            events.iter().any(|e| matches!(
+                e,
+                Event::Refused {
+                    refusal: Refusal::Reflected { .. },
+                    ..
+                }
+            )),
+            "{events:?}"
+        );
     }
 }
