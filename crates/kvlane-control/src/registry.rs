@@ -112,6 +112,12 @@ pub struct Registry {
     closed: bool,
     /// Accepted connections that died; released before the next routing.
     dead_accepted: Vec<ConnectionId>,
+    /// Routing ids of accepted links whose last connection was released
+    /// ([`poll_released_link`](Self::poll_released_link)).
+    released_links: VecDeque<Bytes>,
+    /// Routing ids of accepted links a connection started on
+    /// ([`poll_adopted_link`](Self::poll_adopted_link)).
+    adopted_links: VecDeque<Bytes>,
 }
 
 impl Registry {
@@ -128,6 +134,8 @@ impl Registry {
             incarnations: HashMap::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
+            released_links: VecDeque::new(),
+            adopted_links: VecDeque::new(),
             stats: Stats::default(),
             refused_at_cap: 0,
             pending: BTreeSet::new(),
@@ -367,6 +375,7 @@ impl Registry {
             )
         });
         self.by_link.insert(rid.clone(), id);
+        self.adopted_links.push_back(rid.clone());
         self.pending.insert(id);
         self.peers.insert(
             id,
@@ -431,6 +440,11 @@ impl Registry {
                 self.collect(id);
             }
         }
+        // An accepted connection that died in its handshake is released
+        // now, not at the next inbound frame: its link closes and frees its
+        // slot under the accept cap. (One that was ready stays Dead, and
+        // visible as such, until then.)
+        self.reap_dead_handshakes();
         self.log_refusals(now);
     }
 
@@ -525,6 +539,35 @@ impl Registry {
     #[must_use]
     pub fn poll_event(&mut self) -> Option<PeerEvent> {
         self.events.pop_front()
+    }
+
+    /// Next accepted link (routing id) that a connection started on (a
+    /// hello came in on it). The transport closes an accepted link that no
+    /// connection adopts within the handshake timeout (one that stays
+    /// silent, or sends only what starts none): drain this before
+    /// [`poll_released_link`](Self::poll_released_link).
+    #[must_use]
+    pub fn poll_adopted_link(&mut self) -> Option<Bytes> {
+        self.adopted_links.pop_front()
+    }
+
+    /// Next accepted link (routing id) that no connection uses any more:
+    /// its connection was released (closed, refused, evicted, timed out,
+    /// reaped). The driver has the transport close it, so that a peer
+    /// cannot keep an accepted socket, and its slot under the
+    /// transport's accept cap, past its handshake. Drain it with
+    /// [`poll_transmit`](Self::poll_transmit), after the transmits (a
+    /// refusal is sent before its link closes).
+    #[must_use]
+    pub fn poll_released_link(&mut self) -> Option<Bytes> {
+        // One that a newer connection took since (a hello on the same
+        // link) stays open.
+        while let Some(rid) = self.released_links.pop_front() {
+            if !self.by_link.contains_key(&rid) {
+                return Some(rid);
+            }
+        }
+        None
     }
 
     fn alloc(&mut self) -> ConnectionId {
@@ -662,7 +705,11 @@ impl Registry {
             }
             Link::Accepted(rid) => {
                 if self.by_link.get(rid) == Some(&id) {
+                    // No newer connection came in on this link: the
+                    // transport may close it (a hello on a link that a
+                    // newer entry took leaves the link to that entry).
                     self.by_link.remove(rid);
+                    self.released_links.push_back(rid.clone());
                 }
             }
         }
@@ -674,6 +721,22 @@ impl Registry {
 
     /// Releases accepted connections that are dead (they never reconnect by
     /// themselves: the remote initiator dials a new one).
+    fn reap_dead_handshakes(&mut self) {
+        let (handshaking, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.dead_accepted)
+            .into_iter()
+            .partition(|id| self.pending.contains(id));
+        self.dead_accepted = rest;
+        for id in handshaking {
+            if self
+                .peers
+                .get(&id)
+                .is_some_and(|e| e.peer.state() == State::Dead)
+            {
+                self.release(id);
+            }
+        }
+    }
+
     fn reap_dead(&mut self) {
         for id in std::mem::take(&mut self.dead_accepted) {
             if self

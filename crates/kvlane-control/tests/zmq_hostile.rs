@@ -209,3 +209,77 @@ async fn accepted_connections_are_capped() {
     .expect("join");
     b.close().await;
 }
+
+/// One ZMTP data frame (short or long) carrying `body`.
+fn zmtp_frame(body: &[u8]) -> Vec<u8> {
+    let mut f = if body.len() < 256 {
+        vec![0x00, body.len() as u8]
+    } else {
+        long_frame_header(body.len() as u64, false)
+    };
+    f.extend_from_slice(body);
+    f
+}
+
+/// Connections that pass the ZMTP handshake but never finish a kvlane one
+/// are closed and give their slot under the accept cap back: one that
+/// sends nothing (closed after the handshake timeout), one whose first
+/// message is garbage (closed at once), and one that sends a keyed hello
+/// and then nothing (closed when the registry's handshake times out). With
+/// every slot once taken by them, a real peer still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_finish_a_kvlane_handshake_are_closed() {
+    use kvlane_control::wire::{Hello, Message};
+    use kvlane_control::Psk;
+    let config = Config {
+        peer_cap: 2,
+        handshake_cap: 2,
+        handshake_timeout: Duration::from_millis(300),
+        psk: Some(Psk::new(&b"the key"[..])),
+        ..fast_config()
+    };
+    let b = ControlNode::bind(config.clone(), local("b"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = b.local_addr().to_owned();
+    let hello = Message::Hello(Hello::new(
+        Default::default(),
+        Some(vec![7u8; 32]),
+        Vec::new(),
+        None,
+    ))
+    .encode()
+    .expect("encode");
+    let outcomes = tokio::task::spawn_blocking(move || {
+        let open = |then: &[u8]| {
+            let mut s = TcpStream::connect(&addr).expect("connect");
+            let mut first = zmtp_dealer_preamble();
+            first.extend_from_slice(then);
+            s.write_all(&first).expect("write");
+            s
+        };
+        // Every slot (peer_cap + handshake_cap = 4) taken.
+        let mut held = [
+            ("silent", open(&[])),
+            ("silent", open(&[])),
+            ("garbage first message", open(&zmtp_frame(b"not msgpack"))),
+            ("keyed hello, then nothing", open(&zmtp_frame(&hello))),
+        ];
+        held.iter_mut()
+            .map(|(what, s)| (*what, closed_by_server(s, Duration::from_secs(10))))
+            .collect::<Vec<_>>()
+    })
+    .await
+    .expect("join");
+    for (what, outcome) in &outcomes {
+        assert!(outcome.is_ok(), "{what}: {outcome:?}");
+    }
+    let a = ControlNode::bind(config, local("a"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    a.connect(b.local_addr())
+        .await
+        .expect("a real peer connects once the slots are free");
+    a.close().await;
+    b.close().await;
+}

@@ -167,6 +167,19 @@ pub struct RouterRecvHalf {
     fair_queue: FairQueue<ZmqFramedRead, PeerIdentity>,
 }
 
+impl RouterSendHalf {
+    /// kvlane patch: closes the connection of peer `peer_id` (a routing id
+    /// as `recv` reports it), as if it had disconnected: it leaves the
+    /// peer table (its writer sends what is queued for it, then ends) and
+    /// the receive queue (its read half is dropped, which frees its slot
+    /// under `max_connections`). Unknown ids are ignored.
+    pub fn disconnect_peer(&self, peer_id: bytes::Bytes) {
+        if let Ok(peer_id) = PeerIdentity::try_from(peer_id) {
+            self.inner.backend.peer_disconnected(&peer_id);
+        }
+    }
+}
+
 #[async_trait]
 impl SocketSend for RouterSendHalf {
     async fn send(&mut self, mut message: ZmqMessage) -> ZmqResult<()> {

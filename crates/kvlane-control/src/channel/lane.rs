@@ -135,6 +135,20 @@ impl<H: SendHandle> Lane<H> {
         }
     }
 
+    /// The socket's send side.
+    pub(super) fn handle(&self) -> &H {
+        &self.handle
+    }
+
+    /// Frames handed to the spill task and not yet to the socket: `None`
+    /// when every frame sent so far is in the socket.
+    pub(super) fn spilled(&self) -> Option<Arc<AtomicUsize>> {
+        self.spill
+            .as_ref()
+            .map(|s| Arc::clone(&s.pending))
+            .filter(|p| p.load(Ordering::Acquire) > 0)
+    }
+
     /// Releases the lane; a spill still sends what it holds, and its task
     /// goes to `retired` (to be awaited on close).
     pub(super) fn retire(self, retired: &mut Vec<JoinHandle<()>>) {

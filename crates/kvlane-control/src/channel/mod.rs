@@ -48,6 +48,19 @@ pub trait Channel: Send + 'static {
     fn send(&mut self, link: &Link, frame: Bytes);
     /// Flushes queued frames of `id`, then closes and releases it.
     fn disconnect(&mut self, id: ConnectionId);
+    /// A connection of the registry started on accepted link `rid` (of a
+    /// [`Link::Accepted`]). A channel may close accepted links that nothing
+    /// adopts within the handshake timeout; the default keeps them open.
+    fn adopt_accepted(&mut self, rid: &Bytes) {
+        let _ = rid;
+    }
+    /// Closes the accepted connection `rid` (of a [`Link::Accepted`]) once
+    /// the frames queued for it are sent: no connection of the registry
+    /// uses it any more. Unknown ids are ignored. The default keeps it
+    /// open (a channel whose accepted links cost nothing).
+    fn close_accepted(&mut self, rid: &Bytes) {
+        let _ = rid;
+    }
     /// The IP address an accepted connection (`Link::Accepted`) comes from,
     /// as the transport saw it; `None` when unknown. The driver reports it
     /// as [`RemoteInfo::peer_host`](crate::RemoteInfo::peer_host) of the

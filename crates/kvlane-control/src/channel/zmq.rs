@@ -20,8 +20,9 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::channel::mpsc as fmpsc;
@@ -37,7 +38,7 @@ use zeromq::{
 };
 
 use super::inbound::Inbound;
-use super::lane::{DealerTx, Lane, Report, QUEUE};
+use super::lane::{DealerTx, Lane, Report, QUEUE, SEND_TIMEOUT};
 use super::{Channel, ChannelEvent};
 use crate::config::Config;
 use crate::error::ControlError;
@@ -86,29 +87,112 @@ struct Router {
     /// Holds the listener's accept task (moved here before the split, which
     /// has no `close`), so `close().await` still waits until the port is free.
     binds: RouterSocket,
-    /// Accepted / disconnected connections, for [`Channel::peer_ip`].
+    /// Accepted / disconnected connections, for [`Channel::peer_ip`] and
+    /// the silence sweep.
     monitor: fmpsc::Receiver<SocketEvent>,
-    /// Where each accepted connection (by routing id) comes from; at most
-    /// one entry per open connection (the accept cap bounds it).
-    peer_ips: HashMap<Bytes, std::net::IpAddr>,
+    /// Open accepted connections by routing id; at most one entry per
+    /// open connection (the accept cap bounds it).
+    accepted: HashMap<Bytes, AcceptedConn>,
+    /// An accepted connection that sends no frame for this long after its
+    /// accept is closed ([`Config::handshake_timeout`]).
+    silence: Duration,
+    /// When the silence sweep runs next.
+    sweep_at: Instant,
+}
+
+/// What the channel knows of an accepted connection.
+struct AcceptedConn {
+    /// Where it comes from (`None` for a non-IP endpoint).
+    ip: Option<std::net::IpAddr>,
+    /// When the channel learnt of it.
+    at: Instant,
+    /// Whether a connection of the registry started on it.
+    adopted: bool,
 }
 
 impl Router {
     fn on_monitor(&mut self, ev: SocketEvent) {
         match ev {
-            SocketEvent::Accepted(Endpoint::Tcp(host, _), rid) => {
-                let ip = match host {
-                    zeromq::Host::Ipv4(ip) => std::net::IpAddr::V4(ip),
-                    zeromq::Host::Ipv6(ip) => std::net::IpAddr::V6(ip),
-                    zeromq::Host::Domain(_) => return,
+            SocketEvent::Accepted(endpoint, rid) => {
+                let ip = match endpoint {
+                    Endpoint::Tcp(zeromq::Host::Ipv4(ip), _) => Some(std::net::IpAddr::V4(ip)),
+                    Endpoint::Tcp(zeromq::Host::Ipv6(ip), _) => Some(std::net::IpAddr::V6(ip)),
+                    _ => None,
                 };
-                self.peer_ips.insert(Bytes::from(rid), ip);
+                // Its first frames may have been read before this report.
+                self.accepted
+                    .entry(Bytes::from(rid))
+                    .or_insert_with(|| AcceptedConn {
+                        ip: None,
+                        at: Instant::now(),
+                        adopted: false,
+                    })
+                    .ip = ip;
             }
             SocketEvent::Disconnected(rid) => {
-                self.peer_ips.remove(&Bytes::from(rid));
+                self.accepted.remove(&Bytes::from(rid));
             }
             _ => {}
         }
+    }
+
+    /// A connection of the registry started on accepted link `rid`. (Its
+    /// hello may have been read before the monitor reported the accept: an
+    /// entry made here is removed when the registry releases the link.)
+    fn adopt(&mut self, rid: &Bytes) {
+        self.accepted
+            .entry(rid.clone())
+            .or_insert_with(|| AcceptedConn {
+                ip: None,
+                at: Instant::now(),
+                adopted: true,
+            })
+            .adopted = true;
+    }
+
+    /// Closes accepted connection `rid` once the frames queued for it are
+    /// in the socket (a task waits, bounded, while a spill holds some).
+    fn close(&mut self, rid: &Bytes, retired: &mut Vec<JoinHandle<()>>) {
+        let known = self.accepted.remove(rid).is_some();
+        let half = self.tx.handle().clone();
+        match self.tx.spilled() {
+            // (One waiting task per connection, not per frame of a flood.)
+            Some(pending) if known => {
+                let rid = rid.clone();
+                retired.push(tokio::spawn(async move {
+                    let give_up = Instant::now() + SEND_TIMEOUT;
+                    while pending.load(Ordering::Acquire) > 0 && Instant::now() < give_up {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    half.disconnect_peer(rid);
+                }));
+            }
+            _ => half.disconnect_peer(rid.clone()),
+        }
+    }
+
+    /// Closes the accepted connections that no registry connection
+    /// adopted within `silence` of their accept (completing the ZMTP
+    /// handshake and then keeping quiet, or sending only garbage, held a
+    /// slot under the accept cap for good); sets the next sweep.
+    fn sweep(&mut self, retired: &mut Vec<JoinHandle<()>>) {
+        let now = Instant::now();
+        let silent: Vec<Bytes> = self
+            .accepted
+            .iter()
+            .filter(|(_, a)| !a.adopted && now.duration_since(a.at) >= self.silence)
+            .map(|(rid, _)| rid.clone())
+            .collect();
+        if !silent.is_empty() {
+            debug!(
+                closed = silent.len(),
+                "closed accepted connections that started no handshake within the handshake timeout"
+            );
+        }
+        for rid in &silent {
+            self.close(rid, retired);
+        }
+        self.sweep_at = now + (self.silence / 2).max(Duration::from_millis(50));
     }
 }
 
@@ -192,7 +276,9 @@ impl ZmqChannel {
                 tx: Lane::new(tx, report),
                 binds,
                 monitor,
-                peer_ips: HashMap::new(),
+                accepted: HashMap::new(),
+                silence: config.handshake_timeout,
+                sweep_at: Instant::now() + config.handshake_timeout,
             }),
             dials: HashMap::new(),
             inbound: Inbound::new(),
@@ -301,7 +387,7 @@ impl Channel for ZmqChannel {
         while let Some(Some(ev)) = router.monitor.next().now_or_never() {
             router.on_monitor(ev);
         }
-        router.peer_ips.get(rid).copied()
+        router.accepted.get(rid).and_then(|a| a.ip)
     }
 
     fn send(&mut self, link: &Link, frame: Bytes) {
@@ -329,6 +415,18 @@ impl Channel for ZmqChannel {
                     router.tx.send(msg, &mut self.retired);
                 }
             }
+        }
+    }
+
+    fn adopt_accepted(&mut self, rid: &Bytes) {
+        if let Some(router) = self.router.as_mut() {
+            router.adopt(rid);
+        }
+    }
+
+    fn close_accepted(&mut self, rid: &Bytes) {
+        if let Some(router) = self.router.as_mut() {
+            router.close(rid, &mut self.retired);
         }
     }
 
@@ -367,6 +465,10 @@ impl Channel for ZmqChannel {
                     None => return None,
                 },
                 Some(ev) = router.monitor.next() => router.on_monitor(ev),
+                () = tokio::time::sleep_until(router.sweep_at.into()) => {
+                    router.sweep(&mut self.retired);
+                    self.reap_retired();
+                }
                 Some(msg) = router.rx.next() => match msg {
                     Ok(msg) => {
                         let mut frames = msg.into_vec();

@@ -253,6 +253,13 @@ impl<C: Channel> Driver<C> {
                 }
             }
         }
+        while let Some(rid) = self.reg.poll_adopted_link() {
+            self.chan.adopt_accepted(&rid);
+        }
+        // After the transmits: a refusal goes out before its link closes.
+        while let Some(rid) = self.reg.poll_released_link() {
+            self.chan.close_accepted(&rid);
+        }
         while let Some(mut ev) = self.reg.poll_event() {
             // A peer that dialed us is where its connection comes from, as
             // the transport saw it, not where its hello says.
