@@ -277,6 +277,92 @@ mod raw {
         assert_eq!(t.backend.counters().framing_errors, 1);
         assert_eq!(t.all.0.to_vec().unwrap()[..8], [1; 8]);
     }
+
+    /// Sends `n` NOTIFY frames of `len` bytes back to back (nobody polls
+    /// the target meanwhile), then reads their answers.
+    fn notify_flood(s: &mut TcpStream, n: u64, len: u64) -> Vec<Status> {
+        let payload = vec![0x5a; len as usize];
+        let mut w = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            for tag in 0..n {
+                let req = Request {
+                    kind: RequestKind::Notify,
+                    key: RemoteKey(0),
+                    tag,
+                    offset: 0,
+                    len,
+                };
+                w.write_all(&req.encode()).unwrap();
+                w.write_all(&payload).unwrap();
+            }
+        });
+        let statuses = (0..n)
+            .map(|tag| {
+                let mut h = [0u8; RESPONSE_LEN];
+                s.read_exact(&mut h).unwrap();
+                let resp = Response::decode(&h).unwrap();
+                assert_eq!(resp.tag, tag);
+                resp.status
+            })
+            .collect();
+        writer.join().unwrap();
+        statuses
+    }
+
+    /// A peer flooding 64 KiB notifications at a target whose application
+    /// takes none: the target holds at most its byte cap (64 MiB by
+    /// default, 1,024 of them) and answers the rest with an error.
+    #[test]
+    fn a_notification_flood_stops_at_the_queue_cap() {
+        let mut t = target();
+        let mut s = authed(&t.ep);
+        let statuses = notify_flood(&mut s, 1100, 64 << 10);
+        let ok = statuses.iter().filter(|&&st| st == Status::Ok).count();
+        assert_eq!(ok, 1024, "notifications held past the 64 MiB cap");
+        assert!(
+            statuses[1024..]
+                .iter()
+                .all(|&st| st == Status::NotifyQueueFull),
+            "{:?}",
+            &statuses[1024..1030]
+        );
+        let c = t.backend.counters();
+        assert_eq!((c.notifications, c.refused_notify_queue_full), (1024, 76));
+        let mut notes = Vec::new();
+        assert_eq!(t.backend.poll_notifications(&mut notes), 1024);
+        // Taken: room again, on the same connection.
+        let again = notify_flood(&mut s, 1, 64 << 10);
+        assert_eq!(again, [Status::Ok]);
+    }
+
+    /// The count cap holds for small notifications, and an empty queue
+    /// takes a notification larger than the byte cap.
+    #[test]
+    fn small_notifications_stop_at_the_count_cap() {
+        let mut backend = TcpBackend::new(TcpConfig {
+            max_notifications: 16,
+            max_notification_bytes: 1000,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let (_, endpoint) = backend.prepare_peer().unwrap();
+        let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+        let mut s = authed(&ep);
+        let statuses = notify_flood(&mut s, 40, 8);
+        let ok = statuses.iter().filter(|&&st| st == Status::Ok).count();
+        assert_eq!(ok, 16, "{statuses:?}");
+        assert!(statuses[16..]
+            .iter()
+            .all(|&st| st == Status::NotifyQueueFull));
+        assert_eq!(backend.counters().refused_notify_queue_full, 24);
+        let mut notes = Vec::new();
+        assert_eq!(backend.poll_notifications(&mut notes), 16);
+        // 64 KiB > 1000 bytes, yet an empty queue takes it; the next not.
+        assert_eq!(
+            notify_flood(&mut s, 2, 64 << 10),
+            [Status::Ok, Status::NotifyQueueFull]
+        );
+    }
 }
 
 /// Stalled and broken targets, faked with plain sockets.
@@ -801,6 +887,110 @@ mod transport {
         }
         got.sort_unstable();
         assert_eq!(got, (0..16).collect::<Vec<u8>>());
+    }
+}
+
+/// A target whose application does not take its notifications: past
+/// the caps, the initiator's transfers fail with a typed error (none is
+/// lost silently), and once the application drains them notifications
+/// flow again.
+mod notify_queue {
+    use kvlane_data::{
+        connect_pair, Access, Backend, DataError, Descriptor, Op, Region, RemoteDescriptor,
+        TcpBackend, TcpConfig, Transfer, Transport, NOTIFY_CHANNEL,
+    };
+    use std::time::{Duration, Instant};
+
+    /// The target backend's queue: large enough that its driver, woken by
+    /// the first notification of a burst, moves them on before it fills
+    /// (a burst larger than it between two polls would be refused early).
+    const CAP: usize = 256;
+
+    #[test]
+    fn a_notification_past_the_cap_fails_the_transfer_typed() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig {
+            max_notifications: CAP,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let src = Region::from_vec(vec![3; 4096], Access::ALL).unwrap();
+        let dst = Region::alloc(4096, Access::ALL).unwrap();
+        let src_ad = init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
+        let target_addr = target.local_addr();
+        let init = Transport::new(init).unwrap();
+        let target = Transport::new(target).unwrap();
+        let mut notes = target.take_notifications().unwrap();
+        let t = |i: u32| {
+            Transfer::new(
+                peer,
+                Op::Write,
+                vec![Descriptor {
+                    region: src.id(),
+                    offset: 0,
+                    len: 64,
+                }],
+                vec![RemoteDescriptor {
+                    key: dst_ad.key,
+                    offset: 0,
+                    len: 64,
+                }],
+            )
+            .with_notify(i.to_le_bytes().to_vec())
+        };
+        // More than the channel and the backend's queue hold together
+        // (one poll's worth, at most `CAP`, may wait between them).
+        let n = (NOTIFY_CHANNEL + 3 * CAP) as u32;
+        let handles: Vec<_> = (0..n).map(|i| init.submit(t(i)).unwrap()).collect();
+        let (mut ok, mut full) = (0usize, 0usize);
+        for h in handles {
+            match h.wait() {
+                Ok(()) => ok += 1,
+                Err(e @ DataError::NotificationQueueFull { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains(&peer.to_string()), "{msg}");
+                    assert!(msg.contains(&target_addr.to_string()), "{msg}");
+                    assert!(msg.contains("notification queue is full"), "{msg}");
+                    assert!(e.is_busy());
+                    full += 1;
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        assert!(full > 0, "no notification was refused ({ok} delivered)");
+        assert!(ok <= NOTIFY_CHANNEL + 2 * CAP, "{ok} held unread");
+        let refused = target.with_backend(|b| b.tcp_counters().unwrap().refused_notify_queue_full);
+        assert_eq!(refused, full as u64);
+        // Every accepted notification reaches the application, once.
+        let mut got = Vec::new();
+        let end = Instant::now() + Duration::from_secs(10);
+        while got.len() < ok {
+            match notes.try_recv() {
+                Ok(note) => got.push(note),
+                Err(_) => {
+                    assert!(Instant::now() < end, "{} of {ok} arrived", got.len());
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(notes.try_recv().is_err(), "a refused notification arrived");
+        // Drained: notifications work again.
+        init.submit(t(u32::MAX)).unwrap().wait().unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let note = loop {
+            if let Ok(note) = notes.try_recv() {
+                break note;
+            }
+            assert!(
+                Instant::now() < end,
+                "the notification after draining is missing"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(&note.payload[..], &u32::MAX.to_le_bytes());
     }
 }
 

@@ -686,6 +686,10 @@ impl PeerConn {
         Some(match status {
             Status::Ok => return None,
             Status::UnknownKey => DataError::UnknownKey { peer, key },
+            Status::NotifyQueueFull => DataError::NotificationQueueFull {
+                peer,
+                addr: self.addr,
+            },
             Status::OutOfBounds(region_len) => DataError::RemoteOutOfBounds {
                 peer,
                 key,
