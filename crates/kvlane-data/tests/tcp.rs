@@ -373,6 +373,7 @@ mod faults {
         connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
         RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
     };
+    use std::collections::HashMap;
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     use std::time::{Duration, Instant};
@@ -514,6 +515,114 @@ mod faults {
                 len,
             }],
         )
+    }
+
+    /// Marker bytes that reached the fake target of
+    /// `a_timed_out_write_sends_nothing_read_after_its_timeout`.
+    static MARKERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static STALLED_CONNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A WRITE that times out while its payload is still staged for the
+    /// socket (the target stopped reading): the caller reuses its buffer
+    /// once told of the timeout, and none of the new bytes may reach the
+    /// target. The stream is aborted, so the peer's other transfers fail
+    /// at once with `PeerLost` (not at their deadlines), and connecting
+    /// again serves later transfers.
+    #[test]
+    fn a_timed_out_write_sends_nothing_read_after_its_timeout() {
+        use kvlane_data::tcp::wire::{Request, RequestKind, Response, Status, REQUEST_LEN};
+        use std::sync::atomic::Ordering;
+        const BIG: u64 = 16 << 20;
+        const MARK: u8 = 0xee;
+        // The first connection's streams stall for 1.5 s, then read every
+        // request and count marker bytes; later ones answer every request.
+        let (ep, ad) = fake_target(|mut s| {
+            let stalled = STALLED_CONNS.fetch_add(1, Ordering::SeqCst) < 4;
+            if stalled {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            let mut h = [0u8; REQUEST_LEN];
+            while s.read_exact(&mut h).is_ok() {
+                let Ok(req) = Request::decode(&h) else { return };
+                let mut payload = vec![0u8; req.payload_len() as usize];
+                if s.read_exact(&mut payload).is_err() {
+                    return;
+                }
+                let marks = payload.iter().filter(|&&b| b == MARK).count();
+                MARKERS.fetch_add(marks as u64, Ordering::SeqCst);
+                if !stalled {
+                    let resp = Response {
+                        status: Status::Ok,
+                        tag: req.tag,
+                    };
+                    if s.write_all(&resp.encode()).is_err() {
+                        return;
+                    }
+                    if req.kind == RequestKind::Read {
+                        let _ = s.write_all(&vec![0; req.len as usize]);
+                    }
+                }
+            }
+        });
+        let ad = RemoteRegion { len: BIG, ..ad };
+        // Small socket buffers: most of the payload stays staged.
+        let mut b = TcpBackend::new(TcpConfig {
+            socket_buffer: Some(128 << 10),
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let local = Region::from_vec(vec![0x11; BIG as usize], Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        let start = Instant::now();
+        let big = write(peer, &local, ad.key, 0, BIG - 4096)
+            .with_deadline(start + Duration::from_millis(200));
+        let other = write(peer, &local, ad.key, BIG - 4096, 4096)
+            .with_deadline(start + Duration::from_secs(30));
+        let ids = [big.id, other.id];
+        b.submit(big).unwrap();
+        b.submit(other).unwrap();
+        let mut results = HashMap::new();
+        let mut done = Vec::new();
+        while results.len() < 2 {
+            assert!(start.elapsed() < Duration::from_secs(10), "{results:?}");
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                if c.id == ids[0] {
+                    assert!(c.result.as_ref().is_err_and(|e| e.is_timeout()), "{c:?}");
+                    // Told it failed: the caller reuses its buffer.
+                    local.write(0, &vec![MARK; BIG as usize]).unwrap();
+                }
+                results.insert(c.id, (c.result, start.elapsed()));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (r, at) = &results[&ids[1]];
+        let e = r
+            .as_ref()
+            .expect_err("the other transfer on the aborted stream");
+        assert!(e.is_peer_lost(), "{e}");
+        assert!(
+            *at < Duration::from_secs(2),
+            "the other transfer waited {at:?}"
+        );
+        // The stalled streams read again now; nothing read after the
+        // timeout may arrive.
+        std::thread::sleep(Duration::from_millis(2000));
+        assert_eq!(
+            MARKERS.load(Ordering::SeqCst),
+            0,
+            "a timed-out WRITE sent bytes late"
+        );
+        // Connecting again: later transfers go through.
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        local.write(0, &[0x22; 4096]).unwrap();
+        let again = write(peer, &local, ad.key, 0, 4096);
+        let id = again.id;
+        b.submit(again).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(10));
+        assert!(r[&id].0.is_ok(), "{:?}", r[&id].0);
     }
 
     #[test]

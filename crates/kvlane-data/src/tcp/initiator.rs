@@ -57,10 +57,18 @@ pub(crate) struct XferState {
     pub(crate) notify: Option<Bytes>,
     done: AtomicBool,
     /// Held while READ bytes of this transfer are copied into local
-    /// memory (one socket read's worth at a time): whoever finishes the
+    /// memory (one socket read's worth at a time), and while a WRITE
+    /// chunk of it is staged (see `unsent`): whoever finishes the
     /// transfer otherwise (deadline, lost peer) takes it first, so once a
     /// failure is reported no late reply lands in the caller's buffer.
     pub(crate) landing: Mutex<()>,
+    /// WRITE chunks staged for a socket (counted under `landing`) whose
+    /// payload is not all written to it yet: a large payload is read from
+    /// the caller's memory only as it is written. A deadline that passes
+    /// while any is left aborts the connection before the timeout is
+    /// reported (see `TcpBackend::expire`), so no byte of it is read or
+    /// sent after the caller was told the transfer failed.
+    pub(crate) unsent: AtomicUsize,
 }
 
 impl XferState {
@@ -79,6 +87,7 @@ impl XferState {
             notify,
             done: AtomicBool::new(false),
             landing: Mutex::new(()),
+            unsent: AtomicUsize::new(0),
         }
     }
 
@@ -101,6 +110,13 @@ impl XferState {
 
     pub(crate) fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
+    }
+
+    /// Whether a WRITE chunk of it is staged and not all written (see
+    /// `unsent`); read after [`try_take_done_unlanded`](Self::try_take_done_unlanded)
+    /// succeeded, no chunk is staged any more, so this can only fall.
+    pub(crate) fn has_unsent(&self) -> bool {
+        self.unsent.load(Ordering::Acquire) > 0
     }
 }
 
@@ -594,6 +610,19 @@ impl PeerConn {
     /// Fails every transfer in flight with `PeerLost` and closes the
     /// streams (their I/O threads drop them). Idempotent.
     pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
+        self.fail_at(reason, source, None);
+    }
+
+    /// [`fail`](Self::fail), for a transfer that timed out with a WRITE
+    /// chunk still being sent (see `XferState::unsent`): transfers whose
+    /// deadline passed by `now` fail with `Timeout`, the others with
+    /// `PeerLost`.
+    pub(crate) fn abort_after_timeout(&self, reason: &'static str, now: Instant) {
+        tracing::warn!(peer = %self.peer, addr = %self.addr, "{reason}: aborting the connection");
+        self.fail_at(reason, None, Some(now));
+    }
+
+    fn fail_at(&self, reason: &'static str, source: Option<io::Error>, now: Option<Instant>) {
         // The cause always names the target's `host:port`.
         let addr = self.addr;
         let source = Some(Arc::new(match source {
@@ -619,14 +648,22 @@ impl PeerConn {
             let first = x.take_done();
             drop(landed);
             if first {
-                completions.push(Completion {
-                    id: x.id,
-                    peer: self.peer,
-                    result: Err(DataError::PeerLost {
+                let error = match now {
+                    Some(now) if x.deadline <= now => DataError::Timeout {
+                        id: x.id,
+                        peer: self.peer,
+                        overdue: now - x.deadline,
+                    },
+                    _ => DataError::PeerLost {
                         peer: self.peer,
                         reason,
                         source: source.clone(),
-                    }),
+                    },
+                };
+                completions.push(Completion {
+                    id: x.id,
+                    peer: self.peer,
+                    result: Err(error),
                 });
             }
         }

@@ -752,6 +752,7 @@ impl TcpBackend {
         }
         let mut next: Option<Instant> = None;
         let peers = &self.peers;
+        let mut abort: Vec<Arc<PeerConn>> = Vec::new();
         self.in_flight.retain(|id, x| {
             let keep = |next: &mut Option<Instant>, at: Instant| {
                 *next = Some(next.map_or(at, |n| n.min(at)));
@@ -771,6 +772,9 @@ impl TcpBackend {
             }
             if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
                 conn.forget(*id);
+                if x.has_unsent() && !abort.iter().any(|c| Arc::ptr_eq(c, conn)) {
+                    abort.push(conn.clone());
+                }
             }
             out.push(Completion {
                 id: *id,
@@ -783,6 +787,17 @@ impl TcpBackend {
             });
             false
         });
+        // A WRITE chunk of a transfer that timed out is staged and not all
+        // written: its payload would be read from the caller's memory and
+        // sent after the timeout is reported (over a newer write, say).
+        // Abort its connection first, as a failure does: once the sockets
+        // are shut no write is in progress and none reads the memory. The
+        // connection's other transfers fail with `PeerLost` (those past
+        // their deadline with `Timeout`); later ones fail until the peer
+        // is connected again.
+        for conn in abort {
+            conn.abort_after_timeout("a timed-out WRITE was still being sent", now);
+        }
         self.next_deadline = next;
     }
 }

@@ -18,7 +18,7 @@
 //! submitted: `queue_depth` bounds them), and between drives a stream
 //! keeps less than one response header of input.
 
-use super::initiator::{Job, PeerConn};
+use super::initiator::{Job, PeerConn, XferState};
 use super::io::DIRECT_MIN;
 use super::outq::Outq;
 use super::serve::Drove;
@@ -28,6 +28,8 @@ use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Unwritten output past which no more requests are staged: a few
 /// default chunks in flight per stream keep the socket busy (the kernel
@@ -68,6 +70,10 @@ pub(crate) struct Stream {
     backlog: VecDeque<Job>,
     out: Outq,
     pending: VecDeque<Pending>,
+    /// Staged WRITEs whose payload is not all written yet: where in the
+    /// output ([`Outq::queued`]) each ends, oldest first (see
+    /// `XferState::unsent`).
+    unsent: VecDeque<(u64, Arc<XferState>)>,
     tag: u64,
     incoming: Incoming,
     /// A partial response header left from the last drive.
@@ -88,6 +94,7 @@ impl Stream {
             backlog: VecDeque::new(),
             out: Outq::requests(),
             pending: VecDeque::new(),
+            unsent: VecDeque::new(),
             tag: 0,
             incoming: Incoming::Header,
             carry: Vec::new(),
@@ -138,19 +145,41 @@ impl Stream {
                 };
                 self.stage(conn, job)?;
             }
-            if !self.out.flush(&mut sock)? {
+            let flushed = self.out.flush(&mut sock);
+            self.note_written();
+            if !flushed? {
                 // Blocked: a writable edge resumes us.
                 return Ok(());
             }
         }
     }
 
+    /// Uncounts the staged WRITEs whose payload is now all written.
+    fn note_written(&mut self) {
+        while let Some((end, x)) = self.unsent.front() {
+            if *end > self.out.written {
+                return;
+            }
+            x.unsent.fetch_sub(1, Ordering::AcqRel);
+            self.unsent.pop_front();
+        }
+    }
+
     /// Adds one request (and its payload) to the output.
     fn stage(&mut self, conn: &PeerConn, job: Job) -> io::Result<()> {
+        // A WRITE is counted as unsent under the landing lock, so a
+        // deadline either finds it counted (and aborts the connection) or
+        // finishes first and it is not staged (see `XferState::unsent`).
+        let xfer = job.xfer.clone();
+        let landing = (job.kind == RequestKind::Write).then(|| lock(&xfer.landing));
         if job.xfer.is_done() {
+            drop(landing);
             // Timed out or failed: nothing left to send for it.
             conn.release(&job.xfer, job.kind == RequestKind::Notify);
             return Ok(());
+        }
+        if landing.is_some() {
+            job.xfer.unsent.fetch_add(1, Ordering::AcqRel);
         }
         self.tag = self.tag.wrapping_add(1);
         let tag = self.tag;
@@ -174,9 +203,14 @@ impl Stream {
                 let Some(region) = &job.local else {
                     return Err(io::Error::other("WRITE without local memory"));
                 };
-                self.out.region(region, job.local_offset, job.len)?;
+                // Copied now (small, GPU) or referenced and read as it
+                // is written; either way under the landing lock.
+                let staged = self.out.region(region, job.local_offset, job.len);
+                self.unsent.push_back((self.out.queued(), job.xfer.clone()));
+                staged?;
             }
         }
+        drop(landing);
         self.pending.push_back(Pending { tag, job });
         Ok(())
     }
