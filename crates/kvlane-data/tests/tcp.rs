@@ -625,6 +625,77 @@ mod faults {
         assert!(r[&id].0.is_ok(), "{:?}", r[&id].0);
     }
 
+    /// A target that reads requests and never answers: the transfers time
+    /// out, and their local regions are let go promptly (nothing of them
+    /// waits for answers that will not come), so a region deregistered and
+    /// dropped by the caller is released.
+    #[test]
+    fn timed_out_transfers_release_their_regions_behind_a_silent_target() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let mut b = TcpBackend::new(TcpConfig::default()).unwrap();
+        let tracker = std::sync::Arc::new(());
+        let buf: &'static mut [u8] = Box::leak(vec![0u8; 1 << 20].into_boxed_slice());
+        // SAFETY: the buffer is leaked, so it outlives every clone.
+        let local = unsafe {
+            Region::from_raw(
+                buf.as_mut_ptr(),
+                buf.len(),
+                kvlane_data::MemoryKind::Host,
+                Access::ALL,
+                Some(Box::new(tracker.clone())),
+            )
+        }
+        .unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        for _ in 0..5 {
+            let deadline = Instant::now() + Duration::from_millis(1);
+            let ids: Vec<_> = (0..400u64)
+                .map(|i| {
+                    let off = (i % 256) * 4096;
+                    let t = Transfer::new(
+                        peer,
+                        Op::Read,
+                        vec![Descriptor {
+                            region: local.id(),
+                            offset: off,
+                            len: 4096,
+                        }],
+                        vec![RemoteDescriptor {
+                            key: ad.key,
+                            offset: off,
+                            len: 4096,
+                        }],
+                    )
+                    .with_deadline(deadline);
+                    let id = t.id;
+                    b.submit(t).unwrap();
+                    id
+                })
+                .collect();
+            let results = collect(&mut b, &ids, Duration::from_secs(10));
+            assert!(results
+                .values()
+                .all(|(r, _)| r.as_ref().is_err_and(|e| e.is_timeout())));
+        }
+        b.deregister(local.id()).unwrap();
+        drop(local);
+        let end = Instant::now() + Duration::from_secs(2);
+        while std::sync::Arc::strong_count(&tracker) > 1 {
+            assert!(
+                Instant::now() < end,
+                "timed-out transfers still hold the region ({} references)",
+                std::sync::Arc::strong_count(&tracker) - 1
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The connection was not torn down for it.
+        assert!(b.initiator_streams() > 0);
+    }
+
     #[test]
     fn stalled_target_times_out_at_the_deadline() {
         // Reads everything, answers nothing.

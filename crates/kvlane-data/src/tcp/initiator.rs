@@ -162,6 +162,10 @@ struct StreamQueue {
     /// a submitter held `io`: that submitter hands the stream back to it
     /// when it lets go (see [`PeerConn::drive`]).
     missed: AtomicBool,
+    /// A transfer finished otherwise (deadline) since the stream was last
+    /// swept: its requests are let go at the next drive (see
+    /// [`Stream::sweep`](super::stream::Stream)).
+    sweep: AtomicBool,
 }
 
 impl StreamQueue {
@@ -294,6 +298,7 @@ impl PeerConn {
                     inbox,
                     io: Mutex::new(Box::new(Stream::new(i))),
                     missed: AtomicBool::new(false),
+                    sweep: AtomicBool::new(false),
                 }
             })
             .collect();
@@ -561,9 +566,38 @@ impl PeerConn {
         true
     }
 
-    /// Forgets a transfer that finished elsewhere (deadline).
+    /// Forgets a transfer that finished elsewhere (deadline), and has
+    /// every stream let go of its requests soon (their local regions, or
+    /// state), whether or not the target ever answers them.
     pub(crate) fn forget(&self, id: TransferId) {
         lock(&self.transfers).map.remove(&id);
+        for q in &self.queues {
+            if !q.sweep.swap(true, Ordering::AcqRel) {
+                // Straight onto the thread's ready list, whatever
+                // `flagged` says: it tracks queued jobs, and a stream
+                // taken off the list with a backlog keeps it set.
+                q.inbox.ready(q.token);
+            }
+        }
+    }
+
+    /// Whether stream `i` is to be swept (see [`forget`](Self::forget));
+    /// clears the flag.
+    pub(crate) fn take_sweep(&self, i: usize) -> bool {
+        self.queues[i].sweep.swap(false, Ordering::AcqRel)
+    }
+
+    /// Moves stream `i`'s queued jobs of finished transfers to `into`.
+    pub(crate) fn take_finished(&self, i: usize, into: &mut Vec<Job>) {
+        let mut queued = lock(&self.queues[i].jobs);
+        if !queued.jobs.iter().any(|j| j.xfer.is_done()) {
+            return;
+        }
+        // In order: the others keep theirs.
+        let (done, keep): (Vec<Job>, Vec<Job>) =
+            queued.jobs.drain(..).partition(|j| j.xfer.is_done());
+        queued.jobs = keep;
+        into.extend(done);
     }
 
     /// One outstanding unit of `x` is done (a chunk, the notification, or
