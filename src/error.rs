@@ -226,6 +226,12 @@ mod tests {
         });
         assert!(e.is_peer_lost() && !e.is_timeout());
         assert!(e.to_string().contains("peer#3"), "{e}");
+        let e = Error::from(DataError::NotificationQueueFull {
+            peer: kvlane_data::PeerId(4),
+            addr: "10.0.0.2:7000".parse().unwrap(),
+        });
+        assert!(e.is_busy(), "{e}");
+        assert!(e.to_string().contains("10.0.0.2:7000"), "{e}");
         let e = Error::from(ControlError::ConnectTimeout {
             addr: "10.0.0.1:5555".into(),
             after: std::time::Duration::from_secs(1),
