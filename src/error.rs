@@ -19,7 +19,8 @@ pub enum ErrorKind {
     Refused,
     /// The request itself is invalid (layout, block ids, lengths).
     InvalidInput,
-    /// The submission queue is full; retry later.
+    /// A queue is full (the submission queue, or the target's queue of
+    /// notifications its application has not taken); retry later.
     Busy,
     /// The backend or device cannot do this here.
     Unsupported,
@@ -133,6 +134,7 @@ pub(crate) fn data_kind(e: &DataError) -> ErrorKind {
         e if e.is_timeout() => ErrorKind::Timeout,
         e if e.is_peer_lost() => ErrorKind::PeerLost,
         e if e.is_refused() => ErrorKind::Refused,
+        e if e.is_busy() => ErrorKind::Busy,
         DataError::Unsupported { .. } => ErrorKind::Unsupported,
         DataError::Gpu(g) if g.is_unsupported() => ErrorKind::Unsupported,
         DataError::Gpu(kvlane_data::GpuError::NotDeviceMemory { .. }) => ErrorKind::InvalidInput,
@@ -224,6 +226,12 @@ mod tests {
         });
         assert!(e.is_peer_lost() && !e.is_timeout());
         assert!(e.to_string().contains("peer#3"), "{e}");
+        let e = Error::from(DataError::NotificationQueueFull {
+            peer: kvlane_data::PeerId(4),
+            addr: "10.0.0.2:7000".parse().unwrap(),
+        });
+        assert!(e.is_busy(), "{e}");
+        assert!(e.to_string().contains("10.0.0.2:7000"), "{e}");
         let e = Error::from(ControlError::ConnectTimeout {
             addr: "10.0.0.1:5555".into(),
             after: std::time::Duration::from_secs(1),

@@ -240,6 +240,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
                     ("unknown_key", t.refused_unknown_key),
                     ("out_of_bounds", t.refused_out_of_bounds),
                     ("access", t.refused_access),
+                    ("notify_queue_full", t.refused_notify_queue_full),
                 ],
             ));
         }

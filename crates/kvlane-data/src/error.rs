@@ -123,6 +123,19 @@ pub enum DataError {
         /// The backend's limit.
         max: usize,
     },
+    /// The target refused the transfer's notification because its queue
+    /// of notifications not yet taken by its application is full. The
+    /// transfer's data landed; the notification was not delivered.
+    #[error(
+        "{peer} at {addr} refused the notification: the target's notification queue is full \
+         (its application is not taking notifications); the data landed, retry later"
+    )]
+    NotificationQueueFull {
+        /// The target.
+        peer: PeerId,
+        /// The target's `host:port`.
+        addr: std::net::SocketAddr,
+    },
     /// A peer's advertised data-plane address cannot be reached from where
     /// this side reached the peer.
     #[error(
@@ -189,6 +202,12 @@ impl DataError {
     /// Whether the error is a missed deadline.
     pub fn is_timeout(&self) -> bool {
         matches!(self, Self::Timeout { .. })
+    }
+
+    /// Whether the target could not take the work now, and retrying later
+    /// may succeed (its notification queue was full).
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::NotificationQueueFull { .. })
     }
 
     /// Whether the error means the peer is gone.

@@ -10,6 +10,7 @@ use crate::memory::{Region, RemoteRegion};
 use crate::progress::{Member, ProgressPool};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
 use std::collections::hash_map::Entry;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +23,12 @@ use tokio::sync::mpsc;
 /// How long the progress thread sleeps when nothing is in flight (it is
 /// woken at once by `submit` and by backends that announce completions).
 pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
+
+/// Notifications a [`Transport`]'s channel holds until its receiver takes
+/// them (see [`Transport::take_notifications`]): with tcp's largest
+/// notification (64 KiB) at most 64 MiB; more wait in the backend's own
+/// bounded queue.
+pub const NOTIFY_CHANNEL: usize = 1024;
 /// How often it re-polls while work is in flight on a backend that
 /// announces completions through its waker (bounds deadline detection).
 const BUSY_PARK: Duration = Duration::from_millis(1);
@@ -340,7 +347,14 @@ impl Future for TransferHandle {
 pub(crate) struct Shared {
     backend: Mutex<Box<dyn Backend>>,
     slots: Mutex<FastMap<TransferId, Arc<Slot>>>,
-    notifications: mpsc::UnboundedSender<Notification>,
+    notifications: mpsc::Sender<Notification>,
+    /// Notifications taken from the backend that did not fit in the
+    /// channel (at most one poll's worth): while any wait here, the
+    /// backend's own (bounded) queue is left alone, so a target whose
+    /// application does not take its notifications fills that queue and
+    /// refuses more (the tcp target answers a NOTIFY with an error)
+    /// instead of this side holding them without bound.
+    held: Mutex<VecDeque<Notification>>,
     stop: AtomicBool,
     /// A driver found the backend locked and skipped it: the holder wakes
     /// it after letting go (see [`poll_once`]).
@@ -375,9 +389,13 @@ impl Shared {
         lock(&self.backend).set_waker(waker);
     }
 
-    /// Polls the backend (the caller holds its lock).
-    fn poll_backend(b: &mut dyn Backend, polled: &mut Polled) -> PollResult {
-        let results = b.poll(&mut polled.completions) + b.poll_notifications(&mut polled.notes);
+    /// Polls the backend (the caller holds its lock); its notifications
+    /// only while none are held back (see [`held`](Self::held)).
+    fn poll_backend(&self, b: &mut dyn Backend, polled: &mut Polled) -> PollResult {
+        let mut results = b.poll(&mut polled.completions);
+        if lock(&self.held).is_empty() {
+            results += b.poll_notifications(&mut polled.notes);
+        }
         PollResult {
             results,
             in_flight: b.in_flight(),
@@ -428,9 +446,32 @@ impl Shared {
                 w.wake();
             }
         }
-        for note in polled.notes.drain(..) {
-            // Nobody listening is fine: the notification is dropped.
-            let _ = self.notifications.send(note);
+        self.pass_notes(polled);
+    }
+
+    /// Passes held-back notifications, then the poll's, into the channel,
+    /// in order, as far as it has room; the rest is held back for the
+    /// next poll (every member is polled at least every [`IDLE_PARK`]).
+    fn pass_notes(&self, polled: &mut Polled) {
+        let mut held = lock(&self.held);
+        if held.is_empty() && polled.notes.is_empty() {
+            return;
+        }
+        held.extend(polled.notes.drain(..));
+        while let Some(note) = held.pop_front() {
+            match self.notifications.try_send(note) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(note)) => {
+                    held.push_front(note);
+                    return;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    // The receiver was dropped: nobody listens, and the
+                    // notifications are dropped.
+                    held.clear();
+                    return;
+                }
+            }
         }
     }
 
@@ -461,7 +502,7 @@ impl Shared {
         mut b: MutexGuard<'_, Box<dyn Backend>>,
         polled: &mut Polled,
     ) -> PollResult {
-        let r = Self::poll_backend(&mut **b, polled);
+        let r = self.poll_backend(&mut **b, polled);
         drop(b);
         self.resolve(polled);
         r
@@ -555,7 +596,7 @@ impl Wake for ThreadWaker {
 pub struct Transport {
     shared: Arc<Shared>,
     driver: Driver,
-    notifications: Mutex<Option<mpsc::UnboundedReceiver<Notification>>>,
+    notifications: Mutex<Option<mpsc::Receiver<Notification>>>,
 }
 
 impl std::fmt::Debug for Transport {
@@ -571,12 +612,13 @@ impl Transport {
     /// when it announces completions through its waker, else (it needs
     /// busy polling) on a progress thread of its own.
     pub fn new(backend: impl Backend) -> Result<Self, DataError> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(NOTIFY_CHANNEL);
         let busy = backend.needs_busy_poll();
         let shared = Arc::new(Shared {
             backend: Mutex::new(Box::new(backend)),
             slots: Mutex::new(FastMap::default()),
             notifications: tx,
+            held: Mutex::new(VecDeque::new()),
             stop: AtomicBool::new(false),
             skipped: AtomicBool::new(false),
         });
@@ -844,7 +886,15 @@ impl Transport {
 
     /// The stream of notifications that arrive for this side. Returns
     /// `None` after the first call (there is one receiver).
-    pub fn take_notifications(&self) -> Option<mpsc::UnboundedReceiver<Notification>> {
+    ///
+    /// The channel holds [`NOTIFY_CHANNEL`] notifications; while it is
+    /// full (the receiver is not read, or was never taken) the backend
+    /// keeps what arrives in its own bounded queue, and once that is full
+    /// too the tcp target refuses further notifications (the initiator's
+    /// transfer fails with
+    /// [`DataError::NotificationQueueFull`]); none is dropped silently.
+    /// Dropping the receiver drops the notifications that arrive later.
+    pub fn take_notifications(&self) -> Option<mpsc::Receiver<Notification>> {
         lock(&self.notifications).take()
     }
 

@@ -104,7 +104,9 @@ pub use gpu::{
     gpu_device_of, gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,
     ParseGpuDeviceError,
 };
-pub use handle::{Ended, Observer, OnDone, Then, TransferHandle, Transport, SPIN_WINDOW};
+pub use handle::{
+    Ended, Observer, OnDone, Then, TransferHandle, Transport, NOTIFY_CHANNEL, SPIN_WINDOW,
+};
 pub use ids::{FastMap, IdHasher, PeerId, RegionId, RemoteKey, TransferId};
 pub use layout::{plan, plan_into, KvLayout, KvParts, LayoutError, LayoutOrder, PlannedCopy};
 pub use loopback::{LoopbackBackend, LoopbackConfig};

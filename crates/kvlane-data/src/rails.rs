@@ -1026,6 +1026,9 @@ fn in_caller_terms(
             source,
         },
         DataError::UnknownPeer(_) => DataError::UnknownPeer(peer),
+        DataError::NotificationQueueFull { addr, .. } => {
+            DataError::NotificationQueueFull { peer, addr }
+        }
         other => other,
     }
 }

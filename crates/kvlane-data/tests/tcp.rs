@@ -277,6 +277,92 @@ mod raw {
         assert_eq!(t.backend.counters().framing_errors, 1);
         assert_eq!(t.all.0.to_vec().unwrap()[..8], [1; 8]);
     }
+
+    /// Sends `n` NOTIFY frames of `len` bytes back to back (nobody polls
+    /// the target meanwhile), then reads their answers.
+    fn notify_flood(s: &mut TcpStream, n: u64, len: u64) -> Vec<Status> {
+        let payload = vec![0x5a; len as usize];
+        let mut w = s.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            for tag in 0..n {
+                let req = Request {
+                    kind: RequestKind::Notify,
+                    key: RemoteKey(0),
+                    tag,
+                    offset: 0,
+                    len,
+                };
+                w.write_all(&req.encode()).unwrap();
+                w.write_all(&payload).unwrap();
+            }
+        });
+        let statuses = (0..n)
+            .map(|tag| {
+                let mut h = [0u8; RESPONSE_LEN];
+                s.read_exact(&mut h).unwrap();
+                let resp = Response::decode(&h).unwrap();
+                assert_eq!(resp.tag, tag);
+                resp.status
+            })
+            .collect();
+        writer.join().unwrap();
+        statuses
+    }
+
+    /// A peer flooding 64 KiB notifications at a target whose application
+    /// takes none: the target holds at most its byte cap (64 MiB by
+    /// default, 1,024 of them) and answers the rest with an error.
+    #[test]
+    fn a_notification_flood_stops_at_the_queue_cap() {
+        let mut t = target();
+        let mut s = authed(&t.ep);
+        let statuses = notify_flood(&mut s, 1100, 64 << 10);
+        let ok = statuses.iter().filter(|&&st| st == Status::Ok).count();
+        assert_eq!(ok, 1024, "notifications held past the 64 MiB cap");
+        assert!(
+            statuses[1024..]
+                .iter()
+                .all(|&st| st == Status::NotifyQueueFull),
+            "{:?}",
+            &statuses[1024..1030]
+        );
+        let c = t.backend.counters();
+        assert_eq!((c.notifications, c.refused_notify_queue_full), (1024, 76));
+        let mut notes = Vec::new();
+        assert_eq!(t.backend.poll_notifications(&mut notes), 1024);
+        // Taken: room again, on the same connection.
+        let again = notify_flood(&mut s, 1, 64 << 10);
+        assert_eq!(again, [Status::Ok]);
+    }
+
+    /// The count cap holds for small notifications, and an empty queue
+    /// takes a notification larger than the byte cap.
+    #[test]
+    fn small_notifications_stop_at_the_count_cap() {
+        let mut backend = TcpBackend::new(TcpConfig {
+            max_notifications: 16,
+            max_notification_bytes: 1000,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let (_, endpoint) = backend.prepare_peer().unwrap();
+        let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+        let mut s = authed(&ep);
+        let statuses = notify_flood(&mut s, 40, 8);
+        let ok = statuses.iter().filter(|&&st| st == Status::Ok).count();
+        assert_eq!(ok, 16, "{statuses:?}");
+        assert!(statuses[16..]
+            .iter()
+            .all(|&st| st == Status::NotifyQueueFull));
+        assert_eq!(backend.counters().refused_notify_queue_full, 24);
+        let mut notes = Vec::new();
+        assert_eq!(backend.poll_notifications(&mut notes), 16);
+        // 64 KiB > 1000 bytes, yet an empty queue takes it; the next not.
+        assert_eq!(
+            notify_flood(&mut s, 2, 64 << 10),
+            [Status::Ok, Status::NotifyQueueFull]
+        );
+    }
 }
 
 /// Stalled and broken targets, faked with plain sockets.
@@ -287,6 +373,7 @@ mod faults {
         connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
         RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
     };
+    use std::collections::HashMap;
     use std::io::{Read, Write};
     use std::net::{TcpListener, TcpStream};
     use std::time::{Duration, Instant};
@@ -428,6 +515,185 @@ mod faults {
                 len,
             }],
         )
+    }
+
+    /// Marker bytes that reached the fake target of
+    /// `a_timed_out_write_sends_nothing_read_after_its_timeout`.
+    static MARKERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static STALLED_CONNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A WRITE that times out while its payload is still staged for the
+    /// socket (the target stopped reading): the caller reuses its buffer
+    /// once told of the timeout, and none of the new bytes may reach the
+    /// target. The stream is aborted, so the peer's other transfers fail
+    /// at once with `PeerLost` (not at their deadlines), and connecting
+    /// again serves later transfers.
+    #[test]
+    fn a_timed_out_write_sends_nothing_read_after_its_timeout() {
+        use kvlane_data::tcp::wire::{Request, RequestKind, Response, Status, REQUEST_LEN};
+        use std::sync::atomic::Ordering;
+        const BIG: u64 = 16 << 20;
+        const MARK: u8 = 0xee;
+        // The first connection's streams stall for 1.5 s, then read every
+        // request and count marker bytes; later ones answer every request.
+        let (ep, ad) = fake_target(|mut s| {
+            let stalled = STALLED_CONNS.fetch_add(1, Ordering::SeqCst) < 4;
+            if stalled {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            let mut h = [0u8; REQUEST_LEN];
+            while s.read_exact(&mut h).is_ok() {
+                let Ok(req) = Request::decode(&h) else { return };
+                let mut payload = vec![0u8; req.payload_len() as usize];
+                if s.read_exact(&mut payload).is_err() {
+                    return;
+                }
+                let marks = payload.iter().filter(|&&b| b == MARK).count();
+                MARKERS.fetch_add(marks as u64, Ordering::SeqCst);
+                if !stalled {
+                    let resp = Response {
+                        status: Status::Ok,
+                        tag: req.tag,
+                    };
+                    if s.write_all(&resp.encode()).is_err() {
+                        return;
+                    }
+                    if req.kind == RequestKind::Read {
+                        let _ = s.write_all(&vec![0; req.len as usize]);
+                    }
+                }
+            }
+        });
+        let ad = RemoteRegion { len: BIG, ..ad };
+        // Small socket buffers: most of the payload stays staged.
+        let mut b = TcpBackend::new(TcpConfig {
+            socket_buffer: Some(128 << 10),
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let local = Region::from_vec(vec![0x11; BIG as usize], Access::ALL).unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        let start = Instant::now();
+        let big = write(peer, &local, ad.key, 0, BIG - 4096)
+            .with_deadline(start + Duration::from_millis(200));
+        let other = write(peer, &local, ad.key, BIG - 4096, 4096)
+            .with_deadline(start + Duration::from_secs(30));
+        let ids = [big.id, other.id];
+        b.submit(big).unwrap();
+        b.submit(other).unwrap();
+        let mut results = HashMap::new();
+        let mut done = Vec::new();
+        while results.len() < 2 {
+            assert!(start.elapsed() < Duration::from_secs(10), "{results:?}");
+            b.poll(&mut done);
+            for c in done.drain(..) {
+                if c.id == ids[0] {
+                    assert!(c.result.as_ref().is_err_and(|e| e.is_timeout()), "{c:?}");
+                    // Told it failed: the caller reuses its buffer.
+                    local.write(0, &vec![MARK; BIG as usize]).unwrap();
+                }
+                results.insert(c.id, (c.result, start.elapsed()));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (r, at) = &results[&ids[1]];
+        let e = r
+            .as_ref()
+            .expect_err("the other transfer on the aborted stream");
+        assert!(e.is_peer_lost(), "{e}");
+        assert!(
+            *at < Duration::from_secs(2),
+            "the other transfer waited {at:?}"
+        );
+        // The stalled streams read again now; nothing read after the
+        // timeout may arrive.
+        std::thread::sleep(Duration::from_millis(2000));
+        assert_eq!(
+            MARKERS.load(Ordering::SeqCst),
+            0,
+            "a timed-out WRITE sent bytes late"
+        );
+        // Connecting again: later transfers go through.
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        local.write(0, &[0x22; 4096]).unwrap();
+        let again = write(peer, &local, ad.key, 0, 4096);
+        let id = again.id;
+        b.submit(again).unwrap();
+        let r = collect(&mut b, &[id], Duration::from_secs(10));
+        assert!(r[&id].0.is_ok(), "{:?}", r[&id].0);
+    }
+
+    /// A target that reads requests and never answers: the transfers time
+    /// out, and their local regions are let go promptly (nothing of them
+    /// waits for answers that will not come), so a region deregistered and
+    /// dropped by the caller is released.
+    #[test]
+    fn timed_out_transfers_release_their_regions_behind_a_silent_target() {
+        let (ep, ad) = fake_target(|mut s| {
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let mut b = TcpBackend::new(TcpConfig::default()).unwrap();
+        let tracker = std::sync::Arc::new(());
+        let buf: &'static mut [u8] = Box::leak(vec![0u8; 1 << 20].into_boxed_slice());
+        // SAFETY: the buffer is leaked, so it outlives every clone.
+        let local = unsafe {
+            Region::from_raw(
+                buf.as_mut_ptr(),
+                buf.len(),
+                kvlane_data::MemoryKind::Host,
+                Access::ALL,
+                Some(Box::new(tracker.clone())),
+            )
+        }
+        .unwrap();
+        b.register(&local).unwrap();
+        let (peer, _) = b.prepare_peer().unwrap();
+        b.connect_peer(peer, &ep.to_endpoint(), &[ad]).unwrap();
+        for _ in 0..5 {
+            let deadline = Instant::now() + Duration::from_millis(1);
+            let ids: Vec<_> = (0..400u64)
+                .map(|i| {
+                    let off = (i % 256) * 4096;
+                    let t = Transfer::new(
+                        peer,
+                        Op::Read,
+                        vec![Descriptor {
+                            region: local.id(),
+                            offset: off,
+                            len: 4096,
+                        }],
+                        vec![RemoteDescriptor {
+                            key: ad.key,
+                            offset: off,
+                            len: 4096,
+                        }],
+                    )
+                    .with_deadline(deadline);
+                    let id = t.id;
+                    b.submit(t).unwrap();
+                    id
+                })
+                .collect();
+            let results = collect(&mut b, &ids, Duration::from_secs(10));
+            assert!(results
+                .values()
+                .all(|(r, _)| r.as_ref().is_err_and(|e| e.is_timeout())));
+        }
+        b.deregister(local.id()).unwrap();
+        drop(local);
+        let end = Instant::now() + Duration::from_secs(2);
+        while std::sync::Arc::strong_count(&tracker) > 1 {
+            assert!(
+                Instant::now() < end,
+                "timed-out transfers still hold the region ({} references)",
+                std::sync::Arc::strong_count(&tracker) - 1
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The connection was not torn down for it.
+        assert!(b.initiator_streams() > 0);
     }
 
     #[test]
@@ -801,6 +1067,110 @@ mod transport {
         }
         got.sort_unstable();
         assert_eq!(got, (0..16).collect::<Vec<u8>>());
+    }
+}
+
+/// A target whose application does not take its notifications: past
+/// the caps, the initiator's transfers fail with a typed error (none is
+/// lost silently), and once the application drains them notifications
+/// flow again.
+mod notify_queue {
+    use kvlane_data::{
+        connect_pair, Access, Backend, DataError, Descriptor, Op, Region, RemoteDescriptor,
+        TcpBackend, TcpConfig, Transfer, Transport, NOTIFY_CHANNEL,
+    };
+    use std::time::{Duration, Instant};
+
+    /// The target backend's queue: large enough that its driver, woken by
+    /// the first notification of a burst, moves them on before it fills
+    /// (a burst larger than it between two polls would be refused early).
+    const CAP: usize = 256;
+
+    #[test]
+    fn a_notification_past_the_cap_fails_the_transfer_typed() {
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let mut target = TcpBackend::new(TcpConfig {
+            max_notifications: CAP,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let src = Region::from_vec(vec![3; 4096], Access::ALL).unwrap();
+        let dst = Region::alloc(4096, Access::ALL).unwrap();
+        let src_ad = init.register(&src).unwrap();
+        let dst_ad = target.register(&dst).unwrap();
+        let (peer, _) = connect_pair(&mut init, &[src_ad], &mut target, &[dst_ad]).unwrap();
+        let target_addr = target.local_addr();
+        let init = Transport::new(init).unwrap();
+        let target = Transport::new(target).unwrap();
+        let mut notes = target.take_notifications().unwrap();
+        let t = |i: u32| {
+            Transfer::new(
+                peer,
+                Op::Write,
+                vec![Descriptor {
+                    region: src.id(),
+                    offset: 0,
+                    len: 64,
+                }],
+                vec![RemoteDescriptor {
+                    key: dst_ad.key,
+                    offset: 0,
+                    len: 64,
+                }],
+            )
+            .with_notify(i.to_le_bytes().to_vec())
+        };
+        // More than the channel and the backend's queue hold together
+        // (one poll's worth, at most `CAP`, may wait between them).
+        let n = (NOTIFY_CHANNEL + 3 * CAP) as u32;
+        let handles: Vec<_> = (0..n).map(|i| init.submit(t(i)).unwrap()).collect();
+        let (mut ok, mut full) = (0usize, 0usize);
+        for h in handles {
+            match h.wait() {
+                Ok(()) => ok += 1,
+                Err(e @ DataError::NotificationQueueFull { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains(&peer.to_string()), "{msg}");
+                    assert!(msg.contains(&target_addr.to_string()), "{msg}");
+                    assert!(msg.contains("notification queue is full"), "{msg}");
+                    assert!(e.is_busy());
+                    full += 1;
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        assert!(full > 0, "no notification was refused ({ok} delivered)");
+        assert!(ok <= NOTIFY_CHANNEL + 2 * CAP, "{ok} held unread");
+        let refused = target.with_backend(|b| b.tcp_counters().unwrap().refused_notify_queue_full);
+        assert_eq!(refused, full as u64);
+        // Every accepted notification reaches the application, once.
+        let mut got = Vec::new();
+        let end = Instant::now() + Duration::from_secs(10);
+        while got.len() < ok {
+            match notes.try_recv() {
+                Ok(note) => got.push(note),
+                Err(_) => {
+                    assert!(Instant::now() < end, "{} of {ok} arrived", got.len());
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(notes.try_recv().is_err(), "a refused notification arrived");
+        // Drained: notifications work again.
+        init.submit(t(u32::MAX)).unwrap().wait().unwrap();
+        let end = Instant::now() + Duration::from_secs(10);
+        let note = loop {
+            if let Ok(note) = notes.try_recv() {
+                break note;
+            }
+            assert!(
+                Instant::now() < end,
+                "the notification after draining is missing"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(&note.payload[..], &u32::MAX.to_le_bytes());
     }
 }
 

@@ -57,10 +57,18 @@ pub(crate) struct XferState {
     pub(crate) notify: Option<Bytes>,
     done: AtomicBool,
     /// Held while READ bytes of this transfer are copied into local
-    /// memory (one socket read's worth at a time): whoever finishes the
+    /// memory (one socket read's worth at a time), and while a WRITE
+    /// chunk of it is staged (see `unsent`): whoever finishes the
     /// transfer otherwise (deadline, lost peer) takes it first, so once a
     /// failure is reported no late reply lands in the caller's buffer.
     pub(crate) landing: Mutex<()>,
+    /// WRITE chunks staged for a socket (counted under `landing`) whose
+    /// payload is not all written to it yet: a large payload is read from
+    /// the caller's memory only as it is written. A deadline that passes
+    /// while any is left aborts the connection before the timeout is
+    /// reported (see `TcpBackend::expire`), so no byte of it is read or
+    /// sent after the caller was told the transfer failed.
+    pub(crate) unsent: AtomicUsize,
 }
 
 impl XferState {
@@ -79,6 +87,7 @@ impl XferState {
             notify,
             done: AtomicBool::new(false),
             landing: Mutex::new(()),
+            unsent: AtomicUsize::new(0),
         }
     }
 
@@ -101,6 +110,13 @@ impl XferState {
 
     pub(crate) fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
+    }
+
+    /// Whether a WRITE chunk of it is staged and not all written (see
+    /// `unsent`); read after [`try_take_done_unlanded`](Self::try_take_done_unlanded)
+    /// succeeded, no chunk is staged any more, so this can only fall.
+    pub(crate) fn has_unsent(&self) -> bool {
+        self.unsent.load(Ordering::Acquire) > 0
     }
 }
 
@@ -146,6 +162,10 @@ struct StreamQueue {
     /// a submitter held `io`: that submitter hands the stream back to it
     /// when it lets go (see [`PeerConn::drive`]).
     missed: AtomicBool,
+    /// A transfer finished otherwise (deadline) since the stream was last
+    /// swept: its requests are let go at the next drive (see
+    /// [`Stream::sweep`](super::stream::Stream)).
+    sweep: AtomicBool,
 }
 
 impl StreamQueue {
@@ -278,6 +298,7 @@ impl PeerConn {
                     inbox,
                     io: Mutex::new(Box::new(Stream::new(i))),
                     missed: AtomicBool::new(false),
+                    sweep: AtomicBool::new(false),
                 }
             })
             .collect();
@@ -545,9 +566,38 @@ impl PeerConn {
         true
     }
 
-    /// Forgets a transfer that finished elsewhere (deadline).
+    /// Forgets a transfer that finished elsewhere (deadline), and has
+    /// every stream let go of its requests soon (their local regions, or
+    /// state), whether or not the target ever answers them.
     pub(crate) fn forget(&self, id: TransferId) {
         lock(&self.transfers).map.remove(&id);
+        for q in &self.queues {
+            if !q.sweep.swap(true, Ordering::AcqRel) {
+                // Straight onto the thread's ready list, whatever
+                // `flagged` says: it tracks queued jobs, and a stream
+                // taken off the list with a backlog keeps it set.
+                q.inbox.ready(q.token);
+            }
+        }
+    }
+
+    /// Whether stream `i` is to be swept (see [`forget`](Self::forget));
+    /// clears the flag.
+    pub(crate) fn take_sweep(&self, i: usize) -> bool {
+        self.queues[i].sweep.swap(false, Ordering::AcqRel)
+    }
+
+    /// Moves stream `i`'s queued jobs of finished transfers to `into`.
+    pub(crate) fn take_finished(&self, i: usize, into: &mut Vec<Job>) {
+        let mut queued = lock(&self.queues[i].jobs);
+        if !queued.jobs.iter().any(|j| j.xfer.is_done()) {
+            return;
+        }
+        // In order: the others keep theirs.
+        let (done, keep): (Vec<Job>, Vec<Job>) =
+            queued.jobs.drain(..).partition(|j| j.xfer.is_done());
+        queued.jobs = keep;
+        into.extend(done);
     }
 
     /// One outstanding unit of `x` is done (a chunk, the notification, or
@@ -594,6 +644,19 @@ impl PeerConn {
     /// Fails every transfer in flight with `PeerLost` and closes the
     /// streams (their I/O threads drop them). Idempotent.
     pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
+        self.fail_at(reason, source, None);
+    }
+
+    /// [`fail`](Self::fail), for a transfer that timed out with a WRITE
+    /// chunk still being sent (see `XferState::unsent`): transfers whose
+    /// deadline passed by `now` fail with `Timeout`, the others with
+    /// `PeerLost`.
+    pub(crate) fn abort_after_timeout(&self, reason: &'static str, now: Instant) {
+        tracing::warn!(peer = %self.peer, addr = %self.addr, "{reason}: aborting the connection");
+        self.fail_at(reason, None, Some(now));
+    }
+
+    fn fail_at(&self, reason: &'static str, source: Option<io::Error>, now: Option<Instant>) {
         // The cause always names the target's `host:port`.
         let addr = self.addr;
         let source = Some(Arc::new(match source {
@@ -619,14 +682,22 @@ impl PeerConn {
             let first = x.take_done();
             drop(landed);
             if first {
-                completions.push(Completion {
-                    id: x.id,
-                    peer: self.peer,
-                    result: Err(DataError::PeerLost {
+                let error = match now {
+                    Some(now) if x.deadline <= now => DataError::Timeout {
+                        id: x.id,
+                        peer: self.peer,
+                        overdue: now - x.deadline,
+                    },
+                    _ => DataError::PeerLost {
                         peer: self.peer,
                         reason,
                         source: source.clone(),
-                    }),
+                    },
+                };
+                completions.push(Completion {
+                    id: x.id,
+                    peer: self.peer,
+                    result: Err(error),
                 });
             }
         }
@@ -686,6 +757,10 @@ impl PeerConn {
         Some(match status {
             Status::Ok => return None,
             Status::UnknownKey => DataError::UnknownKey { peer, key },
+            Status::NotifyQueueFull => DataError::NotificationQueueFull {
+                peer,
+                addr: self.addr,
+            },
             Status::OutOfBounds(region_len) => DataError::RemoteOutOfBounds {
                 peer,
                 key,

@@ -143,6 +143,15 @@ const STAGE_JOBS: usize = 64;
 /// is planned.
 const SEND_NOW: u64 = 64 << 10;
 
+/// Default of [`TcpConfig::max_notifications`]: as many as the default
+/// `queue_depth`, so one initiator's full queue of notifying transfers
+/// fits while the application is slow to take them.
+pub(crate) const MAX_NOTIFICATIONS: usize = 4096;
+/// Default of [`TcpConfig::max_notification_bytes`]: 1,024 notifications
+/// of the largest size ([`MAX_NOTIFY`], 64 KiB); small ones (the usual
+/// few hundred bytes) are bounded by the count.
+pub(crate) const MAX_NOTIFICATION_BYTES: usize = 64 << 20;
+
 /// Settings of a [`TcpBackend`].
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -218,6 +227,18 @@ pub struct TcpConfig {
     /// process with the same value (one agent or a thousand, the same
     /// threads). Default: the available parallelism, at most 4.
     pub io_threads: usize,
+    /// Notifications that arrived (from all peers together) and that the
+    /// application has not taken yet
+    /// ([`poll_notifications`](Backend::poll_notifications), or a
+    /// [`Transport`](crate::Transport)'s receiver) held at most. Past it,
+    /// or past `max_notification_bytes`, the target refuses a NOTIFY (it
+    /// does not drop it silently): the initiator's transfer fails with
+    /// [`DataError::NotificationQueueFull`] and the refusal is counted
+    /// ([`TcpCounters::refused_notify_queue_full`]). Default 4096.
+    pub max_notifications: usize,
+    /// Payload bytes of the notifications held (see `max_notifications`).
+    /// Default 64 MiB.
+    pub max_notification_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -236,6 +257,8 @@ impl Default for TcpConfig {
             max_unauthenticated: 256,
             auth_timeout: Duration::from_secs(5),
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+            max_notifications: MAX_NOTIFICATIONS,
+            max_notification_bytes: MAX_NOTIFICATION_BYTES,
         }
     }
 }
@@ -436,7 +459,13 @@ impl TcpBackend {
     pub fn new(config: TcpConfig) -> Result<Self, DataError> {
         let regions = Arc::new(RegionTable::default());
         let counters = Arc::new(Counters::default());
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared {
+            note_caps: shared::NoteCaps {
+                entries: config.max_notifications.max(1),
+                bytes: config.max_notification_bytes,
+            },
+            ..Shared::default()
+        });
         let creds = Arc::new(Credentials::default());
         let server = Server::start(
             ServerConfig {
@@ -723,6 +752,7 @@ impl TcpBackend {
         }
         let mut next: Option<Instant> = None;
         let peers = &self.peers;
+        let mut abort: Vec<Arc<PeerConn>> = Vec::new();
         self.in_flight.retain(|id, x| {
             let keep = |next: &mut Option<Instant>, at: Instant| {
                 *next = Some(next.map_or(at, |n| n.min(at)));
@@ -742,6 +772,9 @@ impl TcpBackend {
             }
             if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
                 conn.forget(*id);
+                if x.has_unsent() && !abort.iter().any(|c| Arc::ptr_eq(c, conn)) {
+                    abort.push(conn.clone());
+                }
             }
             out.push(Completion {
                 id: *id,
@@ -754,6 +787,17 @@ impl TcpBackend {
             });
             false
         });
+        // A WRITE chunk of a transfer that timed out is staged and not all
+        // written: its payload would be read from the caller's memory and
+        // sent after the timeout is reported (over a newer write, say).
+        // Abort its connection first, as a failure does: once the sockets
+        // are shut no write is in progress and none reads the memory. The
+        // connection's other transfers fail with `PeerLost` (those past
+        // their deadline with `Timeout`); later ones fail until the peer
+        // is connected again.
+        for conn in abort {
+            conn.abort_after_timeout("a timed-out WRITE was still being sent", now);
+        }
         self.next_deadline = next;
     }
 }
@@ -909,9 +953,11 @@ impl Backend for TcpBackend {
 
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
         let mut q = lock(&self.shared.notifications);
-        let n = q.len();
+        let n = q.queue.len();
+        q.bytes = 0;
         out.extend(
-            q.drain(..)
+            q.queue
+                .drain(..)
                 .map(|(from, payload)| Notification { payload, from }),
         );
         n

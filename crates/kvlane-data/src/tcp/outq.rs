@@ -137,6 +137,9 @@ pub(crate) struct Outq {
     head: usize,
     /// Bytes queued and not yet written.
     pub(crate) bytes: usize,
+    /// Bytes written since the queue was made: the output up to here has
+    /// left (a position in the output, for [`queued`](Self::queued)).
+    pub(crate) written: u64,
     /// Payloads below this are copied.
     copy_max: u64,
     /// Most slices per `writev`.
@@ -161,9 +164,16 @@ impl Outq {
             segs: VecDeque::new(),
             head: 0,
             bytes: 0,
+            written: 0,
             copy_max: copy_max.min(COPY_MAX),
             slices,
         }
+    }
+
+    /// The position in the output (see [`written`](Self::written)) up to
+    /// which everything queued so far ends.
+    pub(crate) fn queued(&self) -> u64 {
+        self.written + self.bytes as u64
     }
 
     /// Queues a copy of `b`.
@@ -301,6 +311,7 @@ impl Outq {
 
     fn advance(&mut self, mut n: usize) {
         self.bytes -= n.min(self.bytes);
+        self.written += n as u64;
         while n > 0 {
             let Some(front) = self.segs.front() else {
                 return;

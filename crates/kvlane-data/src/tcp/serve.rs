@@ -354,9 +354,18 @@ impl ServeConn {
                     }
                     let tag = *tag;
                     let payload = std::mem::take(buf);
-                    ctx.shared.notify(self.peer, Bytes::from(payload));
-                    bump(&ctx.counters.notifications, 1);
-                    self.answer(Status::Ok, tag);
+                    // A full queue (the application is not taking its
+                    // notifications) refuses it: the initiator's transfer
+                    // fails with a clear error instead of the notification
+                    // vanishing here or the queue growing without bound.
+                    let status = if ctx.shared.notify(self.peer, Bytes::from(payload)) {
+                        bump(&ctx.counters.notifications, 1);
+                        Status::Ok
+                    } else {
+                        ctx.counters.refused(Status::NotifyQueueFull);
+                        Status::NotifyQueueFull
+                    };
+                    self.answer(status, tag);
                 }
                 Incoming::Skip { left, tag, status } => {
                     let n = (avail as u64).min(*left);

@@ -92,6 +92,10 @@ pub struct TcpCounters {
     pub refused_out_of_bounds: u64,
     /// Requests refused: the region lacks the remote right.
     pub refused_access: u64,
+    /// Notifications refused because the queue of notifications the
+    /// application has not taken yet was full (see
+    /// [`TcpConfig::max_notifications`](super::TcpConfig::max_notifications)).
+    pub refused_notify_queue_full: u64,
     /// READ requests served.
     pub reads_served: u64,
     /// WRITE requests served.
@@ -119,6 +123,7 @@ impl TcpCounters {
             refused_unknown_key,
             refused_out_of_bounds,
             refused_access,
+            refused_notify_queue_full,
             reads_served,
             writes_served,
             notifications,
@@ -136,6 +141,7 @@ impl TcpCounters {
         self.refused_unknown_key += refused_unknown_key;
         self.refused_out_of_bounds += refused_out_of_bounds;
         self.refused_access += refused_access;
+        self.refused_notify_queue_full += refused_notify_queue_full;
         self.reads_served += reads_served;
         self.writes_served += writes_served;
         self.notifications += notifications;
@@ -157,6 +163,7 @@ pub(crate) struct Counters {
     pub(crate) refused_unknown_key: AtomicU64,
     pub(crate) refused_out_of_bounds: AtomicU64,
     pub(crate) refused_access: AtomicU64,
+    pub(crate) refused_notify_queue_full: AtomicU64,
     pub(crate) reads_served: AtomicU64,
     pub(crate) writes_served: AtomicU64,
     pub(crate) notifications: AtomicU64,
@@ -183,6 +190,7 @@ impl Counters {
             refused_unknown_key: g(&self.refused_unknown_key),
             refused_out_of_bounds: g(&self.refused_out_of_bounds),
             refused_access: g(&self.refused_access),
+            refused_notify_queue_full: g(&self.refused_notify_queue_full),
             reads_served: g(&self.reads_served),
             writes_served: g(&self.writes_served),
             notifications: g(&self.notifications),
@@ -197,6 +205,7 @@ impl Counters {
             Status::UnknownKey => bump(&self.refused_unknown_key, 1),
             Status::OutOfBounds(_) => bump(&self.refused_out_of_bounds, 1),
             Status::AccessDenied(_) => bump(&self.refused_access, 1),
+            Status::NotifyQueueFull => bump(&self.refused_notify_queue_full, 1),
         }
     }
 }

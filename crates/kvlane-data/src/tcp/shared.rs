@@ -17,11 +17,39 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Notifications that arrived and were not yet taken by
+/// [`poll_notifications`](crate::Backend::poll_notifications), bounded
+/// (see [`Shared::notify`]).
+#[derive(Default)]
+pub(crate) struct Notes {
+    pub(crate) queue: VecDeque<(Option<PeerId>, Bytes)>,
+    /// Payload bytes in `queue`.
+    pub(crate) bytes: usize,
+}
+
+/// Bounds of the queue of notifications not yet taken (see
+/// [`TcpConfig::max_notifications`](super::TcpConfig::max_notifications)).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NoteCaps {
+    pub(crate) entries: usize,
+    pub(crate) bytes: usize,
+}
+
+impl Default for NoteCaps {
+    fn default() -> Self {
+        Self {
+            entries: super::MAX_NOTIFICATIONS,
+            bytes: super::MAX_NOTIFICATION_BYTES,
+        }
+    }
+}
+
 /// State shared by the backend and its I/O threads.
 #[derive(Default)]
 pub(crate) struct Shared {
     pub(crate) completions: Mutex<Vec<Completion>>,
-    pub(crate) notifications: Mutex<VecDeque<(Option<PeerId>, Bytes)>>,
+    pub(crate) notifications: Mutex<Notes>,
+    pub(crate) note_caps: NoteCaps,
     pub(crate) waker: Mutex<Option<Waker>>,
     /// Requests the submitting thread wrote itself (see
     /// `PeerConn::send_direct`).
@@ -43,14 +71,25 @@ impl Shared {
     }
 
     /// Queues a notification that arrived; wakes like [`complete`](Self::complete).
-    pub(crate) fn notify(&self, from: Option<PeerId>, payload: Bytes) {
+    /// False, queueing nothing, when the queue is at its caps (entries or
+    /// payload bytes; an empty queue takes any one notification): the
+    /// caller refuses the notification on the wire rather than lose it.
+    #[must_use]
+    pub(crate) fn notify(&self, from: Option<PeerId>, payload: Bytes) -> bool {
         let mut q = lock(&self.notifications);
-        let was_empty = q.is_empty();
-        q.push_back((from, payload));
+        let was_empty = q.queue.is_empty();
+        let full = q.queue.len() >= self.note_caps.entries
+            || q.bytes.saturating_add(payload.len()) > self.note_caps.bytes;
+        if full && !was_empty {
+            return false;
+        }
+        q.bytes += payload.len();
+        q.queue.push_back((from, payload));
         drop(q);
         if was_empty {
             self.wake();
         }
+        true
     }
 
     /// Wakes the poller (deferred to the end of an I/O thread's turn; the

@@ -14,20 +14,24 @@
 //! socket would block, or yields after [`READ_BUDGET`] bytes.
 //!
 //! Memory is bounded: staging stops at [`OUT_CAP`] bytes of unwritten
-//! output (the rest waits in the stream's backlog, whose jobs the backend
-//! submitted: `queue_depth` bounds them), and between drives a stream
-//! keeps less than one response header of input.
+//! output or [`MAX_PENDING`] unanswered requests (the rest waits in the
+//! stream's backlog, whose jobs the backend submitted: `queue_depth`
+//! bounds those in flight, and the requests of a transfer that timed out
+//! are let go at the next drive, see [`Stream::sweep`]), and between
+//! drives a stream keeps less than one response header of input.
 
-use super::initiator::{Job, PeerConn};
+use super::initiator::{Job, PeerConn, XferState};
 use super::io::DIRECT_MIN;
 use super::outq::Outq;
 use super::serve::Drove;
 use super::shared::lock;
-use super::wire::{Request, RequestKind, Response, RESPONSE_LEN};
+use super::wire::{Request, RequestKind, Response, Status, RESPONSE_LEN};
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Unwritten output past which no more requests are staged: a few
 /// default chunks in flight per stream keep the socket busy (the kernel
@@ -39,10 +43,23 @@ const OUT_CAP: usize = 4 << 20;
 /// I/O thread take turns: two default chunks.
 const READ_BUDGET: usize = 1 << 20;
 
+/// Requests sent and not yet answered, per stream, past which no more
+/// are staged (the rest waits in the backlog, where a transfer that times
+/// out drops its requests): a target that reads requests and never
+/// answers cannot make the stream remember requests without bound. With
+/// 4 KiB requests that is 32 MiB in flight per stream, far more than a
+/// link's bandwidth-delay product.
+const MAX_PENDING: usize = 8192;
+
 /// A sent request waiting for its response.
 struct Pending {
     tag: u64,
-    job: Job,
+    /// `None` once its transfer finished otherwise (deadline, failure):
+    /// its local memory and state are let go (see [`Stream::sweep`]); the
+    /// answer is still read, and a READ's payload discarded.
+    job: Option<Job>,
+    /// A READ's payload length (what follows a successful answer).
+    read_len: Option<u64>,
 }
 
 /// What the next input bytes are.
@@ -54,6 +71,11 @@ enum Incoming {
         job: Job,
         done: u64,
         staged: Option<Vec<u8>>,
+    },
+    /// The payload of a READ whose transfer finished meanwhile (see
+    /// [`Pending::job`]): `left` bytes to read and discard.
+    Discard {
+        left: u64,
     },
 }
 
@@ -68,6 +90,10 @@ pub(crate) struct Stream {
     backlog: VecDeque<Job>,
     out: Outq,
     pending: VecDeque<Pending>,
+    /// Staged WRITEs whose payload is not all written yet: where in the
+    /// output ([`Outq::queued`]) each ends, oldest first (see
+    /// `XferState::unsent`).
+    unsent: VecDeque<(u64, Arc<XferState>)>,
     tag: u64,
     incoming: Incoming,
     /// A partial response header left from the last drive.
@@ -88,6 +114,7 @@ impl Stream {
             backlog: VecDeque::new(),
             out: Outq::requests(),
             pending: VecDeque::new(),
+            unsent: VecDeque::new(),
             tag: 0,
             incoming: Incoming::Header,
             carry: Vec::new(),
@@ -115,6 +142,9 @@ impl Stream {
         if conn.panic_in_io.load(std::sync::atomic::Ordering::Acquire) {
             panic!("test: driving a stream of {} panics", conn.peer());
         }
+        if conn.take_sweep(self.i) {
+            self.sweep(conn);
+        }
         self.send(conn)?;
         let drove = self.receive(conn, scratch)?;
         // Answers may have queued a notification on this stream.
@@ -132,25 +162,74 @@ impl Stream {
             {
                 return Ok(());
             }
-            while self.out.bytes < OUT_CAP {
+            while self.out.bytes < OUT_CAP && self.pending.len() < MAX_PENDING {
                 let Some(job) = self.backlog.pop_front() else {
                     break;
                 };
                 self.stage(conn, job)?;
             }
-            if !self.out.flush(&mut sock)? {
+            let flushed = self.out.flush(&mut sock);
+            self.note_written();
+            if !flushed? {
                 // Blocked: a writable edge resumes us.
                 return Ok(());
             }
         }
     }
 
+    /// Lets go of the requests of transfers that finished otherwise
+    /// (deadline, failure; see [`PeerConn::forget`]): those not staged yet
+    /// are dropped, those sent keep only what matching their answers
+    /// needs. Their local regions and states are released now, not when
+    /// (if ever) the target answers.
+    fn sweep(&mut self, conn: &PeerConn) {
+        let mut dropped: Vec<Job> = Vec::new();
+        conn.take_finished(self.i, &mut dropped);
+        let mut kept = VecDeque::with_capacity(self.backlog.len());
+        for job in self.backlog.drain(..) {
+            if job.xfer.is_done() {
+                dropped.push(job);
+            } else {
+                kept.push_back(job);
+            }
+        }
+        self.backlog = kept;
+        for p in &mut self.pending {
+            if p.job.as_ref().is_some_and(|j| j.xfer.is_done()) {
+                dropped.extend(p.job.take());
+            }
+        }
+        for job in dropped {
+            conn.release(&job.xfer, job.kind == RequestKind::Notify);
+        }
+    }
+
+    /// Uncounts the staged WRITEs whose payload is now all written.
+    fn note_written(&mut self) {
+        while let Some((end, x)) = self.unsent.front() {
+            if *end > self.out.written {
+                return;
+            }
+            x.unsent.fetch_sub(1, Ordering::AcqRel);
+            self.unsent.pop_front();
+        }
+    }
+
     /// Adds one request (and its payload) to the output.
     fn stage(&mut self, conn: &PeerConn, job: Job) -> io::Result<()> {
+        // A WRITE is counted as unsent under the landing lock, so a
+        // deadline either finds it counted (and aborts the connection) or
+        // finishes first and it is not staged (see `XferState::unsent`).
+        let xfer = job.xfer.clone();
+        let landing = (job.kind == RequestKind::Write).then(|| lock(&xfer.landing));
         if job.xfer.is_done() {
+            drop(landing);
             // Timed out or failed: nothing left to send for it.
             conn.release(&job.xfer, job.kind == RequestKind::Notify);
             return Ok(());
+        }
+        if landing.is_some() {
+            job.xfer.unsent.fetch_add(1, Ordering::AcqRel);
         }
         self.tag = self.tag.wrapping_add(1);
         let tag = self.tag;
@@ -174,10 +253,20 @@ impl Stream {
                 let Some(region) = &job.local else {
                     return Err(io::Error::other("WRITE without local memory"));
                 };
-                self.out.region(region, job.local_offset, job.len)?;
+                // Copied now (small, GPU) or referenced and read as it
+                // is written; either way under the landing lock.
+                let staged = self.out.region(region, job.local_offset, job.len);
+                self.unsent.push_back((self.out.queued(), job.xfer.clone()));
+                staged?;
             }
         }
-        self.pending.push_back(Pending { tag, job });
+        drop(landing);
+        let read_len = (job.kind == RequestKind::Read).then_some(job.len);
+        self.pending.push_back(Pending {
+            tag,
+            job: Some(job),
+            read_len,
+        });
         Ok(())
     }
 
@@ -287,6 +376,17 @@ impl Stream {
                     at += RESPONSE_LEN;
                     self.response(conn, &h)?;
                 }
+                Incoming::Discard { left } => {
+                    let n = avail
+                        .len()
+                        .min(usize::try_from(*left).unwrap_or(usize::MAX));
+                    at += n;
+                    *left -= n as u64;
+                    if *left > 0 {
+                        return Ok(at);
+                    }
+                    self.incoming = Incoming::Header;
+                }
                 Incoming::Payload { job, done, staged } => {
                     let n = avail
                         .len()
@@ -325,7 +425,17 @@ impl Stream {
         if p.tag != resp.tag {
             return Err(protocol("response out of order".into()));
         }
-        let job = p.job;
+        let Some(job) = p.job else {
+            // Its transfer finished meanwhile: a READ's payload is read
+            // and discarded.
+            if let (Some(len), Status::Ok) = (p.read_len, resp.status) {
+                if len > 0 {
+                    self.direct = len >= DIRECT_MIN as u64;
+                    self.incoming = Incoming::Discard { left: len };
+                }
+            }
+            return Ok(());
+        };
         if let Some(e) = conn.refusal(&job, resp.status) {
             lock(&job.xfer.error).get_or_insert(e);
         } else if job.kind == RequestKind::Read {

@@ -14,7 +14,8 @@
 //!   16 offset  u64
 //!   24 len     u64  WRITE and NOTIFY: that many payload bytes follow
 //! response (24 bytes)
-//!   0  status  u8   0 = ok, 1 = unknown key, 2 = out of bounds, 3 = access denied
+//!   0  status  u8   0 = ok, 1 = unknown key, 2 = out of bounds, 3 = access denied,
+//!                   4 = notification queue full (NOTIFY only)
 //!   1  zero    [u8; 7]
 //!   8  tag     u64
 //!   16 aux     u64  region length (out of bounds) or granted access bits
@@ -222,6 +223,10 @@ pub enum Status {
     OutOfBounds(u64),
     /// The region lacks the remote right; carries the granted access bits.
     AccessDenied(u8),
+    /// A NOTIFY was refused: the target's queue of notifications its
+    /// application has not taken yet is full. The payload was read and
+    /// dropped; the data of the transfer it belongs to has landed.
+    NotifyQueueFull,
 }
 
 /// A response header.
@@ -242,6 +247,7 @@ impl Response {
             Status::UnknownKey => (1, 0),
             Status::OutOfBounds(len) => (2, len),
             Status::AccessDenied(bits) => (3, u64::from(bits)),
+            Status::NotifyQueueFull => (4, 0),
         };
         b[0] = code;
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
@@ -261,6 +267,7 @@ impl Response {
             2 => Status::OutOfBounds(aux),
             // Only the low byte carries access bits.
             3 => Status::AccessDenied(aux.to_le_bytes()[0]),
+            4 => Status::NotifyQueueFull,
             other => return Err(FrameError::BadCode(other)),
         };
         Ok(Self {
@@ -291,6 +298,7 @@ mod tests {
             Status::UnknownKey,
             Status::OutOfBounds(12345),
             Status::AccessDenied(2),
+            Status::NotifyQueueFull,
         ] {
             let r = Response { status, tag: 5 };
             assert_eq!(Response::decode(&r.encode()), Ok(r));
@@ -314,6 +322,12 @@ mod tests {
         b[24..32].copy_from_slice(&1u64.to_le_bytes());
         b[4] = 1;
         assert_eq!(Request::decode(&b), Err(FrameError::BadNotify));
+        // Status codes past the last one are framing errors.
+        let mut r = [0u8; RESPONSE_LEN];
+        for code in [5u8, 0x80, 0xff] {
+            r[0] = code;
+            assert_eq!(Response::decode(&r), Err(FrameError::BadCode(code)));
+        }
     }
 
     #[test]
