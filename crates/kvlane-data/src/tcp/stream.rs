@@ -139,7 +139,7 @@ impl Stream {
             ));
         }
         #[cfg(test)]
-        if conn.panic_in_io.load(std::sync::atomic::Ordering::Acquire) {
+        if conn.panic_in_io.load(Ordering::Acquire) {
             panic!("test: driving a stream of {} panics", conn.peer());
         }
         if conn.take_sweep(self.i) {
