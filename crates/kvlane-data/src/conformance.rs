@@ -354,7 +354,9 @@ fn desc(s: &Setup<impl Backend>, lo: u64, ro: u64, len: u64) -> (Descriptor, Rem
     )
 }
 
-fn transfer(s: &Setup<impl Backend>, op: Op, pieces: &[(u64, u64, u64)]) -> Transfer {
+/// A transfer of `(local offset, remote offset, length)` pieces between
+/// `s`'s local and remote regions.
+pub fn transfer(s: &Setup<impl Backend>, op: Op, pieces: &[(u64, u64, u64)]) -> Transfer {
     let (l, r): (Descriptors, RemoteDescriptors) = pieces
         .iter()
         .map(|&(lo, ro, len)| desc(s, lo, ro, len))

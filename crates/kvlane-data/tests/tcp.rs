@@ -1551,3 +1551,34 @@ mod hostile {
         assert!(!keys.contains(&0));
     }
 }
+
+/// Requests past what one stream keeps unanswered.
+mod many_requests {
+    use kvlane_data::conformance::{contents, run_one, setup, transfer, TcpFixture};
+    use kvlane_data::{Access, Op};
+
+    /// One transfer of 100,000 separate 64-byte pieces (reversed, so none
+    /// merge: 100,000 requests, about 25,000 per stream, past the 8,192 a
+    /// stream keeps unanswered): the rest is staged as answers come in,
+    /// and every piece lands. (With the cap reached the I/O thread spun in
+    /// its send loop without reading the answers, and the transfer hung.)
+    #[test]
+    fn a_transfer_of_more_requests_than_a_stream_keeps_unanswered_completes() {
+        const N: u64 = 100_000;
+        const B: u64 = 64;
+        let len = (N * B) as usize;
+        let mut s = setup(&TcpFixture(|| None), len, len, Access::ALL, 5);
+        let pieces: Vec<_> = (0..N).map(|i| (i * B, (N - 1 - i) * B, B)).collect();
+        let t = transfer(&s, Op::Write, &pieces);
+        run_one(&mut s.init, &mut s.target, t).expect("100,000-request WRITE");
+        let (l, r) = (contents(&s.local), contents(&s.remote));
+        let b = B as usize;
+        for i in 0..N as usize {
+            let j = N as usize - 1 - i;
+            assert!(
+                l[i * b..(i + 1) * b] == r[j * b..(j + 1) * b],
+                "piece {i} misplaced"
+            );
+        }
+    }
+}

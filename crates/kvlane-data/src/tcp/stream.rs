@@ -162,11 +162,19 @@ impl Stream {
             {
                 return Ok(());
             }
+            let mut staged = false;
             while self.out.bytes < OUT_CAP && self.pending.len() < MAX_PENDING {
                 let Some(job) = self.backlog.pop_front() else {
                     break;
                 };
                 self.stage(conn, job)?;
+                staged = true;
+            }
+            if !staged && self.out.bytes == 0 {
+                // MAX_PENDING requests unanswered and all written: the
+                // answers (read next) make room; looping here would spin
+                // without ever reading them.
+                return Ok(());
             }
             let flushed = self.out.flush(&mut sock);
             self.note_written();
