@@ -7,6 +7,7 @@ use kvlane::ErrorKind;
 use pyo3::prelude::*;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -194,7 +195,10 @@ impl Telemetry {
 /// to its end); any later call raises `InvalidInputError`.
 #[pyclass(module = "kvlane", name = "Transfer")]
 pub(crate) struct Transfer {
-    shared: Option<Arc<Shared>>,
+    shared: Arc<Shared>,
+    /// Set by `release` (which takes `&self`: a release while another
+    /// thread waits on the handle must not be a borrow error).
+    released: AtomicBool,
     telemetry: Telemetry,
 }
 
@@ -212,7 +216,8 @@ impl Transfer {
         let _ = shared.posted.0.set(posted);
         lock(&shared.state).handle = Some(handle);
         Self {
-            shared: Some(shared),
+            shared,
+            released: AtomicBool::new(false),
             telemetry: Telemetry::posted(started, posted, bytes, descriptors),
         }
     }
@@ -230,15 +235,17 @@ impl Transfer {
         let _ = shared.posted.0.set(now);
         shared.finish(&mut lock(&shared.state), Err(error));
         Self {
-            shared: Some(shared),
+            shared,
+            released: AtomicBool::new(false),
             telemetry: Telemetry::posted(started, now, bytes, descriptors),
         }
     }
 
     fn shared(&self) -> PyResult<&Arc<Shared>> {
-        self.shared
-            .as_ref()
-            .ok_or_else(|| invalid("this transfer handle was released"))
+        if self.released.load(Ordering::Acquire) {
+            return Err(invalid("this transfer handle was released"));
+        }
+        Ok(&self.shared)
     }
 
     fn outcome(&self) -> PyResult<Option<Outcome>> {
@@ -350,8 +357,8 @@ impl Transfer {
     }
 
     /// Drops the handle. Idempotent.
-    fn release(&mut self) {
-        self.shared = None;
+    fn release(&self) {
+        self.released.store(true, Ordering::Release);
     }
 
     fn __await__<'py>(slf: Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {

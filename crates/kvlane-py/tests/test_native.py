@@ -416,3 +416,35 @@ def test_waits_take_endless_timeouts_and_an_endless_deadline_is_clamped():
         assert (note.sender, note.payload) == ("src", b"landed")
         assert notes.recv(-1.0) is None
         assert (dst == 7).all()
+
+
+def test_release_while_another_thread_waits_is_no_borrow_error():
+    # release() takes the handle away from later calls; a wait already in
+    # progress in another thread finishes (it was a RuntimeError "Already
+    # borrowed" from PyO3 before).
+    import threading
+    n = 256 << 20
+    src, dst = kvlane.host_buffer(n), kvlane.host_buffer(n)
+    raced = 0
+    with kvlane.Agent(engine_id="dst", backend="tcp", regions=[dst]) as b, \
+         kvlane.Agent(engine_id="src", backend="tcp", regions=[src]) as a:
+        peer = a.connect(b.addr)
+        for _ in range(5):
+            h = peer.write_spans([(src.ctypes.data, n)], [(dst.ctypes.data, n)])
+            out, started = [], threading.Event()
+
+            def waiter():
+                started.set()
+                out.append(h.wait(60))
+
+            t = threading.Thread(target=waiter)
+            t.start()
+            started.wait()
+            time.sleep(0.02)
+            raced += not h.done()
+            h.release()
+            t.join(90)
+            assert out == [True]
+            with pytest.raises(kvlane.InvalidInputError, match="released"):
+                h.done()
+    assert raced > 0, "every transfer ended before its release: the race was never run"

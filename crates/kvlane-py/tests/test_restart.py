@@ -137,3 +137,30 @@ def test_nixl_remote_agent_restarted_old_handles_err_readding_it_works(make_targ
         assert second.ask({"op": "sha"})["sha"] == expected_sha(mine)
     finally:
         agent.close()
+
+
+def test_nixl_remote_agent_back_on_another_port_is_followed_by_adding_it_again(make_target):
+    # vLLM's connector adds a remote agent's metadata again after each
+    # handshake; a restart on a new port must not leave the old address.
+    first = make_target("nixl", LEN, f"127.0.0.1:{free_port()}", 7)
+    mine = pattern(1)
+    agent = nixl.nixl_agent("init", nixl.nixl_agent_config(backend="tcp"))
+    try:
+        agent.register_memory(agent.get_reg_descs([mine]))
+        name = agent.add_remote_agent(bytes.fromhex(first.info["md"]))
+        assert agent.add_remote_agent(bytes.fromhex(first.info["md"])) == name  # same: kept
+        first.proc.kill()
+        first.proc.wait()
+        second = make_target("nixl", LEN, f"127.0.0.1:{free_port()}", 9)
+        assert agent.add_remote_agent(bytes.fromhex(second.info["md"])) == name
+        remote = agent.prep_xfer_dlist(name, [(second.info["buf"], LEN, 0)])
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(mine.ctypes.data, LEN, 0)])
+        h = agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
+        agent.transfer(h)
+        end = time.monotonic() + 10
+        while agent.check_xfer_state(h) == "PROC" and time.monotonic() < end:
+            time.sleep(0.001)
+        assert agent.check_xfer_state(h) == "DONE"
+        assert second.ask({"op": "sha"})["sha"] == expected_sha(mine)
+    finally:
+        agent.close()

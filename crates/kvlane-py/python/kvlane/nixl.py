@@ -345,6 +345,8 @@ class nixl_agent:
         self._regs: List[kvlane.Memory] = []
         self._deregistered: List[kvlane.Memory] = []
         self._remotes: Dict[str, kvlane.Peer] = {}
+        # The address each remote agent's metadata named when it was added.
+        self._remote_addrs: Dict[str, str] = {}
         self._dlists: Dict[int, tuple] = {}
         self._xfers: Dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
@@ -481,19 +483,30 @@ class nixl_agent:
                 "that agent must set advertise_host (or KVLANE_NIXL_ADVERTISE) to an address "
                 "this host can reach"
             )
-        if name in self._remotes:
+        old = self._remotes.get(name)
+        if old is not None and self._remote_addrs.get(name) == addr:
             return name.encode()
         peer = self._built().connect(addr)
         if peer.engine_id != name:
             raise kvlane.RefusedError(
                 f"kvlane.nixl: {addr} is agent {peer.engine_id!r}, the metadata says {name!r}"
             )
+        if old is not None:
+            # The agent is back at another address (restarted on a new
+            # port): the new connection replaces the old one. Handles made
+            # before keep the old peer and end in ERR.
+            try:
+                old.disconnect()
+            except kvlane.Error:
+                pass
         self._remotes[name] = peer
+        self._remote_addrs[name] = addr
         return name.encode()
 
     def remove_remote_agent(self, agent: str) -> None:
         agent = _name(agent)
         peer = self._remotes.pop(agent, None)
+        self._remote_addrs.pop(agent, None)
         if peer is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
         peer.disconnect()
