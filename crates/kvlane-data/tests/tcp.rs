@@ -1529,6 +1529,48 @@ mod hostile {
         drop((silent, authed, again));
     }
 
+    /// One peer's credential holds at most `max_connections_per_peer`
+    /// connections: past it its hello is refused, and another peer still
+    /// gets in (before, one credential could take every slot of
+    /// `max_connections`). A slot it frees is its own to reuse.
+    #[test]
+    fn one_peer_cannot_take_every_connection_slot() {
+        let mut b = target(TcpConfig {
+            max_connections: 8,
+            max_connections_per_peer: 3,
+            io_threads: 2,
+            ..TcpConfig::default()
+        });
+        let (_, ep) = endpoint(&mut b);
+        let (_, other) = endpoint(&mut b);
+        let mut mine: Vec<TcpStream> = (0..3)
+            .map(|i| hello(&ep, ep.token).unwrap_or_else(|| panic!("connection {i} was refused")))
+            .collect();
+        for _ in 0..5 {
+            assert!(
+                hello(&ep, ep.token).is_none(),
+                "a 4th connection of one peer was admitted past its cap of 3"
+            );
+        }
+        let theirs: Vec<TcpStream> = (0..3)
+            .map(|i| {
+                hello(&other, other.token)
+                    .unwrap_or_else(|| panic!("the other peer's connection {i} was refused"))
+            })
+            .collect();
+        drop(mine.pop());
+        let until = Instant::now() + Duration::from_secs(5);
+        let again = loop {
+            if let Some(s) = hello(&ep, ep.token) {
+                break s;
+            }
+            assert!(Instant::now() < until, "the freed slot was never reused");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(b.counters().connections_refused >= 5);
+        drop((mine, theirs, again));
+    }
+
     #[test]
     fn region_keys_are_not_sequential() {
         let mut b = target(TcpConfig::default());

@@ -212,6 +212,12 @@ pub struct TcpConfig {
     /// peers of 4 streams (kvlane initiators open fewer per peer once they
     /// have many peers, see `stream_budget`).
     pub max_connections: usize,
+    /// Authenticated connections one peer (one credential) holds at once
+    /// on the target side; past it that peer's hello is refused, so one
+    /// peer cannot take every slot of `max_connections`. Default 64: a
+    /// kvlane initiator opens `streams` (4) per peer, and one that
+    /// reconnects closes its old ones.
+    pub max_connections_per_peer: usize,
     /// Connections accepted but not yet authenticated the target side
     /// holds at once; past it the oldest is closed to make room. Default
     /// 256.
@@ -254,6 +260,7 @@ impl Default for TcpConfig {
             socket_buffer: None,
             keepalive: Some(Duration::from_secs(10)),
             max_connections: 4096,
+            max_connections_per_peer: 64,
             max_unauthenticated: 256,
             auth_timeout: Duration::from_secs(5),
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
@@ -471,6 +478,7 @@ impl TcpBackend {
             ServerConfig {
                 listen: config.listen,
                 max_connections: config.max_connections.max(1),
+                max_connections_per_peer: config.max_connections_per_peer.max(1),
                 max_unauthenticated: config.max_unauthenticated.max(1),
                 auth_timeout: config.auth_timeout,
                 io_threads: config.io_threads.max(1),

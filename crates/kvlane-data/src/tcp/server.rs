@@ -464,6 +464,7 @@ impl Credentials {
 pub(crate) struct ServerConfig {
     pub(crate) listen: SocketAddr,
     pub(crate) max_connections: usize,
+    pub(crate) max_connections_per_peer: usize,
     pub(crate) max_unauthenticated: usize,
     pub(crate) auth_timeout: Duration,
     pub(crate) io_threads: usize,
@@ -487,6 +488,10 @@ struct ServerState {
     /// Authenticated connections served now, all threads together.
     authenticated: AtomicUsize,
     max_connections: usize,
+    /// Authenticated connections of each peer served now (entries of
+    /// peers with none are removed).
+    per_peer: Mutex<FastMap<PeerId, usize>>,
+    max_connections_per_peer: usize,
     /// Unauthenticated connections of this server one thread holds at most.
     unauth_per_thread: usize,
     auth_timeout: Duration,
@@ -649,6 +654,8 @@ impl Server {
             creds,
             authenticated: AtomicUsize::new(0),
             max_connections: config.max_connections.max(1),
+            per_peer: Mutex::new(FastMap::default()),
+            max_connections_per_peer: config.max_connections_per_peer.max(1),
             unauth_per_thread: config.max_unauthenticated.div_ceil(n).max(1),
             auth_timeout: config.auth_timeout,
             socket: config.socket,
@@ -1013,8 +1020,9 @@ impl Worker {
             return;
         };
         let id = conn.server.id;
-        if conn.peer.is_some() {
+        if let Some(peer) = conn.peer {
             conn.server.authenticated.fetch_sub(1, Ordering::AcqRel);
+            conn.server.leave(peer);
         } else {
             let deadline = conn.auth_deadline();
             self.deadlines.remove(&(deadline, token));
@@ -1064,11 +1072,38 @@ impl Worker {
 /// Authenticates a hello and admits its connection under the cap.
 fn admit(state: &ServerState, hello: &[u8; HELLO_LEN]) -> Result<PeerId, End> {
     let peer = state.creds.authenticate(hello).ok_or(End::Auth)?;
+    {
+        let mut per_peer = lock(&state.per_peer);
+        let n = per_peer.entry(peer).or_insert(0);
+        if *n >= state.max_connections_per_peer {
+            tracing::debug!(
+                ?peer,
+                cap = state.max_connections_per_peer,
+                "tcp per-peer connection cap reached"
+            );
+            return Err(End::Refused);
+        }
+        *n += 1;
+    }
     if state.authenticated.fetch_add(1, Ordering::AcqRel) >= state.max_connections {
         state.authenticated.fetch_sub(1, Ordering::AcqRel);
+        state.leave(peer);
         return Err(End::Refused);
     }
     Ok(peer)
+}
+
+impl ServerState {
+    /// One authenticated connection of `peer` ended (or was refused).
+    fn leave(&self, peer: PeerId) {
+        let mut per_peer = lock(&self.per_peer);
+        if let Some(n) = per_peer.get_mut(&peer) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per_peer.remove(&peer);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1137,6 +1172,7 @@ mod tests {
             ServerConfig {
                 listen: "127.0.0.1:0".parse().unwrap(),
                 max_connections,
+                max_connections_per_peer: max_connections,
                 max_unauthenticated: 16,
                 auth_timeout: Duration::from_secs(5),
                 io_threads: 2,
