@@ -131,7 +131,9 @@ impl Inner {
             // A repeated `Ready` in one generation (same incarnation):
             // the data peer attached for it stays.
             let attached = entry.data_peer.is_some() && entry.incarnation == incarnation;
-            if entry.metrics.is_none() || entry.engine_id != who.engine_id {
+            // Metrics were reset above if the engine id changed (a fresh
+            // entry, should this one have gone meanwhile, has none either).
+            if entry.metrics.is_none() {
                 entry.metrics = Some(self.metrics.for_peer(&who.engine_id, self.rail));
             }
             entry.engine_id.clone_from(&who.engine_id);

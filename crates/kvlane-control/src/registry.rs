@@ -721,24 +721,24 @@ impl Registry {
 
     /// Releases accepted connections that are dead (they never reconnect by
     /// themselves: the remote initiator dials a new one).
+    /// Releases the dead accepted connections that died while still
+    /// handshaking; the others wait for [`reap_dead`](Self::reap_dead).
     fn reap_dead_handshakes(&mut self) {
         let (handshaking, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.dead_accepted)
             .into_iter()
             .partition(|id| self.pending.contains(id));
         self.dead_accepted = rest;
-        for id in handshaking {
-            if self
-                .peers
-                .get(&id)
-                .is_some_and(|e| e.peer.state() == State::Dead)
-            {
-                self.release(id);
-            }
-        }
+        self.release_dead(handshaking);
     }
 
     fn reap_dead(&mut self) {
-        for id in std::mem::take(&mut self.dead_accepted) {
+        let dead = std::mem::take(&mut self.dead_accepted);
+        self.release_dead(dead);
+    }
+
+    /// Releases those of `ids` that are still dead.
+    fn release_dead(&mut self, ids: Vec<ConnectionId>) {
+        for id in ids {
             if self
                 .peers
                 .get(&id)

@@ -144,16 +144,21 @@ fn copies_span_many_staging_chunks() {
     );
 }
 
-/// Of the mock driver that `use_mock_cuda` loaded: the most streams that
-/// held a copy queued by the calling thread at one time since the last
-/// reset (`kvlane_mock_in_flight_peak` in testdata/mock_gpu.h); `reset`
-/// starts the count again.
-fn mock_cuda_in_flight_peak(reset: bool) -> u32 {
+/// The mock driver that `use_mock_cuda` loaded, for its test helpers
+/// (testdata/mock_gpu.h).
+fn mock_cuda() -> libloading::Library {
     let path = std::env::var_os("KVLANE_CUDA_LIBRARY").expect("use_mock_cuda() first");
     // SAFETY: the mock driver built by `use_mock_cuda` and already loaded
     // by this process (this takes one more reference); its initializers
     // have no preconditions.
-    let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock CUDA driver");
+    unsafe { libloading::Library::new(&path) }.expect("load the mock CUDA driver")
+}
+
+/// The most streams that held a copy queued by the calling thread at one
+/// time since the last reset (`kvlane_mock_in_flight_peak`); `reset`
+/// starts the count again.
+fn mock_cuda_in_flight_peak(reset: bool) -> u32 {
+    let lib = mock_cuda();
     // SAFETY: the symbol is `int kvlane_mock_in_flight_peak(int)`; the
     // function pointer is used only while `lib` lives.
     let peak = unsafe {
@@ -166,11 +171,9 @@ fn mock_cuda_in_flight_peak(reset: bool) -> u32 {
 }
 
 /// Bytes the mock driver has copied out of the device allocation that
-/// starts at `base` (`kvlane_mock_copied_out` in testdata/mock_gpu.h).
+/// starts at `base` (`kvlane_mock_copied_out`).
 fn mock_cuda_copied_out(base: u64) -> u64 {
-    let path = std::env::var_os("KVLANE_CUDA_LIBRARY").expect("use_mock_cuda() first");
-    // SAFETY: as in `mock_cuda_in_flight_peak`.
-    let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock CUDA driver");
+    let lib = mock_cuda();
     // SAFETY: the symbol is `unsigned long long kvlane_mock_copied_out(uintptr_t)`;
     // the function pointer is used only while `lib` lives.
     unsafe {

@@ -1391,6 +1391,19 @@ mod hostile {
         }
     }
 
+    /// Presents `ep`'s own token until a slot freed a moment ago is seen
+    /// (the target notices a close on its next turn); bounded to 5 s.
+    fn hello_once_freed(ep: &TcpEndpoint) -> TcpStream {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(s) = hello(ep, ep.token) {
+                return s;
+            }
+            assert!(Instant::now() < until, "the freed slot was never reused");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Whether the target closes `s` within `within`.
     fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
         s.set_read_timeout(Some(within)).unwrap();
@@ -1515,14 +1528,7 @@ mod hostile {
         );
         // A slot freed by a closed connection is reused.
         drop(authed.pop());
-        let until = Instant::now() + Duration::from_secs(5);
-        let again = loop {
-            if let Some(s) = hello(&ep, ep.token) {
-                break s;
-            }
-            assert!(Instant::now() < until, "the freed slot was never reused");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let again = hello_once_freed(&ep);
         let c = b.counters();
         assert!(c.unauthenticated_evicted >= 300 - 16, "{c:?}");
         assert!(c.connections_refused >= 1, "{c:?}");
@@ -1559,14 +1565,7 @@ mod hostile {
             })
             .collect();
         drop(mine.pop());
-        let until = Instant::now() + Duration::from_secs(5);
-        let again = loop {
-            if let Some(s) = hello(&ep, ep.token) {
-                break s;
-            }
-            assert!(Instant::now() < until, "the freed slot was never reused");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let again = hello_once_freed(&ep);
         assert!(b.counters().connections_refused >= 5);
         drop((mine, theirs, again));
     }

@@ -345,8 +345,6 @@ class nixl_agent:
         self._regs: List[kvlane.Memory] = []
         self._deregistered: List[kvlane.Memory] = []
         self._remotes: Dict[str, kvlane.Peer] = {}
-        # The address each remote agent's metadata named when it was added.
-        self._remote_addrs: Dict[str, str] = {}
         self._dlists: Dict[int, tuple] = {}
         self._xfers: Dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
@@ -484,7 +482,7 @@ class nixl_agent:
                 "this host can reach"
             )
         old = self._remotes.get(name)
-        if old is not None and self._remote_addrs.get(name) == addr:
+        if old is not None and old.addr == str(addr):
             return name.encode()
         peer = self._built().connect(addr)
         if peer.engine_id != name:
@@ -500,13 +498,11 @@ class nixl_agent:
             except kvlane.Error:
                 pass
         self._remotes[name] = peer
-        self._remote_addrs[name] = addr
         return name.encode()
 
     def remove_remote_agent(self, agent: str) -> None:
         agent = _name(agent)
         peer = self._remotes.pop(agent, None)
-        self._remote_addrs.pop(agent, None)
         if peer is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
         peer.disconnect()
