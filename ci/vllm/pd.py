@@ -1,0 +1,434 @@
+"""vLLM prefill/decode (P/D) over a KV connector, checked end to end: the
+engine test behind ci/vllm.sh, and the in-engine measurements.
+
+    python pd.py check --connector kvlane [--repeats N] [--cases ...]
+    python pd.py bench --connectors none,nixl,kvlane [--lengths 100,1000,4000]
+
+Every engine is a real vLLM (CPU build) in processes of its own
+(ci/vllm/engine.py: the offline `vllm.LLM`, its engine core and worker),
+driven over a pipe.
+
+The proof that the KV cache came over the wire: prefill gets each prompt
+with every token but the last changed, decode gets the original prompt plus
+prefill's `kv_transfer_params`. Decode computes only the last prompt token
+itself, so its tokens must equal a single instance's tokens for the
+*changed* prompt; had it recomputed (or read garbage), they would not. The
+script checks first that, for every prompt, the changed and the original
+prompt give different tokens, so the check can fail. (Changing only the
+first token, as ../shared/ENGINES.md suggests, is not enough past ~100
+tokens with this model: one token in 128 no longer moves the argmax.)
+
+`check` cases:
+- `pd`: prompts of 5..1000 tokens, batched and one by one, `--repeats` times;
+- `kill-decode`: decode killed while loading; prefill keeps serving, frees
+  the orphaned blocks when their lease ends (its log says so), and a new
+  decode works;
+- `kill-prefill`: prefill killed; decode fails the requests whose KV was on
+  it (finish_reason "error") within the liveness budget, and keeps serving;
+- `restart-prefill`: prefill restarted with the same engine id and side
+  channel port; decode reaches the new one, and no request is answered from
+  the old one's blocks (each is correct or failed, then correct again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VOCAB = 1024
+# Prompt lengths for the correctness check: one block (128 tokens) and its
+# edges, several blocks, ~1,000 tokens (8 blocks of 128 KiB per layer).
+CHECK_LENGTHS = [5, 127, 128, 129, 300, 700, 1000]
+LEASE_S = 10  # prefill's KV lease in the kill cases (vLLM's default is 30 s)
+
+
+def log(*a: Any) -> None:
+    print(f"[pd {time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
+
+
+class Failed(Exception):
+    pass
+
+
+class Engine:
+    """One engine.py process group, with its stderr kept in a log file."""
+
+    def __init__(self, name: str, role: str, model: str, connector: str, logdir: str,
+                 side_port: int = 0, extra_env: Optional[Dict[str, str]] = None) -> None:
+        self.name = name
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        args = [sys.executable, os.path.join(HERE, "engine.py"), "--role", role,
+                "--model", model, "--connector", connector]
+        if side_port:
+            args += ["--side-port", str(side_port)]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env, start_new_session=True)
+        self._lines: "queue.Queue[Optional[dict]]" = queue.Queue()
+        self._ids = iter(range(1, 1 << 30))
+        threading.Thread(target=self._read, daemon=True).start()
+        first = self._next(timeout=300)
+        if not first.get("ready"):
+            raise Failed(f"{name}: unexpected first line {first}")
+        log(f"{name}: ready in {first['secs']} s (pid {first['pid']})")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self._lines.put(json.loads(line))
+            except ValueError:
+                pass
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> dict:
+        try:
+            msg = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise Failed(f"{self.name}: no answer in {timeout} s (log: {self.log_path})")
+        if msg is None:
+            raise Failed(f"{self.name}: exited with {self.proc.wait()} (log: {self.log_path})")
+        return msg
+
+    def send(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
+             max_tokens: int = 8) -> int:
+        rid = next(self._ids)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"id": rid, "prompts": prompts, "kv": kv,
+                                           "max_tokens": max_tokens}) + "\n").encode())
+        self.proc.stdin.flush()
+        return rid
+
+    def answer(self, rid: int, timeout: float = 300) -> dict:
+        msg = self._next(timeout)
+        if msg.get("id") != rid:
+            raise Failed(f"{self.name}: answer {msg.get('id')} for request {rid}")
+        return msg
+
+    def run(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
+            max_tokens: int = 8, timeout: float = 300) -> dict:
+        return self.answer(self.send(prompts, kv, max_tokens), timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def make_prompts(lengths: List[int], seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def changed(p: List[int]) -> List[int]:
+    """The prompt with every token but the last changed: decode computes
+    only the last token itself, so all the rest must come from prefill's KV."""
+    return [3 + (t + 500) % (VOCAB - 3) for t in p[:-1]] + p[-1:]
+
+
+class Setup:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.dir = a.workdir or tempfile.mkdtemp(prefix="kvlane-vllm-")
+        self.model = os.path.join(self.dir, "model")
+        if not os.path.exists(os.path.join(self.model, "model.safetensors")):
+            subprocess.run([sys.executable, os.path.join(HERE, "make_model.py"), self.model],
+                           check=True)
+        self.logdir = os.path.join(self.dir, "logs")
+        os.makedirs(self.logdir, exist_ok=True)
+        self.port = a.side_port
+        self.n = 0
+
+    def engine(self, role: str, connector: str, env: Optional[Dict[str, str]] = None,
+               name: Optional[str] = None, side_port: int = 0) -> Engine:
+        self.n += 1
+        return Engine(name or f"{self.n:02d}-{role}-{connector}", role, self.model,
+                      connector, self.logdir, side_port, env)
+
+    def connector_env(self, connector: str) -> Dict[str, str]:
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        if connector == "nixl":
+            # vLLM imports `nixl._api`; the wheel is `nixl_cu12` (see ENGINES.md).
+            shim = os.path.join(self.dir, "nixl-shim")
+            os.makedirs(os.path.join(shim, "nixl"), exist_ok=True)
+            with open(os.path.join(shim, "nixl", "__init__.py"), "w") as f:
+                f.write("")
+            with open(os.path.join(shim, "nixl", "_api.py"), "w") as f:
+                f.write("from nixl_cu12._api import *  # noqa: F401,F403\n"
+                        "from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa\n")
+            env["PYTHONPATH"] = shim + os.pathsep + os.environ.get("PYTHONPATH", "")
+            env["UCX_TLS"] = "tcp"
+        return env
+
+    def reference(self, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
+        """A single instance's tokens for the changed prompts; checks that the
+        unchanged prompts give other tokens (else the proof proves nothing)."""
+        single = self.engine("single", "none")
+        try:
+            ref = [o["tokens"] for o in single.run([changed(p) for p in prompts],
+                                                    max_tokens=max_tokens)["outputs"]]
+            orig = [o["tokens"] for o in single.run(prompts, max_tokens=max_tokens)["outputs"]]
+        finally:
+            single.stop()
+        for p, r, o in zip(prompts, ref, orig):
+            if r == o:
+                raise Failed(f"a {len(p)}-token prompt gives the same tokens with its first token "
+                             "changed: this model cannot prove that the KV was transferred")
+        return ref
+
+
+def pd_round(prefill: Engine, decode: Engine, prompts: List[List[int]],
+             ref: List[List[int]], max_tokens: int, what: str) -> None:
+    pre = prefill.run([changed(p) for p in prompts])
+    kv = [o["kv"] for o in pre["outputs"]]
+    if any(k is None for k in kv):
+        raise Failed(f"{what}: prefill returned no kv_transfer_params: {pre}")
+    dec = decode.run(prompts, kv, max_tokens=max_tokens)
+    for p, want, o in zip(prompts, ref, dec["outputs"]):
+        if o["finish"] == "error" or o["tokens"] != want:
+            raise Failed(f"{what}: {len(p)}-token prompt: decode gave {o['tokens']} "
+                         f"({o['finish']}), a single instance {want}")
+
+
+def check(a: argparse.Namespace) -> int:
+    s = Setup(a)
+    c = a.connector
+    env = s.connector_env(c)
+    max_tokens = 6
+    prompts = make_prompts(CHECK_LENGTHS, seed=7)
+    ref = s.reference(prompts, max_tokens)
+    log(f"reference tokens for {len(prompts)} prompts ({CHECK_LENGTHS} tokens)")
+    cases = a.cases.split(",")
+    failures: List[str] = []
+    penv = dict(env)
+    extra = {"kv_lease_duration": LEASE_S}
+    penv["PD_KV_EXTRA"] = json.dumps(extra)
+    prefill = s.engine("prefill", c, penv, side_port=s.port)
+    decode = s.engine("decode", c, env, side_port=s.port + 1)
+    try:
+        if "pd" in cases:
+            n = 0
+            for r in range(a.repeats):
+                pd_round(prefill, decode, prompts, ref, max_tokens, f"repeat {r} batched")
+                n += len(prompts)
+                for i, p in enumerate(prompts):
+                    pd_round(prefill, decode, [p], [ref[i]], max_tokens,
+                             f"repeat {r} one by one")
+                    n += 1
+            log(f"PASS pd: {n} requests over {a.repeats} repeats, batched and one by one, "
+                "every one equal to the single instance's tokens for the changed prompt")
+
+        if "kill-decode" in cases:
+            pre = prefill.run([changed(p) for p in prompts])
+            kv = [o["kv"] for o in pre["outputs"]]
+            rid = decode.send(prompts, kv, max_tokens=max_tokens)
+            time.sleep(0.05)
+            decode.kill()
+            log(f"kill-decode: decode killed with request {rid} loading "
+                f"{sum(len(p) for p in prompts)} tokens")
+            # Prefill keeps serving...
+            pre2 = prefill.run([changed(p) for p in prompts[:2]])
+            if any(o["kv"] is None for o in pre2["outputs"]):
+                raise Failed("kill-decode: prefill stopped serving after decode died")
+            # ...and frees the orphaned blocks when their lease ends.
+            ids = [o["kv"]["remote_request_id"] for o in pre["outputs"]]
+            deadline = time.monotonic() + LEASE_S + 60
+            while True:
+                # Its engine core steps while it holds blocks; a request
+                # also makes it step.
+                prefill.run([changed(prompts[0])])
+                text = prefill.log_text()
+                freed = [i for i in ids if i in text and "Releasing expired KV blocks" in text]
+                done = [i for i in ids if f"request {i}" in text]
+                if len(freed) == len(ids) or len(done) == len(ids):
+                    break
+                if time.monotonic() > deadline:
+                    raise Failed(f"kill-decode: prefill did not release the blocks of {ids} "
+                                 f"within the {LEASE_S} s lease (+60 s)")
+                time.sleep(1)
+            log("kill-decode: prefill released the orphaned blocks at the lease")
+            decode = s.engine("decode", c, env, side_port=s.port + 1)
+            pd_round(prefill, decode, prompts, ref, max_tokens, "kill-decode: new decode")
+            log("PASS kill-decode: prefill kept serving, freed the blocks, a new decode works")
+
+        if "kill-prefill" in cases:
+            pre = prefill.run([changed(p) for p in prompts])
+            kv = [o["kv"] for o in pre["outputs"]]
+            prefill.kill()
+            t = time.monotonic()
+            dec = decode.run(prompts, kv, max_tokens=max_tokens, timeout=a.liveness + 120)
+            secs = time.monotonic() - t
+            bad = [o for o in dec["outputs"] if o["finish"] != "error"]
+            if bad:
+                raise Failed(f"kill-prefill: {len(bad)} of {len(kv)} requests did not fail: {bad}")
+            if secs > a.liveness:
+                raise Failed(f"kill-prefill: decode failed the requests after {secs:.1f} s, "
+                             f"past the liveness budget ({a.liveness} s)")
+            log(f"kill-prefill: decode failed all {len(kv)} requests in {secs:.2f} s")
+            # Decode keeps serving: a request of its own, then a new prefill.
+            own = decode.run([prompts[0]], max_tokens=max_tokens)
+            if own["outputs"][0]["finish"] == "error":
+                raise Failed("kill-prefill: decode stopped serving")
+            prefill = s.engine("prefill", c, penv, side_port=s.port + 2)
+            pd_round(prefill, decode, prompts, ref, max_tokens, "kill-prefill: new prefill")
+            log("PASS kill-prefill: decode failed the lost requests in time and kept serving")
+
+        if "restart-prefill" in cases:
+            port = prefill_port = s.port + 3
+            ident = {"PD_ENGINE_ID": "prefill-restarted"}
+            prefill.kill()
+            prefill = s.engine("prefill", c, {**penv, **ident}, side_port=prefill_port)
+            pd_round(prefill, decode, prompts, ref, max_tokens, "restart-prefill: first")
+            pre_old = prefill.run([changed(p) for p in prompts])
+            prefill.kill()
+            prefill = s.engine("prefill", c, {**penv, **ident}, side_port=port)
+            # A request prepared against the old incarnation's blocks: it must
+            # fail, never read the new one's memory at those block ids.
+            old = decode.run(prompts, [o["kv"] for o in pre_old["outputs"]],
+                             max_tokens=max_tokens, timeout=a.liveness + 120)
+            for p, want, o in zip(prompts, ref, old["outputs"]):
+                if o["finish"] != "error":
+                    raise Failed(f"restart-prefill: a request for the old incarnation's blocks "
+                                 f"ended {o['finish']} with tokens {o['tokens']}")
+            ok = False
+            for attempt in range(5):
+                pre = prefill.run([changed(p) for p in prompts])
+                dec = decode.run(prompts, [o["kv"] for o in pre["outputs"]],
+                                 max_tokens=max_tokens, timeout=a.liveness + 120)
+                outs = dec["outputs"]
+                for p, want, o in zip(prompts, ref, outs):
+                    if o["finish"] != "error" and o["tokens"] != want:
+                        raise Failed(f"restart-prefill: wrong tokens {o['tokens']} for a "
+                                     f"{len(p)}-token prompt (want {want})")
+                if all(o["finish"] != "error" for o in outs):
+                    ok = True
+                    break
+                log(f"restart-prefill: attempt {attempt}: "
+                    f"{sum(o['finish'] == 'error' for o in outs)} failed; again")
+            if not ok:
+                raise Failed("restart-prefill: decode never reached the restarted prefill")
+            log(f"PASS restart-prefill: old-incarnation requests failed, new ones correct "
+                f"after {attempt} failed attempt(s)")
+    except Failed as e:
+        failures.append(str(e))
+        log(f"FAIL {e}")
+    finally:
+        prefill.kill()
+        decode.kill()
+    log(f"logs in {s.logdir}")
+    return 1 if failures else 0
+
+
+def bench(a: argparse.Namespace) -> int:
+    s = Setup(a)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    rows: Dict[str, Dict[int, Dict[str, float]]] = {}
+    for c in a.connectors.split(","):
+        rows[c] = {}
+        if c == "none":
+            e = s.engine("single", "none")
+            try:
+                for n in lengths:
+                    ps = make_prompts([n] * (a.reps + 1), seed=n)
+                    t = [e.run([p], max_tokens=1)["secs"] for p in ps][1:]
+                    rows[c][n] = {"prefill": statistics.median(t)}
+            finally:
+                e.stop()
+            continue
+        env = s.connector_env(c)
+        pre = s.engine("prefill", c, env, side_port=s.port)
+        dec = s.engine("decode", c, env, side_port=s.port + 1)
+        try:
+            for n in lengths:
+                ps = make_prompts([n] * (a.reps + 1), seed=n)
+                tp, tl = [], []
+                for i, p in enumerate(ps):
+                    r = pre.run([p])
+                    d = dec.run([p], [r["outputs"][0]["kv"]], max_tokens=1)
+                    if d["outputs"][0]["finish"] == "error":
+                        raise Failed(f"bench {c}: a {n}-token load failed")
+                    if i:  # the first one pays for the handshake
+                        tp.append(r["secs"])
+                        tl.append(d["secs"])
+                rows[c][n] = {"prefill": statistics.median(tp), "load": statistics.median(tl)}
+                log(f"{c} {n}: prefill {rows[c][n]['prefill'] * 1e3:.1f} ms, "
+                    f"load {rows[c][n]['load'] * 1e3:.1f} ms")
+        finally:
+            pre.stop()
+            dec.stop()
+    print(json.dumps(rows))
+    print()
+    print("| prompt tokens | " + " | ".join(
+        f"{c} prefill call (ms)" + ("" if c == "none" else f" | {c} KV load (ms)")
+        for c in rows) + " |")
+    print("|" + "---|" * (1 + sum(1 if c == "none" else 2 for c in rows)))
+    for n in lengths:
+        cells = []
+        for c in rows:
+            cells.append(f"{rows[c][n]['prefill'] * 1e3:.1f}")
+            if c != "none":
+                cells.append(f"{rows[c][n]['load'] * 1e3:.1f}")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("check", "bench"):
+        p = sub.add_parser(name)
+        p.add_argument("--workdir", help="model and logs (default: a new temporary folder)")
+        p.add_argument("--side-port", type=int, default=25600,
+                       help="prefill's side channel port (others use the next few)")
+    c = sub.choices["check"]
+    c.add_argument("--connector", choices=["kvlane", "nixl"], default="kvlane")
+    c.add_argument("--repeats", type=int, default=10)
+    c.add_argument("--cases", default="pd,kill-decode,kill-prefill,restart-prefill")
+    c.add_argument("--liveness", type=float, default=15.0,
+                   help="seconds within which decode must fail requests of a dead prefill")
+    b = sub.choices["bench"]
+    b.add_argument("--connectors", default="none,nixl,kvlane")
+    b.add_argument("--lengths", default="100,1000,4000")
+    b.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    try:
+        return check(a) if a.cmd == "check" else bench(a)
+    except Failed as e:
+        log(f"FAIL {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

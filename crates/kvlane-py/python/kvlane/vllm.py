@@ -1,0 +1,154 @@
+"""vLLM KV connector on kvlane: ``kvlane.vllm.KvlaneConnector``.
+
+vLLM loads it from outside its own tree, with one line of configuration::
+
+    --kv-transfer-config '{"kv_connector": "KvlaneConnector",
+                           "kv_connector_module_path": "kvlane.vllm",
+                           "kv_role": "kv_producer"}'    # "kv_consumer" on decode
+
+It runs vLLM's own NixlConnector protocol (pull: decode READs prefill's
+blocks, the side-channel handshake, notifications, heartbeats and leases,
+``kv_load_failure_policy``) with kvlane as the transport: the scheduler side
+is vLLM's, unchanged; the worker side is vLLM's NIXL worker with its NIXL
+agent replaced by :class:`kvlane.nixl.nixl_agent`. The swap is local to this
+connector's worker: a real NIXL installed beside kvlane is neither shadowed
+nor imported, and a ``NixlConnector`` in the same deployment keeps using it.
+
+kvlane settings come from the environment (``KVLANE_*``, see
+:mod:`kvlane.nixl`) or from ``kv_connector_extra_config["kvlane"]``, a dict
+of :class:`kvlane.nixl.nixl_agent_config` keywords (``backend``,
+``listen_host``, ``advertise_host``, ``psk``, liveness settings, ``cpus``);
+the config wins over the environment. On one host nothing needs setting.
+Across hosts, every engine needs ``listen_host`` (``"0.0.0.0"`` or an
+address its peers reach) and the same ``psk`` (or ``KVLANE_PSK``).
+
+Supported vLLM: the 0.32 series (``SUPPORTED_VLLM``). Another version fails
+at load with a message naming it; ``KVLANE_VLLM_ANY_VERSION=1`` tries anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Callable, Dict, Optional
+
+try:
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlBaseConnector,
+        NixlPullConnector,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+except ImportError as e:  # pragma: no cover - exercised without vLLM only
+    raise ImportError(f"kvlane.vllm needs vLLM 0.32.x installed (import failed: {e})") from e
+
+from kvlane import nixl as _nixl
+
+__all__ = ["KvlaneConnector", "KvlaneConnectorWorker", "SUPPORTED_VLLM"]
+
+#: vLLM release series this connector is tested with (ci/vllm.sh).
+SUPPORTED_VLLM = ("0.32",)
+
+
+def _check_version(version: str = vllm.__version__) -> None:
+    series = ".".join(version.split(".")[:2])
+    if series in SUPPORTED_VLLM or os.environ.get("KVLANE_VLLM_ANY_VERSION") == "1":
+        return
+    raise RuntimeError(
+        f"kvlane.vllm: vLLM {version} is not supported (KvlaneConnector is built and "
+        f"tested against vLLM {', '.join(s + '.x' for s in SUPPORTED_VLLM)}); install a "
+        "supported vLLM, or set KVLANE_VLLM_ANY_VERSION=1 to try this one anyway"
+    )
+
+
+def _agent_config(extra: Dict[str, Any]) -> Callable[..., Any]:
+    """A ``nixl_agent_config`` for vLLM's worker: vLLM's own arguments
+    (threads, telemetry) plus the deployment's kvlane settings."""
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "kvlane.vllm: kv_connector_extra_config['kvlane'] must be a dict of "
+            f"kvlane.nixl.nixl_agent_config keywords, not {type(extra).__name__}"
+        )
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return _nixl.nixl_agent_config(*args, **{**kwargs, **extra})
+        except TypeError as e:
+            raise ValueError(
+                f"kvlane.vllm: bad kv_connector_extra_config['kvlane'] {sorted(extra)}: {e}"
+            ) from e
+
+    return make
+
+
+def _with_globals(fn: Any, **names: Any) -> Any:
+    """``fn`` with some of its module's global names bound to other objects,
+    for this copy only: the module and every other caller are unchanged."""
+    missing = [n for n in names if n not in fn.__code__.co_names]
+    if missing:
+        raise RuntimeError(
+            f"kvlane.vllm: {fn.__qualname__} of vLLM {vllm.__version__} no longer uses "
+            f"{missing}; this vLLM is not supported by this kvlane"
+        )
+    g = dict(fn.__globals__)
+    g.update(names)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
+    return new
+
+
+_base_init = NixlBaseConnectorWorker.__init__
+
+
+class _KvlaneBaseWorker(NixlBaseConnectorWorker):
+    """vLLM's NIXL worker base whose agent is a kvlane.nixl agent."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        extra = vllm_config.kv_transfer_config.get_from_extra_config("kvlane", {}) or {}
+        init = _with_globals(
+            _base_init,
+            NixlWrapper=_nixl.nixl_agent,
+            nixl_agent_config=_agent_config(extra),
+        )
+        init(self, vllm_config, engine_id, kv_cache_config)
+
+
+class KvlaneConnectorWorker(NixlPullConnectorWorker, _KvlaneBaseWorker):
+    """vLLM's pull worker (``NixlPullConnectorWorker``) over kvlane.
+
+    The method resolution order puts ``_KvlaneBaseWorker`` between vLLM's
+    pull worker and its base, so the pull worker's ``super().__init__``
+    builds the kvlane agent."""
+
+
+class KvlaneConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` (pull) with kvlane as its transport."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Optional[Any] = None):
+        _check_version()
+        # NixlPullConnector.__init__ would build vLLM's NIXL worker; build
+        # the same parts with the kvlane worker instead.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvlaneConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        else:
+            raise ValueError(f"kvlane.vllm: unsupported KVConnectorRole {role!r}")
