@@ -25,26 +25,67 @@ Mapping onto kvlane
   the port can then read and write the registered memory). Across
   hosts, set ``listen_host`` to this host's address on the network peers
   use; or bind a wildcard (``0.0.0.0``, ``::``) and name that address in
-  ``advertise_host`` (or ``KVLANE_NIXL_ADVERTISE``): it goes into the
+  ``advertise_host`` (or ``KVLANE_ADVERTISE``; ``KVLANE_NIXL_ADVERTISE`` is
+  its older name): it goes into the
   metadata and is the data plane's advertised host. A wildcard without it
   makes ``get_agent_metadata`` raise ``kvlane.InvalidInputError`` (the
   metadata would tell peers to dial ``0.0.0.0``), and ``add_remote_agent``
   refuses metadata that carries a wildcard.
+* kvlane's settings, keyword-only on ``nixl_agent_config``, each also read
+  from the environment (an explicit argument wins; an empty variable
+  counts as unset; a bad value raises ``ValueError`` naming the argument
+  or variable and the value; unset means kvlane's default):
+
+  ======================  ===========================  ==================
+  argument                variable                     default
+  ======================  ===========================  ==================
+  ``keepalive_interval``  ``KVLANE_KEEPALIVE_INTERVAL``  1 s
+  ``liveness_budget``     ``KVLANE_LIVENESS_BUDGET``     3 missed pings
+  ``handshake_timeout``   ``KVLANE_HANDSHAKE_TIMEOUT``   5 s
+  ``transfer_deadline``   ``KVLANE_TRANSFER_TIMEOUT``    30 s
+  ``backend``             ``KVLANE_BACKEND``             ``"auto"``
+  ``psk``                 ``KVLANE_PSK``                 none
+  ``listen_host``         ``KVLANE_NIXL_HOST``           ``127.0.0.1``
+  ``advertise_host``      ``KVLANE_ADVERTISE``           the listen host
+  ======================  ===========================  ==================
+
+  Durations are seconds (a number) or strings such as ``"250ms"``,
+  ``"2s"``, ``"1m"``; the liveness budget is the number of consecutive
+  unanswered keep-alive pings after which a peer is dead (its transfers
+  then fail: with the defaults, within about 3 s). ``cpus`` (``"inherit"``,
+  ``"all"`` or a CPU list such as ``"0-3,8"``) places kvlane's threads; it
+  is passed to ``kvlane.Agent(cpus=...)`` only when given, and
+  ``kvlane.Agent`` reads ``KVLANE_CPUS`` itself (kvlane versions without
+  CPU placement raise ``TypeError`` for it).
 * ``register_memory``: descriptors become kvlane plain regions
-  (``AgentBuilder::register_region``). NIXL registers before exchanging
-  metadata; the kvlane agent is built, with everything registered so far,
-  at the first call that needs it (``get_agent_metadata``,
-  ``add_remote_agent``, ``prep_xfer_dlist``). **Registering after that
-  raises** ``kvlane.UnsupportedError`` (the regions are advertised in the
-  handshake). ``deregister_memory`` (matched by address and length, as in
-  NIXL) before that drops the registration;
+  (``AgentBuilder::register_region``). The kvlane agent is built, with
+  everything registered so far, at the first call that needs it
+  (``get_agent_metadata``, ``add_remote_agent``, ``prep_xfer_dlist``).
+  Memory registered after that (``Agent::register_region``) is usable
+  locally at once and is in every later handshake; as with NIXL, peers
+  learn it from newer metadata: publish ``get_agent_metadata()`` again and
+  have them ``add_remote_agent`` it (an agent already added is then
+  connected again; its transfers still in flight end in ``"ERR"``).
+  ``deregister_memory`` (matched by address and length, as in
+  NIXL) before the build drops the registration;
   after it, the memory can no longer be used in local descriptor lists,
   but stays registered (and must stay allocated) until the agent closes.
-* ``get_agent_metadata``: the agent's name and control address.
+* ``get_agent_metadata``: the agent's name, control address, incarnation
+  and how many registrations it made since it was built.
   ``add_remote_agent`` connects from those bytes alone (handshake and data
   plane) and returns the peer's name (as bytes, like NIXL; names are
-  accepted as str or bytes everywhere); ``remove_remote_agent`` disconnects
-  synchronously.
+  accepted as str or bytes everywhere); adding the same metadata again is
+  a no-op, newer metadata of an added agent connects again.
+  ``remove_remote_agent`` disconnects synchronously.
+* ``check_remote_metadata(name, descs=None)``: True while the agent's
+  metadata is loaded and still describes a live process: False for an
+  agent never added or removed, once keep-alive declared it dead, and
+  once it restarted (a new incarnation: its memory moved), until it is
+  removed and added again with its new metadata. With ``descs`` (any form
+  ``get_xfer_descs`` takes), also whether every descriptor lies in memory
+  it advertised. vLLM calls it after a failed transfer and drops the
+  engine (then handshakes again) when it is False. It never raises for
+  an unknown name and never blocks.
 * ``prep_xfer_dlist`` checks every descriptor against the registrations
   (local, or those the remote agent advertised) and raises
   ``kvlane.InvalidInputError`` for one outside them.
@@ -52,8 +93,18 @@ Mapping onto kvlane
   (``Peer.prepare_spans``: equal lengths pair by pair, rights, merged
   contiguous runs) and raise for bad input; ``transfer`` posts it.
 * ``check_xfer_state``: ``"DONE"``, ``"PROC"`` or ``"ERR"``. Every kvlane
-  transfer has a deadline (30 s) and a dead peer fails its transfers within
-  the liveness budget, so nothing stays ``"PROC"`` forever.
+  transfer has a deadline (``transfer_deadline``, 30 s) and a dead peer
+  fails its transfers within the liveness budget, so nothing stays
+  ``"PROC"`` forever. A failed transfer is ``"ERR"`` (from ``transfer``
+  when its post is refused because the peer is gone, else from
+  ``check_xfer_state``), as NIXL's Python API reports it; bad input
+  raises. vLLM treats ``"ERR"`` and an exception alike: it fails the
+  request (its blocks reported by ``get_block_ids_with_load_errors``),
+  releases the handle (never raises here) and asks
+  ``check_remote_metadata``. ``check_xfer_state`` and ``get_new_notifs``
+  are what engines call every step: about a microsecond each with nothing
+  pending; neither blocks, sleeps nor releases the GIL (``"PROC"`` yields
+  the core once, keeping the GIL, for callers that poll in a loop).
 * Notifications (``notif_msg``, ``send_notif``) reach the target keyed by
   the initiator's name, after every descriptor landed (READ too: the
   notification is sent once the data is at the initiator).
