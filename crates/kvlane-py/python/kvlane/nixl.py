@@ -662,12 +662,13 @@ class nixl_agent:
             # port): the new connection replaces the old one. Handles made
             # before keep the old peer and end in ERR.
             self._disconnect(old)
-        self._remotes[name] = peer
-        # The incarnation connected to now (the metadata's, unless the
-        # agent restarted in between): check_remote_metadata is False
-        # once the peer is no longer that incarnation.
+        # The incarnation the metadata describes (the one connected to,
+        # unless the agent restarted in between): check_remote_metadata is
+        # False once the peer is no longer that incarnation. Written before
+        # the peer, so whoever sees the new peer sees its metadata.
         self._remote_md[name] = (md_key[0] if md_key[0] is not None else peer.incarnation,
                                  md_key[1])
+        self._remotes[name] = peer
         return name.encode()
 
     @staticmethod
