@@ -6,12 +6,12 @@ use crate::error::{Error, ErrorKind};
 use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{self, DataPlaneInfo, KvAdvert, DP_ANSWER, DP_OFFER};
 use crate::peer::Peer;
-use crate::spans::{self, MemSpan};
+use crate::spans::MemSpan;
 use crate::state::{lock, Inner, LocalKv};
 use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
 use kvlane_data::{Backend, FastMap, KvLayout, Op, Region, Transport};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tracing::{info, warn};
@@ -300,12 +300,12 @@ impl AgentBuilder {
             Some(endpoint)
         };
         let exchange_timeout = self.control.handshake_timeout + Duration::from_secs(1);
-        let blob = DataPlaneInfo {
+        let advert = DataPlaneInfo {
             endpoint,
             kv: adverts,
             regions: region_adverts,
         };
-        let blob = frames::encode("the handshake's data-plane description", &blob)?;
+        let blob = frames::encode("the handshake's data-plane description", &advert)?;
         let mut local = LocalInfo::new(self.engine_id.clone(), self.ranks, self.fingerprint);
         local = local.with_data_plane(blob);
         let incarnation = local.identity.incarnation;
@@ -323,7 +323,8 @@ impl AgentBuilder {
             control,
             transport,
             kv,
-            regions: self.regions,
+            regions: RwLock::new(self.regions),
+            advert: tokio::sync::Mutex::new(advert),
             peers: Mutex::new(FastMap::default()),
             by_data_peer: Mutex::new(FastMap::default()),
             events,
@@ -540,16 +541,58 @@ impl Agent {
         self.inner.kv.first().map(|k| (&k.region, &k.layout))
     }
 
-    /// The plain regions registered with [`AgentBuilder::register_region`].
-    pub fn regions(&self) -> &[Region] {
-        &self.inner.regions
+    /// The plain regions registered with [`AgentBuilder::register_region`]
+    /// and [`register_region`](Self::register_region).
+    pub fn regions(&self) -> Vec<Region> {
+        self.inner
+            .regions
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Registers a plain region after the agent was built (what
+    /// [`AgentBuilder::register_region`] does before): local transfers
+    /// may use it as soon as this returns, the backend serves it with the
+    /// region's remote rights, and every handshake from now on advertises
+    /// it. Peers connected before learn it only by connecting again (a
+    /// new handshake); their connections are otherwise untouched.
+    pub async fn register_region(&self, region: Region) -> Result<(), Error> {
+        let mut advert = self.inner.advert.lock().await;
+        let ad = self.inner.transport.with_backend(|b| b.register(&region))?;
+        let mut next = advert.clone();
+        next.regions.push(ad);
+        let blob = match frames::encode("the handshake's data-plane description", &next) {
+            Ok(blob) => blob,
+            Err(e) => {
+                let _ = self
+                    .inner
+                    .transport
+                    .with_backend(|b| b.deregister(region.id()));
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.inner.control.set_data_plane(blob).await {
+            let _ = self
+                .inner
+                .transport
+                .with_backend(|b| b.deregister(region.id()));
+            return Err(e.into());
+        }
+        *advert = next;
+        self.inner
+            .regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(region);
+        Ok(())
     }
 
     /// Checks that every span lies inside one registration of this agent
     /// (KV caches and plain regions) with the rights `op` needs locally,
     /// as [`Peer::prepare_spans`] will.
     pub fn check_spans(&self, op: Op, spans: &[MemSpan]) -> Result<(), Error> {
-        spans::resolve_local(&self.inner.local_regions(), spans, op).map(drop)
+        self.inner.resolve_local(spans, op).map(drop)
     }
 
     /// Connects to the agent at `addr` (`host:port`): handshake, then the

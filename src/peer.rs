@@ -138,6 +138,16 @@ impl Peer {
             .map(|e| e.incarnation)
     }
 
+    /// Whether the connection is up with its data plane attached, so that
+    /// transfers can be posted to it. False while the peer is dead, after
+    /// it restarted until its new incarnation is attached, and once the
+    /// connection closed.
+    pub fn is_attached(&self) -> bool {
+        lock(&self.inner.peers)
+            .get(&self.conn)
+            .is_some_and(|e| e.data_peer.is_some())
+    }
+
     /// The layout of the peer's first KV cache, as it advertised it.
     pub fn remote_layout(&self) -> Option<kvlane_data::KvLayout> {
         lock(&self.inner.peers)
@@ -242,7 +252,7 @@ impl Peer {
         remote: &[MemSpan],
         notify: Option<&[u8]>,
     ) -> Result<PreparedTransfer, Error> {
-        let l = spans::resolve_local(&self.inner.local_regions(), local, op)?;
+        let l = self.inner.resolve_local(local, op)?;
         let (data_peer, incarnation, r) = {
             let peers = lock(&self.inner.peers);
             let (entry, data_peer) = self.ready(&peers)?;

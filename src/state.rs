@@ -4,13 +4,14 @@
 
 use crate::error::{Error, ErrorKind};
 use crate::events::{Notification, PeerEvent, PeerEventKind};
-use crate::frames::{DpFrame, KvAdvert};
+use crate::frames::{DataPlaneInfo, DpFrame, KvAdvert};
 use crate::metrics::PeerMetrics;
+use crate::spans::MemSpan;
 use kvlane_control::{ConnectionId, ControlNode};
-use kvlane_data::{FastMap, KvLayout, PeerId, Region, RemoteRegion, Transport};
+use kvlane_data::{Descriptor, FastMap, KvLayout, Op, PeerId, Region, RemoteRegion, Transport};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -108,8 +109,13 @@ pub(crate) struct Inner {
     pub(crate) control: ControlNode,
     pub(crate) transport: Transport,
     pub(crate) kv: Vec<LocalKv>,
-    /// Plain regions registered for span transfers.
-    pub(crate) regions: Vec<Region>,
+    /// Plain regions registered for span transfers (at build, then by
+    /// [`Agent::register_region`](crate::Agent::register_region)).
+    pub(crate) regions: RwLock<Vec<Region>>,
+    /// What the handshake advertises; [`Agent::register_region`](crate::Agent::register_region)
+    /// adds to it. An async lock: registrations install their blob in
+    /// the control node in the order they took it.
+    pub(crate) advert: tokio::sync::Mutex<DataPlaneInfo>,
     pub(crate) peers: Mutex<FastMap<ConnectionId, PeerEntry>>,
     /// Data-plane peer -> the connection whose `data_peer` or
     /// `served_peer` it is (what a data-plane notification's sender is
@@ -160,13 +166,21 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// Every local registration: KV caches, then plain regions.
-    pub(crate) fn local_regions(&self) -> Vec<&Region> {
-        self.kv
+    /// Resolves local spans against every local registration (KV caches,
+    /// then plain regions).
+    pub(crate) fn resolve_local(
+        &self,
+        spans: &[MemSpan],
+        op: Op,
+    ) -> Result<Vec<Descriptor>, Error> {
+        let plain = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let all: Vec<&Region> = self
+            .kv
             .iter()
             .map(|k| &k.region)
-            .chain(&self.regions)
-            .collect()
+            .chain(plain.iter())
+            .collect();
+        crate::spans::resolve_local(&all, spans, op)
     }
 
     /// Queues a notification for the user, or drops and counts it when the

@@ -137,3 +137,45 @@ async fn spans_outside_registrations_read_only_destinations_and_length_mismatche
     a.close().await;
     b.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_registered_after_build_is_local_at_once_and_advertised_to_later_handshakes() {
+    let a_mem = Region::from_vec(vec![0; LEN], Access::ALL).unwrap();
+    let b_first = Region::from_vec(pattern(2), Access::ALL).unwrap();
+    let b_late = Region::from_vec(pattern(3), Access::ALL).unwrap();
+    let a = agent("a", vec![a_mem.clone()]).await;
+    let b = agent("b", vec![b_first.clone()]).await;
+    let peer = a.connect(b.local_addr()).await.unwrap();
+    let late = [MemSpan::new(b_late.addr(), LEN as u64)];
+    let mine = [MemSpan::new(a_mem.addr(), LEN as u64)];
+    assert_eq!(
+        b.check_spans(Op::Write, &late).unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+
+    b.register_region(b_late.clone()).await.unwrap();
+    b.check_spans(Op::Write, &late).unwrap();
+    assert_eq!(b.regions().len(), 2);
+    // The connection made before keeps what its handshake said.
+    let err = peer
+        .prepare_spans(Op::Read, &mine, &late, None)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert_eq!(peer.remote_regions().len(), 1);
+
+    // A new handshake advertises it, and it is served.
+    peer.disconnect().await.unwrap();
+    let peer = a.connect(b.local_addr()).await.unwrap();
+    assert!(peer.is_attached());
+    assert_eq!(peer.remote_regions().len(), 2);
+    peer.prepare_spans(Op::Read, &mine, &late, None)
+        .and_then(|p| peer.post(p))
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(a_mem.to_vec().unwrap(), pattern(3));
+    peer.disconnect().await.unwrap();
+    assert!(!peer.is_attached());
+    a.close().await;
+    b.close().await;
+}

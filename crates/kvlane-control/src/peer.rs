@@ -190,6 +190,10 @@ pub struct Peer {
     route: Route,
     config: Arc<Config>,
     local: Arc<LocalInfo>,
+    /// What [`set_local`](Self::set_local) gave while a handshake was
+    /// under way: taken up when the next one starts, so one handshake's
+    /// MACs and blob all come from the same `local`.
+    next_local: Option<Arc<LocalInfo>>,
     state: State,
     closing: bool,
     closed: bool,
@@ -235,6 +239,7 @@ impl Peer {
             backoff: Backoff::new(config.backoff_min, config.backoff_max, seed),
             config,
             local,
+            next_local: None,
             state: State::Connecting,
             closing: false,
             closed: false,
@@ -547,7 +552,26 @@ impl Peer {
         self.events.push_back(Event::Closed);
     }
 
+    /// What this side tells the peer in handshakes from now on (a new
+    /// data-plane blob); a handshake under way ends with the old one.
+    pub(crate) fn set_local(&mut self, local: Arc<LocalInfo>) {
+        if self.hs.is_none() {
+            self.local = local;
+        } else {
+            self.next_local = Some(local);
+        }
+    }
+
+    /// Takes up a `local` that [`set_local`](Self::set_local) deferred
+    /// (a handshake starts).
+    pub(super) fn settle_local(&mut self) {
+        if let Some(local) = self.next_local.take() {
+            self.local = local;
+        }
+    }
+
     fn start_attempt(&mut self, now: Instant) {
+        self.settle_local();
         self.attempts += 1;
         let nonce_i = match &self.config.psk {
             Some(key) => auth::own_nonce(key.as_bytes(), &self.local.identity.transcript_bytes()),

@@ -158,6 +158,21 @@ impl Registry {
         self.peers.is_empty()
     }
 
+    /// Replaces the data-plane blob of this node's handshakes: new
+    /// connections, and every later handshake of existing ones (a peer
+    /// that restarted), carry `blob`; a handshake under way finishes with
+    /// the blob it began with.
+    pub fn set_data_plane(&mut self, blob: Vec<u8>) {
+        let local = Arc::new(LocalInfo {
+            data_plane: blob,
+            ..(*self.local).clone()
+        });
+        for e in self.peers.values_mut() {
+            e.peer.set_local(local.clone());
+        }
+        self.local = local;
+    }
+
     /// Frames dropped at the node level, by released connections and by
     /// current ones: every counter only ever grows.
     pub fn stats(&self) -> Stats {

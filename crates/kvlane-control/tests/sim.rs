@@ -616,3 +616,49 @@ fn only_the_dialer_pings_while_both_are_up_and_the_acceptor_still_detects_death(
         "the acceptor pinged once the dialer went quiet"
     );
 }
+
+/// `Registry::set_data_plane`: connections made before keep what their
+/// handshake said; a new connection, and an existing one's re-handshake
+/// after its peer restarted, carry the new blob.
+#[test]
+fn a_new_data_plane_blob_reaches_later_handshakes_only() {
+    let (mut c, _) = connected_pair();
+    c.nodes[0].reg.set_data_plane(b"a-after".to_vec());
+    c.nodes[1].reg.set_data_plane(b"b-after".to_vec());
+    c.drive_for(Duration::from_secs(2));
+    // Nothing was redone on the live connection.
+    let readies = |c: &Cluster, i: usize| -> Vec<Vec<u8>> {
+        c.events(i)
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Ready(info) => Some(info.data_plane),
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(readies(&c, 0), vec![b"SECRET-BLOB-b-0-0".to_vec()]);
+
+    // A third node dialing b gets b's new blob.
+    let n = c.add("c:1", config(), local("c", 0, 0, 1));
+    c.connect(n, "b:1");
+    let (_, ev) = c.drive_until_event(n, Duration::from_secs(2), is_ready);
+    let Event::Ready(info) = ev.event else {
+        unreachable!()
+    };
+    assert_eq!(info.data_plane, b"b-after");
+
+    // b restarts (its new registry keeps its own blob): a's connection
+    // re-handshakes with a's new blob.
+    c.kill(1);
+    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    c.restart(1);
+    let end = c.now + Duration::from_secs(30);
+    c.drive_bounded(1_000_000, |c| {
+        c.now >= end || readies(c, 1).contains(&b"a-after".to_vec())
+    });
+    assert!(
+        readies(&c, 1).contains(&b"a-after".to_vec()),
+        "{:?}",
+        readies(&c, 1)
+    );
+}

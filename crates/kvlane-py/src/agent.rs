@@ -78,7 +78,7 @@ impl Agent {
     #[new]
     #[pyo3(signature = (engine_id = None, listen = "127.0.0.1:0", backend = "auto", psk = None,
         advertise = None, kv = None, regions = None, keepalive_interval = None, liveness_budget = None,
-        transfer_deadline = None))]
+        transfer_deadline = None, handshake_timeout = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python constructor
     fn py_new(
         py: Python<'_>,
@@ -92,6 +92,7 @@ impl Agent {
         keepalive_interval: Option<f64>,
         liveness_budget: Option<u32>,
         transfer_deadline: Option<f64>,
+        handshake_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let choice = match backend {
             "auto" => BackendChoice::Auto,
@@ -111,13 +112,17 @@ impl Agent {
         if let Some(a) = advertise {
             b = b.advertise(a);
         }
-        if keepalive_interval.is_some() || liveness_budget.is_some() {
+        if keepalive_interval.is_some() || liveness_budget.is_some() || handshake_timeout.is_some()
+        {
             let mut c = Config::default();
             if let Some(k) = keepalive_interval {
                 c.keepalive_interval = seconds("keepalive_interval", k)?;
             }
             if let Some(n) = liveness_budget {
                 c.liveness_budget = n;
+            }
+            if let Some(h) = handshake_timeout {
+                c.handshake_timeout = seconds("handshake_timeout", h)?;
             }
             b = b.control_config(c);
         }
@@ -193,6 +198,16 @@ impl Agent {
             agent: self.inner.clone(),
             peer,
         })
+    }
+
+    /// Registers `memory` (any buffer-protocol object or `Memory`) as a
+    /// plain region after the agent was built: local transfers may use it
+    /// once this returns, and every handshake from now on advertises it.
+    /// Peers connected before learn it only by connecting again.
+    fn register(&self, py: Python<'_>, memory: &Bound<'_, PyAny>) -> PyResult<()> {
+        let region = Memory::coerce(memory)?;
+        let agent = agent_of(&self.inner)?;
+        block_on(py, async move { agent.register_region(region).await })?.map_err(to_py)
     }
 
     /// Checks that local spans (`[(addr, len), ...]` or an `(N, 2|3)`
@@ -397,6 +412,14 @@ impl Peer {
     #[getter]
     fn incarnation(&self) -> Option<u64> {
         self.peer.incarnation()
+    }
+
+    /// Whether the connection is up with its data plane attached (transfers
+    /// can be posted): false while the peer is dead, after it restarted
+    /// until its new incarnation is attached, and once disconnected.
+    #[getter]
+    fn attached(&self) -> bool {
+        lock(&self.agent).is_some() && self.peer.is_attached()
     }
 
     /// The plain regions the peer advertised: `[{"addr", "nbytes",

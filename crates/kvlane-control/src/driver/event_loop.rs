@@ -228,6 +228,10 @@ impl<C: Channel> Driver<C> {
                 peers.sort_by_key(|p| p.id);
                 let _ = reply.send(peers);
             }
+            Command::SetDataPlane { blob, reply } => {
+                self.reg.set_data_plane(blob);
+                let _ = reply.send(());
+            }
             Command::Stats { reply } => {
                 let _ = reply.send(self.reg.stats());
             }

@@ -100,6 +100,10 @@ enum Command {
     Snapshot {
         reply: oneshot::Sender<Vec<PeerSnapshot>>,
     },
+    SetDataPlane {
+        blob: Vec<u8>,
+        reply: oneshot::Sender<()>,
+    },
     /// The counters alone (an agent reads them every second: no copy of
     /// every peer for that).
     Stats {
@@ -366,6 +370,20 @@ impl ControlNode {
         self.call(
             "disconnect",
             |reply| Command::Disconnect { id: peer, reply },
+            DRIVER_GRACE,
+        )
+        .await
+    }
+
+    /// Replaces the data-plane blob of this node's handshakes
+    /// ([`LocalInfo::data_plane`]): every handshake that starts after this
+    /// returns carries `blob` (new connections, and re-handshakes of
+    /// existing ones after a peer restarted). Handshakes already done are
+    /// not redone, and one under way finishes with the blob it began with.
+    pub async fn set_data_plane(&self, blob: Vec<u8>) -> Result<(), ControlError> {
+        self.call(
+            "set_data_plane",
+            |reply| Command::SetDataPlane { blob, reply },
             DRIVER_GRACE,
         )
         .await

@@ -32,6 +32,7 @@ impl Peer {
     }
 
     pub(super) fn on_hello(&mut self, now: Instant, h: Hello) {
+        self.settle_local();
         self.timers
             .set(Timer::Handshake, now + self.config.handshake_timeout);
         match (self.key(), h.auth) {

@@ -160,6 +160,12 @@ class Peer:
     def addr(self) -> str: ...
     @property
     def incarnation(self) -> Optional[int]: ...
+    @property
+    def attached(self) -> bool:
+        """Whether the connection is up with its data plane attached:
+        false while the peer is dead, after it restarted until its new
+        incarnation is attached, and once disconnected."""
+        ...
     def remote_regions(self) -> List[Dict[str, Any]]: ...
     def write_blocks(
         self, layers: Tuple[int, int], local_ids: Sequence[int], remote_ids: Sequence[int],
@@ -204,9 +210,13 @@ class Agent:
         keepalive_interval: Optional[float] = None,
         liveness_budget: Optional[int] = None,
         transfer_deadline: Optional[float] = None,
+        handshake_timeout: Optional[float] = None,
     ) -> None:
         """``transfer_deadline``: seconds after its post a transfer may run
-        before it fails with ``TimeoutError`` (default 30)."""
+        before it fails with ``TimeoutError`` (default 30).
+        ``keepalive_interval`` (seconds between pings), ``liveness_budget``
+        (missed pings before a peer is dead) and ``handshake_timeout``
+        (seconds) tune the control plane."""
         ...
     @property
     def engine_id(self) -> str: ...
@@ -219,6 +229,12 @@ class Agent:
     @property
     def closed(self) -> bool: ...
     def connect(self, addr: str) -> Peer: ...
+    def register(self, memory: Any) -> None:
+        """Registers ``memory`` (a buffer or ``Memory``) after the agent
+        was built: usable locally once this returns and advertised in every
+        later handshake; peers connected before learn it by connecting
+        again."""
+        ...
     def check_spans(self, op: str, spans_: Spans) -> None: ...
     def notifications(self) -> Notifications: ...
     def events(self) -> PeerEvents: ...

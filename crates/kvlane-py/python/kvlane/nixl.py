@@ -25,26 +25,67 @@ Mapping onto kvlane
   the port can then read and write the registered memory). Across
   hosts, set ``listen_host`` to this host's address on the network peers
   use; or bind a wildcard (``0.0.0.0``, ``::``) and name that address in
-  ``advertise_host`` (or ``KVLANE_NIXL_ADVERTISE``): it goes into the
+  ``advertise_host`` (or ``KVLANE_ADVERTISE``; ``KVLANE_NIXL_ADVERTISE`` is
+  its older name): it goes into the
   metadata and is the data plane's advertised host. A wildcard without it
   makes ``get_agent_metadata`` raise ``kvlane.InvalidInputError`` (the
   metadata would tell peers to dial ``0.0.0.0``), and ``add_remote_agent``
   refuses metadata that carries a wildcard.
+* kvlane's settings, keyword-only on ``nixl_agent_config``, each also read
+  from the environment (an explicit argument wins; an empty variable
+  counts as unset; a bad value raises ``ValueError`` naming the argument
+  or variable and the value; unset means kvlane's default):
+
+  ======================  ===========================  ==================
+  argument                variable                     default
+  ======================  ===========================  ==================
+  ``keepalive_interval``  ``KVLANE_KEEPALIVE_INTERVAL``  1 s
+  ``liveness_budget``     ``KVLANE_LIVENESS_BUDGET``     3 missed pings
+  ``handshake_timeout``   ``KVLANE_HANDSHAKE_TIMEOUT``   5 s
+  ``transfer_deadline``   ``KVLANE_TRANSFER_TIMEOUT``    30 s
+  ``backend``             ``KVLANE_BACKEND``             ``"auto"``
+  ``psk``                 ``KVLANE_PSK``                 none
+  ``listen_host``         ``KVLANE_NIXL_HOST``           ``127.0.0.1``
+  ``advertise_host``      ``KVLANE_ADVERTISE``           the listen host
+  ======================  ===========================  ==================
+
+  Durations are seconds (a number) or strings such as ``"250ms"``,
+  ``"2s"``, ``"1m"``; the liveness budget is the number of consecutive
+  unanswered keep-alive pings after which a peer is dead (its transfers
+  then fail: with the defaults, within about 3 s). ``cpus`` (``"inherit"``,
+  ``"all"`` or a CPU list such as ``"0-3,8"``) places kvlane's threads; it
+  is passed to ``kvlane.Agent(cpus=...)`` only when given, and
+  ``kvlane.Agent`` reads ``KVLANE_CPUS`` itself (kvlane versions without
+  CPU placement raise ``TypeError`` for it).
 * ``register_memory``: descriptors become kvlane plain regions
-  (``AgentBuilder::register_region``). NIXL registers before exchanging
-  metadata; the kvlane agent is built, with everything registered so far,
-  at the first call that needs it (``get_agent_metadata``,
-  ``add_remote_agent``, ``prep_xfer_dlist``). **Registering after that
-  raises** ``kvlane.UnsupportedError`` (the regions are advertised in the
-  handshake). ``deregister_memory`` (matched by address and length, as in
-  NIXL) before that drops the registration;
+  (``AgentBuilder::register_region``). The kvlane agent is built, with
+  everything registered so far, at the first call that needs it
+  (``get_agent_metadata``, ``add_remote_agent``, ``prep_xfer_dlist``).
+  Memory registered after that (``Agent::register_region``) is usable
+  locally at once and is in every later handshake; as with NIXL, peers
+  learn it from newer metadata: publish ``get_agent_metadata()`` again and
+  have them ``add_remote_agent`` it (an agent already added is then
+  connected again; its transfers still in flight end in ``"ERR"``).
+  ``deregister_memory`` (matched by address and length, as in
+  NIXL) before the build drops the registration;
   after it, the memory can no longer be used in local descriptor lists,
   but stays registered (and must stay allocated) until the agent closes.
-* ``get_agent_metadata``: the agent's name and control address.
+* ``get_agent_metadata``: the agent's name, control address, incarnation
+  and how many registrations it made since it was built.
   ``add_remote_agent`` connects from those bytes alone (handshake and data
   plane) and returns the peer's name (as bytes, like NIXL; names are
-  accepted as str or bytes everywhere); ``remove_remote_agent`` disconnects
-  synchronously.
+  accepted as str or bytes everywhere); adding the same metadata again is
+  a no-op, newer metadata of an added agent connects again.
+  ``remove_remote_agent`` disconnects synchronously.
+* ``check_remote_metadata(name, descs=None)``: True while the agent's
+  metadata is loaded and still describes a live process: False for an
+  agent never added or removed, once keep-alive declared it dead, and
+  once it restarted (a new incarnation: its memory moved), until it is
+  removed and added again with its new metadata. With ``descs`` (any form
+  ``get_xfer_descs`` takes), also whether every descriptor lies in memory
+  it advertised. vLLM calls it after a failed transfer and drops the
+  engine (then handshakes again) when it is False. It never raises for
+  an unknown name and never blocks.
 * ``prep_xfer_dlist`` checks every descriptor against the registrations
   (local, or those the remote agent advertised) and raises
   ``kvlane.InvalidInputError`` for one outside them.
@@ -52,8 +93,18 @@ Mapping onto kvlane
   (``Peer.prepare_spans``: equal lengths pair by pair, rights, merged
   contiguous runs) and raise for bad input; ``transfer`` posts it.
 * ``check_xfer_state``: ``"DONE"``, ``"PROC"`` or ``"ERR"``. Every kvlane
-  transfer has a deadline (30 s) and a dead peer fails its transfers within
-  the liveness budget, so nothing stays ``"PROC"`` forever.
+  transfer has a deadline (``transfer_deadline``, 30 s) and a dead peer
+  fails its transfers within the liveness budget, so nothing stays
+  ``"PROC"`` forever. A failed transfer is ``"ERR"`` (from ``transfer``
+  when its post is refused because the peer is gone, else from
+  ``check_xfer_state``), as NIXL's Python API reports it; bad input
+  raises. vLLM treats ``"ERR"`` and an exception alike: it fails the
+  request (its blocks reported by ``get_block_ids_with_load_errors``),
+  releases the handle (never raises here) and asks
+  ``check_remote_metadata``. ``check_xfer_state`` and ``get_new_notifs``
+  are what engines call every step: about a microsecond each with nothing
+  pending; neither blocks, sleeps nor releases the GIL (``"PROC"`` yields
+  the core once, keeping the GIL, for callers that poll in a loop).
 * Notifications (``notif_msg``, ``send_notif``) reach the target keyed by
   the initiator's name, after every descriptor landed (READ too: the
   notification is sent once the data is at the initiator).
@@ -76,7 +127,9 @@ Mapping onto kvlane
 import ipaddress
 import itertools
 import json
+import math
 import os
+import re
 import sys
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
@@ -130,12 +183,69 @@ _SUBSET = (
     "get_reg_descs register_memory deregister_memory get_agent_metadata add_remote_agent "
     "remove_remote_agent get_xfer_descs prep_xfer_dlist release_dlist_handle make_prepped_xfer "
     "initialize_xfer transfer check_xfer_state get_xfer_telemetry release_xfer_handle "
-    "get_new_notifs update_notifs check_remote_xfer_done send_notif name"
+    "get_new_notifs update_notifs check_remote_xfer_done send_notif check_remote_metadata name"
 )
 
 
+_BACKENDS = ("auto", "tcp", "verbs", "loopback")
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(ms|s|m)?")
+_UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def _duration(value: Any, what: str) -> float:
+    """Seconds of a positive duration: a number of seconds, or a string
+    like ``"250ms"``, ``"2s"``, ``"1m"`` (a bare number is seconds);
+    ``ValueError`` naming ``what`` and the value otherwise."""
+    secs: Optional[float] = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        secs = float(value)
+    elif isinstance(value, str):
+        m = _DURATION.fullmatch(value.strip())
+        if m:
+            secs = float(m.group(1)) * _UNIT[m.group(2)]
+    if secs is None or not math.isfinite(secs) or secs <= 0:
+        raise ValueError(
+            f"kvlane.nixl: {what} is a positive duration such as 250ms, 2s or 1m, not {value!r}"
+        )
+    return secs
+
+
+def _count(value: Any, what: str) -> int:
+    """A positive whole number (an int, or its decimal string)."""
+    try:
+        n = int(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"kvlane.nixl: {what} is a positive whole number, not {value!r}")
+    return n
+
+
+def _setting(arg: Any, arg_name: str, env: str, parse: Any) -> Any:
+    """An explicit argument (wins), else the environment variable, else
+    None (kvlane's default); parsed, a bad value naming its source."""
+    if arg is not None:
+        return parse(arg, arg_name)
+    raw = os.environ.get(env)
+    if raw is None or raw.strip() == "":
+        return None
+    return parse(raw, env)
+
+
+def _backend(value: Any, what: str) -> str:
+    if value not in _BACKENDS:
+        raise ValueError(
+            f"kvlane.nixl: {what} is one of {', '.join(map(repr, _BACKENDS))}, not {value!r}"
+        )
+    return value
+
+
 class nixl_agent_config:
-    """NIXL's agent configuration; see the module docstring for the mapping."""
+    """NIXL's agent configuration, plus kvlane's settings (keyword-only;
+    each also read from its environment variable, the argument winning).
+    See the module docstring for the mapping. A bad value, given or from
+    the environment, raises ``ValueError`` naming the argument or the
+    variable and the value."""
 
     def __init__(
         self,
@@ -151,6 +261,11 @@ class nixl_agent_config:
         listen_host: Optional[str] = None,
         psk: Optional[bytes] = None,
         advertise_host: Optional[str] = None,
+        keepalive_interval: Any = None,
+        liveness_budget: Optional[int] = None,
+        handshake_timeout: Any = None,
+        transfer_deadline: Any = None,
+        cpus: Optional[str] = None,
     ) -> None:
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
@@ -159,11 +274,42 @@ class nixl_agent_config:
         self.num_threads = num_threads
         self.backends = list(backends)
         self.sync_mode = sync_mode  # kvlane's agent is thread-safe in every mode
-        self.backend = backend or os.environ.get("KVLANE_BACKEND", "auto")
+        self.backend = _setting(backend, "backend", "KVLANE_BACKEND", _backend) or "auto"
         self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
-        self.advertise_host = advertise_host or os.environ.get("KVLANE_NIXL_ADVERTISE") or None
+        self.advertise_host = advertise_host or _advertise_env()
         env_psk = os.environ.get("KVLANE_PSK")
         self.psk = psk if psk is not None else (env_psk.encode() if env_psk else None)
+        # None: kvlane's default (keep-alive every 1 s, dead after 3 missed
+        # pings, 5 s handshakes, 30 s transfer deadline).
+        self.keepalive_interval = _setting(
+            keepalive_interval, "keepalive_interval", "KVLANE_KEEPALIVE_INTERVAL", _duration)
+        self.liveness_budget = _setting(
+            liveness_budget, "liveness_budget", "KVLANE_LIVENESS_BUDGET", _count)
+        self.handshake_timeout = _setting(
+            handshake_timeout, "handshake_timeout", "KVLANE_HANDSHAKE_TIMEOUT", _duration)
+        self.transfer_deadline = _setting(
+            transfer_deadline, "transfer_deadline", "KVLANE_TRANSFER_TIMEOUT", _duration)
+        # Forwarded as is; kvlane.Agent validates it and reads KVLANE_CPUS
+        # itself when it is None.
+        self.cpus = cpus
+
+    def _agent_kwargs(self) -> Dict[str, Any]:
+        """kvlane.Agent keywords for the settings given (others: its defaults)."""
+        kw = {k: getattr(self, k) for k in (
+            "keepalive_interval", "liveness_budget", "handshake_timeout", "transfer_deadline", "cpus")}
+        return {k: v for k, v in kw.items() if v is not None}
+
+
+def _advertise_env() -> Optional[str]:
+    """``KVLANE_ADVERTISE``, or its older name ``KVLANE_NIXL_ADVERTISE``."""
+    new = os.environ.get("KVLANE_ADVERTISE") or None
+    old = os.environ.get("KVLANE_NIXL_ADVERTISE") or None
+    if new and old and new != old:
+        raise ValueError(
+            f"kvlane.nixl: KVLANE_ADVERTISE={new!r} and its older name KVLANE_NIXL_ADVERTISE={old!r} "
+            "disagree; set one"
+        )
+    return new or old
 
 
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -345,6 +491,12 @@ class nixl_agent:
         self._regs: List[kvlane.Memory] = []
         self._deregistered: List[kvlane.Memory] = []
         self._remotes: Dict[str, kvlane.Peer] = {}
+        # What each remote's metadata said when it was added: its
+        # incarnation and how many registrations it had made after build.
+        self._remote_md: Dict[str, tuple] = {}
+        # Registrations made after the kvlane agent was built (in metadata).
+        self._late_regs = 0
+        self._notes: Optional[kvlane.Notifications] = None
         self._dlists: Dict[int, tuple] = {}
         self._xfers: Dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
@@ -376,7 +528,9 @@ class nixl_agent:
                 psk=c.psk,
                 advertise=c.advertise_host,
                 regions=list(self._regs),
+                **c._agent_kwargs(),
             )
+            self._notes = self._agent.notifications()
         return self._agent
 
     def close(self) -> None:
@@ -417,12 +571,6 @@ class nixl_agent:
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None,
                         backends: Sequence[str] = ()) -> _RegDList:
         descs = self.get_reg_descs(reg_list, mem_type)
-        if self._agent is not None:
-            raise kvlane.UnsupportedError(
-                f"kvlane.nixl: agent {self.name!r} already exchanged metadata; kvlane advertises "
-                "memory in the handshake, so register all memory before get_agent_metadata, "
-                "add_remote_agent or prep_xfer_dlist"
-            )
         for i, (addr, n, _dev, _meta) in enumerate(descs.rows):
             if descs.mems[i] is None:
                 # The NIXL contract: registered memory outlives its registration.
@@ -431,7 +579,16 @@ class nixl_agent:
                     if descs.mem_type in _GPU_MEM
                     else kvlane.Memory.unsafe_from_ptr(addr, n, "cpu")
                 )
-        self._regs.extend(m for m in descs.mems if m is not None)
+        mems = [m for m in descs.mems if m is not None]
+        if self._agent is not None:
+            # After the metadata went out: registered now, advertised in
+            # the metadata and handshakes from now on (peers add it again).
+            for m in mems:
+                self._agent.register(m)
+                self._regs.append(m)
+                self._late_regs += 1
+        else:
+            self._regs.extend(mems)
         return descs
 
     def deregister_memory(self, dereg_list: Any, backends: Sequence[str] = ()) -> None:
@@ -464,7 +621,8 @@ class nixl_agent:
                 "they reach this host at, or listen_host to that address"
             )
         addr = _join_addr(host, port)
-        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": addr}).encode()
+        return json.dumps({"kvlane_nixl": 1, "name": self.name, "addr": addr,
+                           "incarnation": agent.incarnation, "regs": self._late_regs}).encode()
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         try:
@@ -481,9 +639,19 @@ class nixl_agent:
                 "that agent must set advertise_host (or KVLANE_NIXL_ADVERTISE) to an address "
                 "this host can reach"
             )
+        # Metadata of older kvlane.nixl versions has neither field.
+        md_key = (md.get("incarnation"), md.get("regs", 0))
         old = self._remotes.get(name)
         if old is not None and old.addr == str(addr):
-            return name.encode()
+            if self._remote_md.get(name) == md_key or md_key[0] is None:
+                return name.encode()
+            # The same agent with newer metadata (memory registered since,
+            # or a restart): connect again, so the handshake advertises
+            # what it has now. Handles made before end in ERR.
+            del self._remotes[name]
+            self._remote_md.pop(name, None)
+            self._disconnect(old)
+            old = None
         peer = self._built().connect(addr)
         if peer.engine_id != name:
             raise kvlane.RefusedError(
@@ -493,19 +661,57 @@ class nixl_agent:
             # The agent is back at another address (restarted on a new
             # port): the new connection replaces the old one. Handles made
             # before keep the old peer and end in ERR.
-            try:
-                old.disconnect()
-            except kvlane.Error:
-                pass
+            self._disconnect(old)
+        # The incarnation the metadata describes (the one connected to,
+        # unless the agent restarted in between): check_remote_metadata is
+        # False once the peer is no longer that incarnation. Written before
+        # the peer, so whoever sees the new peer sees its metadata.
+        self._remote_md[name] = (md_key[0] if md_key[0] is not None else peer.incarnation,
+                                 md_key[1])
         self._remotes[name] = peer
         return name.encode()
+
+    @staticmethod
+    def _disconnect(peer: kvlane.Peer) -> None:
+        try:
+            peer.disconnect()
+        except kvlane.Error:
+            pass
 
     def remove_remote_agent(self, agent: str) -> None:
         agent = _name(agent)
         peer = self._remotes.pop(agent, None)
+        self._remote_md.pop(agent, None)
         if peer is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: no remote agent {agent!r} was added")
         peer.disconnect()
+
+    def check_remote_metadata(self, remote_name: Any, descs: Any = None) -> bool:
+        """Whether the metadata of agent ``remote_name`` is loaded and still
+        describes it, and (with ``descs``, any form ``get_xfer_descs``
+        takes) whether every descriptor lies in memory it advertised.
+        False for an agent never added or removed, and once the agent is
+        dead (keep-alive gave up) or restarted: its metadata then no
+        longer describes a live process, which is what makes vLLM drop
+        the engine and handshake again. Never raises for an unknown name;
+        never blocks."""
+        name = _name(remote_name)
+        peer = self._remotes.get(name)
+        if peer is None:
+            return False
+        incarnation = self._remote_md.get(name, (None,))[0]
+        if not peer.attached or peer.incarnation != incarnation:
+            return False
+        if descs is None:
+            return True
+        arr = self.get_xfer_descs(descs).arr
+        for op in ("READ", "WRITE"):
+            try:
+                peer.check_remote_spans(op, arr)
+                return True
+            except kvlane.InvalidInputError:
+                pass
+        return False
 
     # -- descriptor lists ------------------------------------------------
 
@@ -649,8 +855,8 @@ class nixl_agent:
         t = x.transfer
         if t is None:
             raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
-        # "PROC" gives the CPU away once (GIL released): engines poll this
-        # in a loop.
+        # Never blocks and keeps the GIL ("PROC" gives the core away once:
+        # engines poll this in a loop).
         return t._poll_state()
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
@@ -666,9 +872,9 @@ class nixl_agent:
 
     def get_new_notifs(self, backends: Sequence[str] = ()) -> Dict[str, List[bytes]]:
         out: Dict[str, List[bytes]] = {}
-        if self._agent is None:
+        if self._notes is None:
             return out
-        for n in self._agent.notifications().drain():
+        for n in self._notes.drain():
             out.setdefault(n.sender, []).append(n.payload)
         return out
 
