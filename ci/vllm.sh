@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The engine test: vLLM (CPU build, 0.32) doing prefill/decode over
+# kvlane.vllm.KvlaneConnector, checked end to end (ci/vllm/pd.py check):
+# prompts of 5 to 1,000 tokens, batched and one by one, repeated; decode
+# killed mid-run; prefill killed; prefill restarted on the same port. The
+# KV is proven to come over the wire (see ci/vllm/pd.py).
+#
+#   ci/vllm.sh                 # the check (what CI runs)
+#   ci/vllm.sh bench           # prefill call and KV load times: no connector, NIXL, kvlane
+#   ci/vllm.sh check --repeats 20 --connector nixl    # extra args go to pd.py
+#
+# The venv (vLLM, torch, the real NIXL) comes from ci/vllm-env.sh and is
+# reused across runs (KVLANE_VLLM_CACHE, default ~/.cache/kvlane); kvlane is
+# built as a wheel (release, KVLANE_VLLM_PROFILE) and installed into it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=$(ci/vllm-env.sh)
+py=$venv/bin/python
+echo "ci/vllm.sh: vLLM venv $venv"
+out=$(mktemp -d)
+"$venv/bin/maturin" build --profile "${KVLANE_VLLM_PROFILE:-release}" -q \
+  -m crates/kvlane-py/Cargo.toml -o "$out"
+"$py" -m pip --disable-pip-version-check -q install --no-deps --force-reinstall "$out"/kvlane-*.whl
+rm -rf "$out"
+# The connector loads the way vLLM loads it, and names an unsupported vLLM.
+"$py" - <<'PY'
+import kvlane.vllm as k, vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+assert k.KvlaneConnector is not None
+try:
+    k._check_version("0.99.0")
+except RuntimeError as e:
+    assert "0.99.0" in str(e) and "KVLANE_VLLM_ANY_VERSION" in str(e), e
+else:
+    raise SystemExit("kvlane.vllm accepted vLLM 0.99.0")
+print(f"ci/vllm.sh: kvlane.vllm loads with vLLM {vllm.__version__}")
+PY
+cmd=${1:-check}
+[ $# -gt 0 ] && shift
+exec "$py" ci/vllm/pd.py "$cmd" "$@"
