@@ -132,7 +132,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -259,7 +259,7 @@ class nixl_agent_config:
         *,
         backend: Optional[str] = None,
         listen_host: Optional[str] = None,
-        psk: Optional[bytes] = None,
+        psk: Optional[Union[bytes, str]] = None,
         advertise_host: Optional[str] = None,
         keepalive_interval: Any = None,
         liveness_budget: Optional[int] = None,
@@ -278,6 +278,8 @@ class nixl_agent_config:
         self.listen_host = listen_host or os.environ.get("KVLANE_NIXL_HOST", "127.0.0.1")
         self.advertise_host = advertise_host or _advertise_env()
         env_psk = os.environ.get("KVLANE_PSK")
+        if isinstance(psk, str):  # from JSON configs (kvlane.vllm's extra config)
+            psk = psk.encode()
         self.psk = psk if psk is not None else (env_psk.encode() if env_psk else None)
         # None: kvlane's default (keep-alive every 1 s, dead after 3 missed
         # pings, 5 s handshakes, 30 s transfer deadline).
