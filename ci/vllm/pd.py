@@ -19,7 +19,9 @@ first token, as ../shared/ENGINES.md suggests, is not enough past ~100
 tokens with this model: one token in 128 no longer moves the argmax.)
 
 `check` cases:
-- `pd`: prompts of 5..1000 tokens, batched and one by one, `--repeats` times;
+- `pd`: prompts of 5..1000 tokens, batched, and one by one with prefill
+  working on the next while decode loads (both engines busy), `--repeats`
+  times;
 - `kill-decode`: decode killed while loading; prefill keeps serving, frees
   the orphaned blocks when their lease ends (its log says so), and a new
   decode works;
@@ -231,6 +233,26 @@ def pd_round(prefill: Engine, decode: Engine, prompts: List[List[int]],
                          f"({o['finish']}), a single instance {want}")
 
 
+def pd_pipelined(prefill: Engine, decode: Engine, prompts: List[List[int]],
+                 ref: List[List[int]], max_tokens: int, what: str) -> int:
+    """One request at a time, as a serving deployment runs them: prefill
+    computes the next prompt while decode loads and decodes this one, so
+    both engines' model threads are busy at once."""
+    pending = prefill.send([changed(prompts[0])])
+    for i, p in enumerate(prompts):
+        pre = prefill.answer(pending)
+        if i + 1 < len(prompts):
+            pending = prefill.send([changed(prompts[i + 1])])
+        kv = pre["outputs"][0]["kv"]
+        if kv is None:
+            raise Failed(f"{what}: prefill returned no kv_transfer_params: {pre}")
+        o = decode.run([p], [kv], max_tokens=max_tokens)["outputs"][0]
+        if o["finish"] == "error" or o["tokens"] != ref[i]:
+            raise Failed(f"{what}: {len(p)}-token prompt: decode gave {o['tokens']} "
+                         f"({o['finish']}), a single instance {ref[i]}")
+    return len(prompts)
+
+
 def check(a: argparse.Namespace) -> int:
     s = Setup(a)
     c = a.connector
@@ -254,10 +276,9 @@ def check(a: argparse.Namespace) -> int:
             for r in range(a.repeats):
                 pd_round(prefill, decode, prompts, ref, max_tokens, f"repeat {r} batched")
                 n += len(prompts)
-                for i, p in enumerate(prompts):
-                    pd_round(prefill, decode, [p], [ref[i]], max_tokens,
-                             f"repeat {r} one by one")
-                    n += 1
+                n += pd_pipelined(prefill, decode, prompts, ref, max_tokens,
+                                  f"repeat {r} one by one")
+                log(f"pd: repeat {r}: {n} requests correct so far")
             log(f"PASS pd: {n} requests over {a.repeats} repeats, batched and one by one, "
                 "every one equal to the single instance's tokens for the changed prompt")
 
