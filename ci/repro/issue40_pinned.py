@@ -24,7 +24,7 @@ def log(*a):
 import ctypes
 SPIN = int(os.environ.get("SPIN", "2"))
 if SPIN:
-    ctypes.CDLL("os.path.join(os.path.dirname(os.path.abspath(__file__)), "libspin.so")").start_spinners(SPIN)
+    ctypes.CDLL(os.path.join(os.path.dirname(os.path.abspath(__file__)), "libspin.so")).start_spinners(SPIN)
 mem = np.full(BLOCK * N, 7 if ROLE == "target" else 0, dtype=np.uint8)
 a = kvlane.Agent(engine_id=ROLE, backend="tcp", regions=[mem], keepalive_interval=KA,
                  liveness_budget=BUDGET, transfer_deadline=DEADLINE)
