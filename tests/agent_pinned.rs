@@ -12,9 +12,9 @@
 //! (`pinned_target`, which does nothing unless `KVLANE_PINNED_CHILD` is set).
 //! `KVLANE_PINNED_SECS` sets how long the transfers run (default 20).
 
+use kvlane::control::Config;
 use kvlane::data::{Access, Op, Region};
 use kvlane::{Agent, BackendChoice, MemSpan, PeerEventKind};
-use kvlane::control::Config;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,7 +51,12 @@ fn pin_to(cpu: usize) {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         let rc = libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
-        assert_eq!(rc, 0, "sched_setaffinity: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            rc,
+            0,
+            "sched_setaffinity: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -61,7 +66,12 @@ fn first_cpu() -> usize {
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         let rc = libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set);
-        assert_eq!(rc, 0, "sched_getaffinity: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            rc,
+            0,
+            "sched_getaffinity: {}",
+            std::io::Error::last_os_error()
+        );
         (0..libc::CPU_SETSIZE as usize)
             .find(|&c| libc::CPU_ISSET(c, &set))
             .expect("no CPU in this thread's affinity mask")
@@ -108,7 +118,11 @@ async fn agent(name: &str, region: Region) -> Agent {
 }
 
 /// Peer events that break liveness, as lines (`Suspect`, `Dead`, ...).
-fn watch_events(rt: &tokio::runtime::Runtime, a: &Agent, who: &'static str) -> Arc<std::sync::Mutex<Vec<String>>> {
+fn watch_events(
+    rt: &tokio::runtime::Runtime,
+    a: &Agent,
+    who: &'static str,
+) -> Arc<std::sync::Mutex<Vec<String>>> {
     let bad = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut events = a.events();
     let b = bad.clone();
@@ -177,7 +191,13 @@ fn pinned_processes_keep_their_peers_alive() {
     );
     let cpu = first_cpu();
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "pinned_target", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "pinned_target",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("KVLANE_PINNED_CHILD", cpu.to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -185,7 +205,10 @@ fn pinned_processes_keep_their_peers_alive() {
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     let (addr, remote_addr): (String, u64) = loop {
-        let line = out.next().expect("the target exited before it listened").unwrap();
+        let line = out
+            .next()
+            .expect("the target exited before it listened")
+            .unwrap();
         // The harness may print the test's name on the same line.
         if let Some((_, rest)) = line.split_once("ADDR ") {
             let mut it = rest.split(' ');

@@ -628,24 +628,19 @@ impl Transport {
         };
         let driver = if busy {
             let thread_shared = shared.clone();
-            let handle = thread::Builder::new()
-                .name("kvlane-progress".into())
-                .spawn(move || {
-                    let shared = &thread_shared;
-                    // A panicking backend must not leave handles waiting
-                    // forever: stop taking work and fail everything in flight.
-                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        progress_loop(shared)
-                    }))
+            let builder = thread::Builder::new().name("kvlane-progress".into());
+            let handle = crate::placement::spawn(builder, move || {
+                let shared = &thread_shared;
+                // A panicking backend must not leave handles waiting
+                // forever: stop taking work and fail everything in flight.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| progress_loop(shared)))
                     .is_err()
-                    {
-                        tracing::error!(
-                            "kvlane progress thread panicked; failing in-flight transfers"
-                        );
-                        shared.fail_all_panicked();
-                    }
-                })
-                .map_err(spawn_err)?;
+                {
+                    tracing::error!("kvlane progress thread panicked; failing in-flight transfers");
+                    shared.fail_all_panicked();
+                }
+            })
+            .map_err(spawn_err)?;
             Driver::Own {
                 progress: handle.thread().clone(),
                 thread: Mutex::new(Some(handle)),

@@ -247,9 +247,10 @@ impl ProgressPool {
                 stop: AtomicBool::new(false),
             });
             let h = home.clone();
-            let handle = thread::Builder::new()
-                .name(format!("kvlane-progress-{i}"))
-                .spawn(move || run(&h))?;
+            let handle = crate::placement::spawn(
+                thread::Builder::new().name(format!("kvlane-progress-{i}")),
+                move || run(&h),
+            )?;
             let _ = home.thread.set(handle.thread().clone());
             pool.homes.push(home);
             // On an error `pool` drops here and stops the threads started.
