@@ -123,10 +123,9 @@ impl CpuPlacement {
             })
     }
 
-    /// Runs `f` with this placement as the one threads kvlane starts from
-    /// this thread apply (see [`spawn`]); the previous one is restored
-    /// after. `f` runs on this thread: the scope does not follow an
-    /// `.await`.
+    /// Runs `f` with this placement as the one that threads kvlane starts
+    /// from this thread apply; the previous one is restored after. `f`
+    /// runs on this thread: the scope does not follow an `.await`.
     pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
         let old = AMBIENT.with(|a| a.replace(Some(self.clone())));
         let _restore = Restore(old);
@@ -383,7 +382,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_spawned_thread_applies_the_scope_and_carries_it_on() {
-        let all = std::thread::spawn(|| {
+        let all = thread::spawn(|| {
             CpuPlacement::All.apply_to_current_thread().unwrap();
             mask_of_this_thread()
         })
@@ -392,13 +391,13 @@ mod tests {
         let first = all[0];
         // A thread narrowed to one cpu starts kvlane threads placed on all
         // of them, and those start threads placed the same way.
-        let (child, grandchild) = std::thread::spawn(move || {
+        let (child, grandchild) = thread::spawn(move || {
             CpuPlacement::Cpus(vec![first])
                 .apply_to_current_thread()
                 .unwrap();
             CpuPlacement::All.scope(|| {
-                spawn(std::thread::Builder::new(), || {
-                    let g = spawn(std::thread::Builder::new(), mask_of_this_thread)
+                spawn(thread::Builder::new(), || {
+                    let g = spawn(thread::Builder::new(), mask_of_this_thread)
                         .unwrap()
                         .join()
                         .unwrap();
@@ -414,12 +413,12 @@ mod tests {
         assert_eq!(child, all);
         assert_eq!(grandchild, all);
         // Inherit: the narrowed mask.
-        let inherited = std::thread::spawn(move || {
+        let inherited = thread::spawn(move || {
             CpuPlacement::Cpus(vec![first])
                 .apply_to_current_thread()
                 .unwrap();
             CpuPlacement::Inherit.scope(|| {
-                spawn(std::thread::Builder::new(), mask_of_this_thread)
+                spawn(thread::Builder::new(), mask_of_this_thread)
                     .unwrap()
                     .join()
                     .unwrap()
