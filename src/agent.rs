@@ -9,7 +9,7 @@ use crate::peer::Peer;
 use crate::spans::MemSpan;
 use crate::state::{lock, Inner, LocalKv};
 use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
-use kvlane_data::{Backend, FastMap, KvLayout, Op, Region, Transport};
+use kvlane_data::{Backend, CpuPlacement, FastMap, KvLayout, Op, Region, Transport};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -54,6 +54,7 @@ pub struct AgentBuilder {
     notification_capacity: usize,
     dial_any_data_host: bool,
     transfer_deadline: Duration,
+    cpus: Option<CpuPlacement>,
 }
 
 /// Default of [`AgentBuilder::notification_capacity`]: with the default
@@ -93,6 +94,7 @@ impl Default for AgentBuilder {
             notification_capacity: DEFAULT_NOTIFICATION_CAPACITY,
             dial_any_data_host: false,
             transfer_deadline: crate::DEFAULT_TRANSFER_DEADLINE,
+            cpus: None,
         }
     }
 }
@@ -209,6 +211,29 @@ impl AgentBuilder {
         self
     }
 
+    /// Where the threads this agent starts run (progress, tcp I/O and
+    /// server threads, rails threads): [`CpuPlacement::Inherit`] (each
+    /// takes the mask of the thread that starts it, the engine's
+    /// placement), [`CpuPlacement::All`] (every CPU the process may use,
+    /// even when the building thread was narrowed to one core) or a list.
+    /// Without it, the environment variable
+    /// [`KVLANE_CPUS`](kvlane_data::ENV_CPUS) decides (`inherit`, `all`,
+    /// `0-3,8`), else `Inherit`. Threads are shared by the agents of a
+    /// process: a shared pool keeps the placement of the agent whose build
+    /// started it. A list none of whose CPUs the process may use fails
+    /// [`build`](Self::build). Parse a string with
+    /// `"0-3".parse::<CpuPlacement>()`.
+    pub fn cpus(mut self, placement: CpuPlacement) -> Self {
+        self.cpus = Some(placement);
+        self
+    }
+
+    /// The placement [`build`](Self::build) applies ([`cpus`](Self::cpus),
+    /// else `KVLANE_CPUS`, else inherit).
+    pub(crate) fn placement(&self) -> Result<CpuPlacement, Error> {
+        Ok(CpuPlacement::resolve(self.cpus.as_ref())?)
+    }
+
     /// Control-plane settings (keep-alive, liveness budget, deadlines).
     pub fn control_config(mut self, config: Config) -> Self {
         let psk = self.control.psk.take();
@@ -246,6 +271,9 @@ impl AgentBuilder {
     /// Creates the backend, registers memory, binds the control node and
     /// starts the agent's event task. Needs a tokio runtime.
     pub async fn build(self) -> Result<Agent, Error> {
+        // The threads the backend and the transport start apply it.
+        let cpus = self.placement()?;
+        cpus.check()?;
         let data_listen = match &self.data_listen {
             Some(a) => a.clone(),
             None => format!("{}:0", host_of(&self.listen)),
@@ -259,13 +287,15 @@ impl AgentBuilder {
                     .map(|(_, r)| r)
                     .chain(self.regions.iter())
                     .collect();
-                crate::backend::create(
-                    self.backend,
-                    &data_listen,
-                    self.advertise.as_deref(),
-                    &self.rails,
-                    &regions,
-                )?
+                cpus.scope(|| {
+                    crate::backend::create(
+                        self.backend,
+                        &data_listen,
+                        self.advertise.as_deref(),
+                        &self.rails,
+                        &regions,
+                    )
+                })?
             }
         };
         let mut kv = Vec::new();
@@ -310,7 +340,7 @@ impl AgentBuilder {
         local = local.with_data_plane(blob);
         let incarnation = local.identity.incarnation;
         let data_rails = backend.rail_stats().len().max(1);
-        let transport = Transport::new(backend)?;
+        let transport = cpus.scope(|| Transport::new(backend))?;
         let notify_cap = self.control.notify_cap;
         let control = ControlNode::bind(self.control, local, &self.listen).await?;
         let (events, _) = broadcast::channel(1024);

@@ -22,9 +22,12 @@ pub struct BlockingAgent {
 impl BlockingAgent {
     /// Starts a runtime (`worker_threads` threads) and builds the agent on it.
     pub fn build(builder: AgentBuilder, worker_threads: usize) -> Result<Self, Error> {
+        // Its workers are kvlane's threads too: placed as the agent's.
+        let cpus = builder.placement()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(worker_threads.max(1))
             .thread_name("kvlane-agent")
+            .on_thread_start(move || cpus.clone().enter())
             .enable_all()
             .build()
             .map_err(|e| Error::msg(ErrorKind::Io, format!("start tokio runtime: {e}")))?;

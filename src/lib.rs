@@ -86,6 +86,7 @@ pub use error::{Error, ErrorKind};
 pub use events::{Notification, PeerEvent, PeerEventKind};
 pub use kvlane_control as control;
 pub use kvlane_data as data;
+pub use kvlane_data::{CpuPlacement, ENV_CPUS};
 pub use peer::{
     Peer, PreparedTransfer, TransferHandle, DEFAULT_TRANSFER_DEADLINE, MAX_TRANSFER_DEADLINE,
 };

@@ -84,9 +84,17 @@ fn report(e: &dyn std::error::Error) -> ExitCode {
     ExitCode::FAILURE
 }
 
+/// The CLI's runtime. Its workers apply `KVLANE_CPUS` as they start (an
+/// invalid value leaves them where they inherited; building an agent
+/// reports it).
 pub(crate) fn runtime() -> tokio::runtime::Runtime {
+    let cpus = kvlane::CpuPlacement::from_env()
+        .ok()
+        .flatten()
+        .unwrap_or_default();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .on_thread_start(move || cpus.clone().enter())
         .enable_all()
         .build()
         .expect("cannot start the tokio runtime")

@@ -104,6 +104,27 @@ pub enum DataError {
     /// The peer id is not known to this backend.
     #[error("{0} is not connected to this backend")]
     UnknownPeer(PeerId),
+    /// A cpu placement (`KVLANE_CPUS`, `AgentBuilder::cpus`) that does not
+    /// parse.
+    #[error(
+        "invalid cpu placement {value:?}: it {reason} (use inherit, all, or a cpu list like 0-3,8)"
+    )]
+    InvalidCpus {
+        /// The value as given.
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A cpu placement that the kernel refused for this process (none of
+    /// its cpus is one the process may use).
+    #[error("cannot place kvlane's threads on cpus {cpus}: {source}")]
+    Placement {
+        /// The placement asked for.
+        cpus: String,
+        /// The error of `sched_setaffinity`.
+        #[source]
+        source: io::Error,
+    },
     /// The backend cannot do this here.
     #[error("{backend}: unsupported: {what}")]
     Unsupported {

@@ -73,7 +73,8 @@
 #![deny(missing_docs)]
 // `unsafe` is allowed only where foreign memory is touched: `memory` (raw
 // copies and socket I/O on region memory, registration of foreign
-// pointers) and `verbs` (libibverbs FFI). Everything else is safe code.
+// pointers) and `verbs` (libibverbs FFI), and for the one affinity call of
+// `placement` (`sched_setaffinity`). Everything else is safe code.
 #![deny(unsafe_code)]
 
 mod backend;
@@ -89,6 +90,8 @@ pub mod layout;
 pub mod loopback;
 #[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness
 mod memory;
+#[allow(unsafe_code)] // sched_setaffinity (libc), in `set_affinity` only
+mod placement;
 mod progress;
 pub mod rails;
 pub mod tcp;
@@ -113,6 +116,7 @@ pub use loopback::{LoopbackBackend, LoopbackConfig};
 #[cfg(unix)]
 pub use memory::send_vectored;
 pub use memory::{Access, IoPart, MemoryKind, Region, RemoteRegion, IOV_MAX, REGION_ALIGN};
+pub use placement::{CpuPlacement, ENV_CPUS, MAX_CPU};
 pub use rails::{RailStats, Rails, RailsConfig};
 pub use smallvec::{smallvec, SmallVec};
 pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};

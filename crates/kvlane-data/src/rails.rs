@@ -880,14 +880,15 @@ impl Rails {
                 };
                 rp.redialing = true;
                 let (tx, waker, peer) = (self.redials.0.clone(), self.waker.clone(), *peer);
-                let spawned = std::thread::Builder::new()
-                    .name("kvlane-rail-dial".into())
-                    .spawn(move || {
+                let spawned = crate::placement::spawn(
+                    std::thread::Builder::new().name("kvlane-rail-dial".into()),
+                    move || {
                         let _ = tx.send((peer, i, new, connecting.run()));
                         if let Some(w) = waker {
                             w.wake();
                         }
-                    });
+                    },
+                );
                 if spawned.is_err() {
                     rp.redialing = false;
                     rp.down_since = Some(now);
@@ -1221,17 +1222,26 @@ impl Backend for Rails {
             // The rails dial in parallel: a slow one does not delay the rest.
             let handles: Vec<_> = work
                 .into_iter()
-                .map(|(i, c)| (i, std::thread::spawn(move || c.run())))
+                .map(|(i, c)| {
+                    let b = std::thread::Builder::new().name("kvlane-rail-connect".into());
+                    (i, crate::placement::spawn(b, move || c.run()))
+                })
                 .collect();
             let out = handles
                 .into_iter()
                 .map(|(i, h)| {
-                    let r = h.join().unwrap_or_else(|_| {
-                        Err(DataError::Unsupported {
-                            backend: "rails",
-                            what: "a rail's connect panicked",
-                        })
-                    });
+                    let r = match h {
+                        Ok(h) => h.join().unwrap_or_else(|_| {
+                            Err(DataError::Unsupported {
+                                backend: "rails",
+                                what: "a rail's connect panicked",
+                            })
+                        }),
+                        Err(source) => Err(DataError::Io {
+                            op: "spawn a rail's connect thread".into(),
+                            source,
+                        }),
+                    };
                     (i, r)
                 })
                 .collect();
@@ -1451,6 +1461,15 @@ impl Backend for Rails {
 
     fn needs_busy_poll(&self) -> bool {
         self.rails.iter().any(|r| r.backend.needs_busy_poll())
+    }
+
+    /// When every rail does, and no part waits for room and no rail is
+    /// being recovered (those move only by polls); its link reads are in
+    /// [`poll_by`](Backend::poll_by).
+    fn announces_arrivals(&self) -> bool {
+        self.pending.is_empty()
+            && !self.recovering()
+            && self.rails.iter().all(|r| r.backend.announces_arrivals())
     }
 
     /// The earliest of the rails' own answers and the next link read;

@@ -78,7 +78,7 @@ impl Agent {
     #[new]
     #[pyo3(signature = (engine_id = None, listen = "127.0.0.1:0", backend = "auto", psk = None,
         advertise = None, kv = None, regions = None, keepalive_interval = None, liveness_budget = None,
-        transfer_deadline = None, handshake_timeout = None))]
+        transfer_deadline = None, handshake_timeout = None, cpus = None))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python constructor
     fn py_new(
         py: Python<'_>,
@@ -93,7 +93,17 @@ impl Agent {
         liveness_budget: Option<u32>,
         transfer_deadline: Option<f64>,
         handshake_timeout: Option<f64>,
+        cpus: Option<String>,
     ) -> PyResult<Self> {
+        // Parsed first: a bad value is refused before anything starts.
+        let cpus = cpus
+            .map(|s| s.parse::<kvlane::CpuPlacement>())
+            .transpose()
+            .map_err(|e| to_py(e.into()))?;
+        let cpus = kvlane::CpuPlacement::resolve(cpus.as_ref()).map_err(|e| to_py(e.into()))?;
+        // The module's runtime, if this is the first agent, places its
+        // workers the same way.
+        crate::runtime::place(&cpus);
         let choice = match backend {
             "auto" => BackendChoice::Auto,
             "tcp" => BackendChoice::Tcp,
@@ -105,7 +115,10 @@ impl Agent {
                 )))
             }
         };
-        let mut b = kvlane::Agent::builder().listen(listen).backend(choice);
+        let mut b = kvlane::Agent::builder()
+            .listen(listen)
+            .backend(choice)
+            .cpus(cpus);
         if let Some(id) = engine_id {
             b = b.engine_id(id);
         }

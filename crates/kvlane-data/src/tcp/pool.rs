@@ -230,10 +230,11 @@ impl IoPool {
                 scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
                 again: Vec::new(),
             };
-            let handle = thread::Builder::new()
-                .name(format!("kvlane-tcp-init-{index}"))
-                .spawn(move || worker.run())
-                .map_err(io_err(format!("spawn tcp initiator I/O thread {index}")))?;
+            let handle = crate::placement::spawn(
+                thread::Builder::new().name(format!("kvlane-tcp-init-{index}")),
+                move || worker.run(),
+            )
+            .map_err(io_err(format!("spawn tcp initiator I/O thread {index}")))?;
             // On an error `pool` drops here, which stops the threads
             // already started.
             pool.threads.push(handle);

@@ -585,10 +585,11 @@ impl ServePool {
                 scratch: vec![0u8; super::io::IO_BUF].into_boxed_slice(),
                 again: Vec::new(),
             };
-            let handle = thread::Builder::new()
-                .name(format!("kvlane-tcp-io-{index}"))
-                .spawn(move || worker.run())
-                .map_err(io_err(format!("spawn tcp I/O thread {index}")))?;
+            let handle = crate::placement::spawn(
+                thread::Builder::new().name(format!("kvlane-tcp-io-{index}")),
+                move || worker.run(),
+            )
+            .map_err(io_err(format!("spawn tcp I/O thread {index}")))?;
             pool.homes.push(home);
             // On an error `pool` drops here, which stops the threads
             // already started.

@@ -211,12 +211,23 @@ class Agent:
         liveness_budget: Optional[int] = None,
         transfer_deadline: Optional[float] = None,
         handshake_timeout: Optional[float] = None,
+        cpus: Optional[str] = None,
     ) -> None:
         """``transfer_deadline``: seconds after its post a transfer may run
         before it fails with ``TimeoutError`` (default 30).
         ``keepalive_interval`` (seconds between pings), ``liveness_budget``
         (missed pings before a peer is dead) and ``handshake_timeout``
-        (seconds) tune the control plane."""
+        (seconds) tune the control plane.
+
+        ``cpus``: where the threads kvlane starts run: ``"inherit"`` (the
+        default: the mask of the thread that builds the agent, e.g. the
+        core an engine pinned its worker to), ``"all"`` (every CPU the
+        process may use, even when this thread was narrowed) or a CPU list
+        such as ``"0-3,8"``. Without it, the ``KVLANE_CPUS`` environment
+        variable decides. Threads are shared by the agents of a process:
+        the first agent's placement holds for them. A value that does not
+        parse, or names no CPU this process may use, raises
+        ``InvalidInputError`` naming it."""
         ...
     @property
     def engine_id(self) -> str: ...
