@@ -27,6 +27,9 @@ tokens with this model: one token in 128 no longer moves the argmax.)
   decode works;
 - `kill-prefill`: prefill killed; decode fails the requests whose KV was on
   it (finish_reason "error") within the liveness budget, and keeps serving;
+- `stop-prefill`: prefill frozen (SIGSTOP: sockets open, nothing answers);
+  decode fails its loads within the liveness budget (keep-alive), and
+  works with it again once it resumes;
 - `restart-prefill`: prefill restarted with the same engine id and side
   channel port; decode reaches the new one, and no request is answered from
   the old one's blocks (each is correct or failed, then correct again).
@@ -338,6 +341,42 @@ def check(a: argparse.Namespace) -> int:
             pd_round(prefill, decode, prompts, ref, max_tokens, "kill-prefill: new prefill")
             log("PASS kill-prefill: decode failed the lost requests in time and kept serving")
 
+        if "stop-prefill" in cases:
+            # A prefill that stops answering without closing anything (a
+            # hung host): only keep-alive can tell. SIGSTOP freezes its
+            # processes with their sockets open.
+            pre = prefill.run([changed(p) for p in prompts])
+            kv = [o["kv"] for o in pre["outputs"]]
+            os.killpg(prefill.proc.pid, signal.SIGSTOP)
+            try:
+                t = time.monotonic()
+                dec = decode.run(prompts, kv, max_tokens=max_tokens, timeout=a.liveness + 120)
+                secs = time.monotonic() - t
+            finally:
+                os.killpg(prefill.proc.pid, signal.SIGCONT)
+            bad = [o for o in dec["outputs"] if o["finish"] != "error"]
+            if bad:
+                raise Failed(f"stop-prefill: {len(bad)} of {len(kv)} requests did not fail: {bad}")
+            if secs > a.liveness:
+                raise Failed(f"stop-prefill: decode failed the requests after {secs:.1f} s, "
+                             f"past the liveness budget ({a.liveness} s)")
+            log(f"stop-prefill: decode failed all {len(kv)} requests of the frozen prefill "
+                f"in {secs:.2f} s")
+            for attempt in range(5):
+                pre = prefill.run([changed(p) for p in prompts])
+                outs = decode.run(prompts, [o["kv"] for o in pre["outputs"]],
+                                  max_tokens=max_tokens)["outputs"]
+                for p, want, o in zip(prompts, ref, outs):
+                    if o["finish"] != "error" and o["tokens"] != want:
+                        raise Failed(f"stop-prefill: wrong tokens after resume for a "
+                                     f"{len(p)}-token prompt")
+                if all(o["finish"] != "error" for o in outs):
+                    break
+            else:
+                raise Failed("stop-prefill: decode never reached the resumed prefill again")
+            log(f"PASS stop-prefill: failed within the liveness budget, correct again "
+                f"after {attempt} failed attempt(s) once it resumed")
+
         if "restart-prefill" in cases:
             port = prefill_port = s.port + 3
             ident = {"PD_ENGINE_ID": "prefill-restarted"}
@@ -450,7 +489,8 @@ def main() -> int:
     c = sub.choices["check"]
     c.add_argument("--connector", choices=["kvlane", "nixl"], default="kvlane")
     c.add_argument("--repeats", type=int, default=10)
-    c.add_argument("--cases", default="pd,kill-decode,kill-prefill,restart-prefill")
+    c.add_argument("--cases",
+                   default="pd,kill-decode,kill-prefill,stop-prefill,restart-prefill")
     c.add_argument("--liveness", type=float, default=15.0,
                    help="seconds within which decode must fail requests of a dead prefill")
     b = sub.choices["bench"]
