@@ -256,7 +256,26 @@ def pd_pipelined(prefill: Engine, decode: Engine, prompts: List[List[int]],
     return len(prompts)
 
 
+def start_hogs(n: int) -> List[subprocess.Popen]:
+    """`n` processes spinning on the last CPU, the core vLLM's CPU worker
+    reserves for its KV transport (and where kvlane's threads then run):
+    model threads of other engines on the same host, at their worst."""
+    last = max(os.sched_getaffinity(0))
+    code = f"import os; os.sched_setaffinity(0, [{last}])\nwhile True: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
 def check(a: argparse.Namespace) -> int:
+    hogs = start_hogs(a.hogs)
+    try:
+        return check_cases(a)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def check_cases(a: argparse.Namespace) -> int:
     s = Setup(a)
     c = a.connector
     env = s.connector_env(c)
@@ -491,6 +510,8 @@ def main() -> int:
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--cases",
                    default="pd,kill-decode,kill-prefill,stop-prefill,restart-prefill")
+    c.add_argument("--hogs", type=int, default=0,
+                   help="processes spinning on the last CPU (kvlane's core in vLLM) throughout")
     c.add_argument("--liveness", type=float, default=15.0,
                    help="seconds within which decode must fail requests of a dead prefill")
     b = sub.choices["bench"]

@@ -27,9 +27,10 @@
 //! caller's mask says nothing. `all` asks for the CPUs that are online and
 //! not isolated (`/sys/devices/system/cpu/online` minus `.../isolated`;
 //! every CPU the mask can name when those cannot be read), and the kernel
-//! intersects that with the process's cpuset (its cgroup, or a `taskset`
-//! of the whole process): `sched_setaffinity` never widens a thread past
-//! its cpuset, so `all` is exactly "what the process may use".
+//! intersects that with the process's cpuset (its cgroup):
+//! `sched_setaffinity` never widens a thread past its cpuset, so `all` is
+//! "what the cpuset lets the process use". A `taskset` of the whole
+//! process is a mask, not a cpuset: `all` widens past it, by design.
 
 use crate::error::DataError;
 use std::cell::RefCell;

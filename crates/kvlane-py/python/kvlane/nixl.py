@@ -131,12 +131,15 @@ import math
 import os
 import re
 import sys
+import logging
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 import kvlane
+
+_log = logging.getLogger("kvlane.nixl")
 
 __all__ = ["nixl_agent", "nixl_agent_config", "nixl_xfer_handle", "nixl_prepped_dlist_handle"]
 
@@ -392,6 +395,7 @@ class _Xfer:
         self.prepared = prepared
         self.transfer: Optional[kvlane.Transfer] = None
         self.failed: Optional[BaseException] = None
+        self.logged = False  # its failure was logged (check_xfer_state)
 
 
 def _bytes(msg: Any) -> Optional[bytes]:
@@ -847,6 +851,8 @@ class nixl_agent:
             x.transfer = x.peer.post(x.prepared)
         except (kvlane.PeerLostError, kvlane.ClosedError, kvlane.TimeoutError, kvlane.IoError) as e:
             x.failed = e
+            x.logged = True
+            _log.warning("kvlane.nixl: transfer %r (%s) was refused: %s", handle, x.op, e)
             return "ERR"
         return "DONE" if x.transfer.status == "done" else "PROC"
 
@@ -859,7 +865,13 @@ class nixl_agent:
             raise kvlane.InvalidInputError(f"kvlane.nixl: transfer handle {handle!r} was not posted")
         # Never blocks and keeps the GIL ("PROC" gives the core away once:
         # engines poll this in a loop).
-        return t._poll_state()
+        state = t._poll_state()
+        if state == "ERR" and not x.logged:
+            # NIXL's state says only "ERR"; the engine logs that much. Say
+            # why, once per transfer (peer, error kind, what timed out).
+            x.logged = True
+            _log.warning("kvlane.nixl: transfer %r (%s) failed: %s", handle, x.op, t.error)
+        return state
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
         x = self._xfer(handle)
