@@ -656,6 +656,26 @@ impl Peer {
                     .set(Timer::KeepAlive, now + self.config.keepalive_interval);
             }
             Timer::Liveness => {
+                // Dead means pings went unanswered, not only that the bound
+                // passed on the clock: a node whose own thread was not
+                // scheduled (a core shared with an engine's busy threads)
+                // sent none meanwhile and must not blame the peer for a
+                // silence it caused. On time, a dialer has `budget` pings
+                // out and an acceptor (which starts after 1.5 quiet
+                // intervals) `budget - 1`; fewer means this node stalled:
+                // give the peer the pings it is owed, one interval each.
+                let needed = self.config.liveness_budget.saturating_sub(1);
+                if self.is_up() && self.keepalive.unanswered < needed {
+                    let owed = needed - self.keepalive.unanswered;
+                    self.timers.set(
+                        Timer::Liveness,
+                        now + self.config.keepalive_interval.saturating_mul(owed),
+                    );
+                    if self.timers.get(Timer::KeepAlive).is_none_or(|at| at > now) {
+                        self.timers.set(Timer::KeepAlive, now);
+                    }
+                    return;
+                }
                 if self.is_up() {
                     self.last_error = Some(PeerError::KeepAliveTimeout {
                         missed: self.keepalive.unanswered,

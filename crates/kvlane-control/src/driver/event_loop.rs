@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::FutureExt;
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tracing::{debug, error};
 
@@ -58,15 +59,7 @@ pub(super) async fn run<C: Channel>(
             armed = deadline;
         }
         tokio::select! {
-            ev = d.chan.recv() => match ev {
-                Some(ChannelEvent::Frame { link, bytes }) => d.reg.handle_frame(now(), link, &bytes),
-                Some(ChannelEvent::Failed { id, reason }) => d.reg.handle_channel_error(now(), id, reason),
-                None => {
-                    error!("channel ended; closing the node");
-                    d.reg.close(now());
-                    closing.get_or_insert_with(Vec::new);
-                }
-            },
+            ev = d.chan.recv() => d.on_channel(ev, &mut closing),
             cmd = cmds.recv(), if closing.is_none() => match cmd {
                 Some(Command::Close { reply }) => {
                     d.reg.close(now());
@@ -80,6 +73,20 @@ pub(super) async fn run<C: Channel>(
             },
             () = &mut sleep, if armed.is_some() => {
                 armed = None;
+                // What arrived while this task did not run (its thread
+                // starved on a busy core, or the process stopped) is read
+                // before any deadline is judged: a pong that sits unread
+                // is not a missed pong. Bounded, so a flood cannot hold
+                // the timers off.
+                for _ in 0..DRAIN_BEFORE_TIMEOUT {
+                    match d.chan.recv().now_or_never() {
+                        Some(ev) => d.on_channel(ev, &mut closing),
+                        None => break,
+                    }
+                    if closing.is_some() {
+                        break;
+                    }
+                }
                 d.reg.handle_timeout(now());
             }
         }
@@ -106,7 +113,29 @@ pub(super) async fn run<C: Channel>(
     }
 }
 
+/// Inbound events read before a timeout is handled, at most (see the
+/// timer branch of [`run`]).
+const DRAIN_BEFORE_TIMEOUT: usize = 1024;
+
 impl<C: Channel> Driver<C> {
+    fn on_channel(
+        &mut self,
+        ev: Option<ChannelEvent>,
+        closing: &mut Option<Vec<oneshot::Sender<()>>>,
+    ) {
+        match ev {
+            Some(ChannelEvent::Frame { link, bytes }) => self.reg.handle_frame(now(), link, &bytes),
+            Some(ChannelEvent::Failed { id, reason }) => {
+                self.reg.handle_channel_error(now(), id, reason)
+            }
+            None => {
+                error!("channel ended; closing the node");
+                self.reg.close(now());
+                closing.get_or_insert_with(Vec::new);
+            }
+        }
+    }
+
     fn command(&mut self, cmd: Command) {
         let t = now();
         match cmd {

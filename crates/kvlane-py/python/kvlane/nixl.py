@@ -870,7 +870,7 @@ class nixl_agent:
             # NIXL's state says only "ERR"; the engine logs that much. Say
             # why, once per transfer (peer, error kind, what timed out).
             x.logged = True
-            _log.warning("kvlane.nixl: transfer %r (%s) failed: %s", handle, x.op, t.error)
+            _log.warning("kvlane.nixl: transfer %r (%s) failed: %s", handle, x.op, t.error())
         return state
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> _Telemetry:
