@@ -55,6 +55,10 @@
 //!    then `Dead` after the liveness budget, with an event naming the peer,
 //!    the attempts and the last error (`invariant_1_*`,
 //!    `keepalive_holds_20x_liveness_budget`, `total_loss_dead_within_bound`).
+//!    Dead takes unanswered pings, not only time: a node whose driver did
+//!    not run (its thread starved on a shared core) reads what arrived
+//!    meanwhile and sends the pings it owes before it judges a peer
+//!    (`a_stalled_driver_keeps_its_live_peers`).
 //! 2. A restarted peer (new incarnation) is re-handshaken and reported as
 //!    `Restarted` (`invariant_2_*`); the `kvlane` facade then fails
 //!    transfers prepared against the old incarnation as stale
