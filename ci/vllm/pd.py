@@ -256,6 +256,41 @@ def pd_pipelined(prefill: Engine, decode: Engine, prompts: List[List[int]],
     return len(prompts)
 
 
+def expect_failed(decode: Engine, prompts: List[List[int]], kv: List[Any], max_tokens: int,
+                  liveness: float, what: str) -> float:
+    """Decode's loads of a lost prefill's blocks must all fail, within the
+    liveness budget; returns how long that took."""
+    t = time.monotonic()
+    dec = decode.run(prompts, kv, max_tokens=max_tokens, timeout=liveness + 120)
+    secs = time.monotonic() - t
+    bad = [o for o in dec["outputs"] if o["finish"] != "error"]
+    if bad:
+        raise Failed(f"{what}: {len(bad)} of {len(kv)} requests did not fail: {bad}")
+    if secs > liveness:
+        raise Failed(f"{what}: decode failed the requests after {secs:.1f} s, "
+                     f"past the liveness budget ({liveness} s)")
+    return secs
+
+
+def until_correct(prefill: Engine, decode: Engine, prompts: List[List[int]],
+                  ref: List[List[int]], max_tokens: int, liveness: float, what: str) -> int:
+    """P/D rounds until every request succeeds (at most 5); a request may
+    fail meanwhile, never give wrong tokens. Returns the failed rounds."""
+    for attempt in range(5):
+        pre = prefill.run([changed(p) for p in prompts])
+        outs = decode.run(prompts, [o["kv"] for o in pre["outputs"]],
+                          max_tokens=max_tokens, timeout=liveness + 120)["outputs"]
+        for p, want, o in zip(prompts, ref, outs):
+            if o["finish"] != "error" and o["tokens"] != want:
+                raise Failed(f"{what}: wrong tokens {o['tokens']} for a "
+                             f"{len(p)}-token prompt (want {want})")
+        if all(o["finish"] != "error" for o in outs):
+            return attempt
+        log(f"{what}: attempt {attempt}: "
+            f"{sum(o['finish'] == 'error' for o in outs)} failed; again")
+    raise Failed(f"{what}: decode never reached the prefill again")
+
+
 def start_hogs(n: int) -> List[subprocess.Popen]:
     """`n` processes spinning on the last CPU, the core vLLM's CPU worker
     reserves for its KV transport (and where kvlane's threads then run):
@@ -342,15 +377,7 @@ def check_cases(a: argparse.Namespace) -> int:
             pre = prefill.run([changed(p) for p in prompts])
             kv = [o["kv"] for o in pre["outputs"]]
             prefill.kill()
-            t = time.monotonic()
-            dec = decode.run(prompts, kv, max_tokens=max_tokens, timeout=a.liveness + 120)
-            secs = time.monotonic() - t
-            bad = [o for o in dec["outputs"] if o["finish"] != "error"]
-            if bad:
-                raise Failed(f"kill-prefill: {len(bad)} of {len(kv)} requests did not fail: {bad}")
-            if secs > a.liveness:
-                raise Failed(f"kill-prefill: decode failed the requests after {secs:.1f} s, "
-                             f"past the liveness budget ({a.liveness} s)")
+            secs = expect_failed(decode, prompts, kv, max_tokens, a.liveness, "kill-prefill")
             log(f"kill-prefill: decode failed all {len(kv)} requests in {secs:.2f} s")
             # Decode keeps serving: a request of its own, then a new prefill.
             own = decode.run([prompts[0]], max_tokens=max_tokens)
@@ -368,39 +395,21 @@ def check_cases(a: argparse.Namespace) -> int:
             kv = [o["kv"] for o in pre["outputs"]]
             os.killpg(prefill.proc.pid, signal.SIGSTOP)
             try:
-                t = time.monotonic()
-                dec = decode.run(prompts, kv, max_tokens=max_tokens, timeout=a.liveness + 120)
-                secs = time.monotonic() - t
+                secs = expect_failed(decode, prompts, kv, max_tokens, a.liveness, "stop-prefill")
             finally:
                 os.killpg(prefill.proc.pid, signal.SIGCONT)
-            bad = [o for o in dec["outputs"] if o["finish"] != "error"]
-            if bad:
-                raise Failed(f"stop-prefill: {len(bad)} of {len(kv)} requests did not fail: {bad}")
-            if secs > a.liveness:
-                raise Failed(f"stop-prefill: decode failed the requests after {secs:.1f} s, "
-                             f"past the liveness budget ({a.liveness} s)")
             log(f"stop-prefill: decode failed all {len(kv)} requests of the frozen prefill "
                 f"in {secs:.2f} s")
-            for attempt in range(5):
-                pre = prefill.run([changed(p) for p in prompts])
-                outs = decode.run(prompts, [o["kv"] for o in pre["outputs"]],
-                                  max_tokens=max_tokens)["outputs"]
-                for p, want, o in zip(prompts, ref, outs):
-                    if o["finish"] != "error" and o["tokens"] != want:
-                        raise Failed(f"stop-prefill: wrong tokens after resume for a "
-                                     f"{len(p)}-token prompt")
-                if all(o["finish"] != "error" for o in outs):
-                    break
-            else:
-                raise Failed("stop-prefill: decode never reached the resumed prefill again")
+            attempt = until_correct(prefill, decode, prompts, ref, max_tokens, a.liveness,
+                                    "stop-prefill: after resume")
             log(f"PASS stop-prefill: failed within the liveness budget, correct again "
                 f"after {attempt} failed attempt(s) once it resumed")
 
         if "restart-prefill" in cases:
-            port = prefill_port = s.port + 3
+            port = s.port + 3
             ident = {"PD_ENGINE_ID": "prefill-restarted"}
             prefill.kill()
-            prefill = s.engine("prefill", c, {**penv, **ident}, side_port=prefill_port)
+            prefill = s.engine("prefill", c, {**penv, **ident}, side_port=port)
             pd_round(prefill, decode, prompts, ref, max_tokens, "restart-prefill: first")
             pre_old = prefill.run([changed(p) for p in prompts])
             prefill.kill()
@@ -409,27 +418,12 @@ def check_cases(a: argparse.Namespace) -> int:
             # fail, never read the new one's memory at those block ids.
             old = decode.run(prompts, [o["kv"] for o in pre_old["outputs"]],
                              max_tokens=max_tokens, timeout=a.liveness + 120)
-            for p, want, o in zip(prompts, ref, old["outputs"]):
+            for o in old["outputs"]:
                 if o["finish"] != "error":
                     raise Failed(f"restart-prefill: a request for the old incarnation's blocks "
                                  f"ended {o['finish']} with tokens {o['tokens']}")
-            ok = False
-            for attempt in range(5):
-                pre = prefill.run([changed(p) for p in prompts])
-                dec = decode.run(prompts, [o["kv"] for o in pre["outputs"]],
-                                 max_tokens=max_tokens, timeout=a.liveness + 120)
-                outs = dec["outputs"]
-                for p, want, o in zip(prompts, ref, outs):
-                    if o["finish"] != "error" and o["tokens"] != want:
-                        raise Failed(f"restart-prefill: wrong tokens {o['tokens']} for a "
-                                     f"{len(p)}-token prompt (want {want})")
-                if all(o["finish"] != "error" for o in outs):
-                    ok = True
-                    break
-                log(f"restart-prefill: attempt {attempt}: "
-                    f"{sum(o['finish'] == 'error' for o in outs)} failed; again")
-            if not ok:
-                raise Failed("restart-prefill: decode never reached the restarted prefill")
+            attempt = until_correct(prefill, decode, prompts, ref, max_tokens, a.liveness,
+                                    "restart-prefill")
             log(f"PASS restart-prefill: old-incarnation requests failed, new ones correct "
                 f"after {attempt} failed attempt(s)")
     except Failed as e:
