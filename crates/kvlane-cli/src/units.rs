@@ -26,6 +26,21 @@ pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("`{s}` is zero or too large"))
 }
 
+/// The largest region, and so the largest size a flag may ask for: no
+/// allocation is longer than `isize::MAX` bytes.
+pub(crate) const MAX_REGION_SIZE: u64 = isize::MAX as u64;
+
+/// Refuses a size `flag` asks for that no region can hold, with one line
+/// that names the flag and the value.
+pub(crate) fn check_region_size(flag: &str, n: u64) -> Result<u64, String> {
+    if n > MAX_REGION_SIZE {
+        return Err(format!(
+            "{flag} {n}: too large; a region holds at most {MAX_REGION_SIZE} bytes"
+        ));
+    }
+    Ok(n)
+}
+
 /// Parses `2`, `2s`, `1.5s`, `500ms`.
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();

@@ -23,6 +23,15 @@ pub enum DataError {
         /// Requested length.
         len: usize,
     },
+    /// A region longer than any allocation can be (`isize::MAX` bytes) was
+    /// asked for.
+    #[error("cannot allocate a region of {len} bytes: at most {max} bytes")]
+    RegionTooLarge {
+        /// Requested length.
+        len: usize,
+        /// The largest length a region can have.
+        max: usize,
+    },
     /// A local range is outside its region.
     #[error("range {offset}+{len} is outside {region} of {region_len} bytes")]
     OutOfBounds {

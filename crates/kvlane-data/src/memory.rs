@@ -337,8 +337,29 @@ fn map_huge(len: usize) -> Option<*mut u8> {
     Some(start as *mut u8)
 }
 
+/// The longest region: no Rust allocation or valid memory range is longer
+/// than `isize::MAX` bytes, and the raw copies of this module rely on it.
+const MAX_REGION_LEN: usize = isize::MAX as usize;
+
+/// Refuses a region length of 0 or past [`MAX_REGION_LEN`].
+fn check_len(len: usize) -> Result<(), DataError> {
+    if len == 0 {
+        return Err(DataError::EmptyRegion);
+    }
+    if len > MAX_REGION_LEN {
+        return Err(DataError::RegionTooLarge {
+            len,
+            max: MAX_REGION_LEN,
+        });
+    }
+    Ok(())
+}
+
 impl Region {
-    /// Allocates `len` zeroed, page-aligned bytes of host memory.
+    /// Allocates `len` zeroed, page-aligned bytes of host memory. A `len`
+    /// of 0 or past `isize::MAX` is refused ([`DataError::EmptyRegion`],
+    /// [`DataError::RegionTooLarge`]), memory the system cannot give with
+    /// [`DataError::Alloc`].
     ///
     /// On Linux, regions of 2 MiB and more are mapped directly, aligned to
     /// 2 MiB and advised to use transparent huge pages (`MADV_HUGEPAGE`):
@@ -346,12 +367,18 @@ impl Region {
     /// entries for a NIC registering them. Their pages are faulted in on
     /// first touch.
     pub fn alloc(len: usize, access: Access) -> Result<Self, DataError> {
-        if len == 0 {
-            return Err(DataError::EmptyRegion);
-        }
+        check_len(len)?;
         #[cfg(target_os = "linux")]
         if len >= HUGE_PAGE {
-            let mapped = len.next_multiple_of(HUGE_PAGE);
+            // `len <= isize::MAX` (checked above), so rounding up to a huge
+            // page cannot wrap; checked all the same, as every size is.
+            let mapped = len
+                .checked_next_multiple_of(HUGE_PAGE)
+                .filter(|&m| m <= MAX_REGION_LEN)
+                .ok_or(DataError::RegionTooLarge {
+                    len,
+                    max: MAX_REGION_LEN,
+                })?;
             let ptr = map_huge(mapped).ok_or(DataError::Alloc { len })?;
             return Ok(Self::wrap(
                 ptr,
@@ -390,7 +417,8 @@ impl Region {
     /// Registers foreign memory: an engine's KV tensor, or device memory
     /// exported as a dma-buf (`kind = MemoryKind::Device`, where `ptr` is the
     /// device virtual address). `keep_alive` is dropped with the last clone
-    /// of the region (use it to hold the tensor's owner).
+    /// of the region (use it to hold the tensor's owner). A `len` of 0 or
+    /// past `isize::MAX` is refused.
     ///
     /// # Safety
     ///
@@ -408,9 +436,7 @@ impl Region {
         access: Access,
         keep_alive: Option<Box<dyn Any + Send + Sync>>,
     ) -> Result<Self, DataError> {
-        if len == 0 {
-            return Err(DataError::EmptyRegion);
-        }
+        check_len(len)?;
         if ptr.is_null() {
             return Err(DataError::NullPointer);
         }
@@ -701,7 +727,9 @@ impl IoPart<'_> {
             Self::Bytes(b) => Self::Bytes(&b[(n as usize).min(b.len())..]),
             Self::Region(r, off, len) => {
                 let n = n.min(len);
-                Self::Region(r, off + n, len - n)
+                // A span whose end overflows stays refused when written:
+                // saturate instead of wrapping to an in-bounds offset.
+                Self::Region(r, off.saturating_add(n), len - n)
             }
         }
     }
@@ -831,6 +859,43 @@ mod tests {
             c.read(len as u64 - 5, &mut tail).unwrap();
             assert_eq!(tail, [round + 1; 5]);
         }
+    }
+
+    #[test]
+    fn alloc_refuses_lengths_whose_rounding_would_wrap() {
+        // The top 2 MiB of `usize` used to round up to 0 for the huge-page
+        // mapping (a panic in debug builds, a near-2^64 region over unmapped
+        // memory in release builds). Every length past `isize::MAX` is
+        // refused with a typed error; no region is made.
+        for len in [
+            usize::MAX,
+            usize::MAX - 1,
+            usize::MAX - (2 << 20) + 2,
+            usize::MAX / 2 + 1,
+        ] {
+            match Region::alloc(len, Access::ALL) {
+                Err(DataError::RegionTooLarge { len: l, max }) => {
+                    assert_eq!((l, max), (len, isize::MAX as usize));
+                }
+                Err(other) => panic!("alloc({len}): {other}"),
+                Ok(r) => panic!("alloc({len}) made a region of {} bytes", r.len()),
+            }
+        }
+        // A span whose end overflows never advances to an in-bounds offset.
+        let r = Region::alloc(64, Access::ALL).unwrap();
+        match IoPart::Region(&r, u64::MAX - 2, 10).advance(5) {
+            IoPart::Region(_, off, len) => {
+                assert_eq!((off, len), (u64::MAX, 5));
+                assert!(r.check_range(off, len).is_err());
+            }
+            IoPart::Bytes(_) => unreachable!(),
+        }
+        // Just below the cap: refused by the allocator (no such memory), as
+        // a typed error too, never a region.
+        assert!(matches!(
+            Region::alloc(isize::MAX as usize, Access::ALL),
+            Err(DataError::Alloc { .. } | DataError::RegionTooLarge { .. })
+        ));
     }
 
     #[test]

@@ -271,6 +271,12 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     if args.batch.contains(&0) || args.threads == 0 {
         return Err("--batch and --threads must be at least 1".into());
     }
+    // Sizes become region lengths: refuse what no region can hold before
+    // anything is allocated or printed.
+    for &b in &args.block_sizes {
+        units::check_region_size("--block-sizes", b)?;
+    }
+    units::check_region_size("--pool", args.pool)?;
     let mut backends: Vec<BackendKind> = Vec::new();
     if args.role == Role::Local {
         for &b in &args.backend {
