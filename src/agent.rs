@@ -7,7 +7,7 @@ use crate::events::{Notification, PeerEvent, PeerEventKind};
 use crate::frames::{self, DataPlaneInfo, KvAdvert, DP_ANSWER, DP_OFFER};
 use crate::peer::Peer;
 use crate::spans::MemSpan;
-use crate::state::{lock, Inner, LocalKv};
+use crate::state::{lock, Inner, LocalKv, Sender};
 use kvlane_control::{Config, ControlNode, Event, LocalInfo, Ranks};
 use kvlane_data::{Backend, CpuPlacement, FastMap, KvLayout, Op, Region, Transport};
 use std::collections::HashMap;
@@ -100,7 +100,11 @@ impl Default for AgentBuilder {
 }
 
 impl AgentBuilder {
-    /// This engine's id (shown to peers, carried in notifications).
+    /// This engine's id (shown to peers, carried in notifications): not
+    /// empty, at most [`MAX_ENGINE_ID_LEN`](kvlane_control::MAX_ENGINE_ID_LEN)
+    /// bytes, no control characters. [`build`](Self::build) refuses another
+    /// ([`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput)), as
+    /// peers refuse one at the handshake.
     pub fn engine_id(mut self, id: impl Into<String>) -> Self {
         self.engine_id = id.into();
         self
@@ -271,6 +275,9 @@ impl AgentBuilder {
     /// Creates the backend, registers memory, binds the control node and
     /// starts the agent's event task. Needs a tokio runtime.
     pub async fn build(self) -> Result<Agent, Error> {
+        // Before anything is allocated or bound: peers would refuse it.
+        kvlane_control::check_engine_id(&self.engine_id)
+            .map_err(kvlane_control::ControlError::from)?;
         // The threads the backend and the transport start apply it.
         let cpus = self.placement()?;
         cpus.check()?;
@@ -475,8 +482,11 @@ impl Inner {
                 return;
             }
             Event::Notification { payload, .. } => {
-                let engine = lock(&self.peers).get(&id).map(|e| e.engine_id.clone());
-                self.deliver_from(payload, engine, "control", || addr.clone());
+                let sender = match lock(&self.peers).get(&id) {
+                    Some(e) => Sender::Engine(e.engine_id.clone()),
+                    None => Sender::Unknown(addr),
+                };
+                self.deliver_from(payload, sender, "control");
                 return;
             }
             _ => return,
@@ -711,8 +721,9 @@ impl Agent {
     }
 
     /// Notifications refused because they named another sender than the
-    /// peer they came from, over the data plane or the control plane (see
-    /// [`Notification::from`]).
+    /// peer they came from, or came from a sender that maps to no
+    /// connection (a data-plane peer detached or never paired), over the
+    /// data plane or the control plane (see [`Notification::from`]).
     pub fn notifications_refused(&self) -> u64 {
         self.inner
             .notes_refused

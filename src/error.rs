@@ -182,6 +182,7 @@ impl From<ControlError> for Error {
                 ..
             } => ErrorKind::Timeout,
             ControlError::PeerCap { .. } => ErrorKind::Refused,
+            ControlError::EngineId(_) => ErrorKind::InvalidInput,
             ControlError::UnknownPeer(_) | ControlError::NotReady { .. } => ErrorKind::PeerLost,
             ControlError::Closed => ErrorKind::Closed,
             _ => ErrorKind::Io,

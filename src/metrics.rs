@@ -15,7 +15,7 @@
 //! | `kvlane_transfers_in_flight` | gauge | |
 //! | `kvlane_notifications_dropped_total` | counter | (unread queue full) |
 //! | `kvlane_notifications_queued` | gauge | (delivered, not yet read by the application) |
-//! | `kvlane_notifications_refused_total` | counter | (data-plane notifications naming another sender than the peer they came from) |
+//! | `kvlane_notifications_refused_total` | counter | (notifications naming another sender than the peer they came from, or from a sender that maps to no connection) |
 //!
 //! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |

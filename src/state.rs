@@ -17,6 +17,16 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+/// Who sent a notification, as the transport (never the payload) tells.
+pub(crate) enum Sender {
+    /// The engine id of the connection it came on.
+    Engine(String),
+    /// A sender that maps to no connection (named for the log).
+    Unknown(String),
+    /// The backend cannot tell its senders apart (loopback).
+    Untold,
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -127,8 +137,8 @@ pub(crate) struct Inner {
     /// a notification that finds the queue full is dropped and counted.
     pub(crate) note_tx: mpsc::Sender<Notification>,
     pub(crate) notes_dropped: AtomicU64,
-    /// Data-plane notifications refused because their frame named another
-    /// sender than the peer they came from.
+    /// Notifications refused because their frame named another sender
+    /// than the peer they came from, or their sender maps to no connection.
     pub(crate) notes_refused: AtomicU64,
     /// Dial data endpoints on any host, not only on the host of the
     /// control connection (see the `dial` module).
@@ -183,51 +193,81 @@ impl Inner {
         crate::spans::resolve_local(&all, spans, op)
     }
 
+    /// A notification that came over the data plane. When the backend
+    /// names the data-plane peer it came from, that peer's connection is
+    /// the sender: a peer that maps to no connection (detached, closed,
+    /// never paired) vouches for no name, so its notification is refused
+    /// and counted, and a frame that names another engine than the
+    /// connection's is refused too (a peer cannot speak for another
+    /// engine). A backend that cannot tell senders apart (loopback: its
+    /// peers are in this process) leaves the frame's name as it is.
+    pub(crate) fn deliver_data(&self, n: kvlane_data::Notification) {
+        let sender = match n.from {
+            None => Sender::Untold,
+            Some(pid) => {
+                let id = lock(&self.by_data_peer).get(&pid).copied();
+                let engine = id.and_then(|id| {
+                    lock(&self.peers)
+                        .get(&id)
+                        .filter(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
+                        .map(|e| e.engine_id.clone())
+                });
+                match engine {
+                    Some(e) => Sender::Engine(e),
+                    None => Sender::Unknown(pid.to_string()),
+                }
+            }
+        };
+        self.deliver_from(n.payload.to_vec(), sender, "data-plane");
+    }
+
+    /// Delivers a notification from `sender`, over the `plane` it came
+    /// by, or refuses and counts it
+    /// ([`Agent::notifications_refused`](crate::Agent::notifications_refused)):
+    /// from a sender that maps to no connection (or to one without an
+    /// engine id), or naming another engine than its sender's (one peer
+    /// cannot speak for another). Never delivered under a name nobody
+    /// vouches for.
+    pub(crate) fn deliver_from(&self, payload: Vec<u8>, sender: Sender, plane: &str) {
+        let note = match sender {
+            Sender::Engine(engine) if !engine.is_empty() => {
+                let note = crate::frames::notification(payload, || engine.clone());
+                if note.from != engine {
+                    return self.refuse_note(plane, &note.from, &engine, "names another sender");
+                }
+                note
+            }
+            Sender::Engine(_) => {
+                return self.refuse_note(plane, "", "a peer without an engine id", "no sender");
+            }
+            Sender::Unknown(who) => {
+                let note = crate::frames::notification(payload, String::new);
+                return self.refuse_note(
+                    plane,
+                    &note.from,
+                    &who,
+                    "its sender maps to no connection",
+                );
+            }
+            Sender::Untold => {
+                crate::frames::notification(payload, || "a data-plane peer".to_owned())
+            }
+        };
+        self.deliver(note);
+    }
+
+    fn refuse_note(&self, plane: &str, claimed: &str, sender: &str, why: &str) {
+        let refused = self.notes_refused.fetch_add(1, Ordering::AcqRel) + 1;
+        debug!(
+            claimed,
+            sender, refused, plane, why, "refused a notification"
+        );
+    }
+
     /// Queues a notification for the user, or drops and counts it when the
     /// queue is full (the user is not reading): never waits, so neither the
     /// control loop nor the data plane's completion path is held up. The
     /// first drop and every 1,000th after it are logged.
-    /// A notification that came over the data plane. When the backend
-    /// names the data-plane peer it came from, that peer's engine is the
-    /// sender, and a frame that names another is refused (a peer cannot
-    /// speak for another engine): counted, logged at debug.
-    pub(crate) fn deliver_data(&self, n: kvlane_data::Notification) {
-        let engine = n.from.and_then(|pid| {
-            let id = *lock(&self.by_data_peer).get(&pid)?;
-            lock(&self.peers)
-                .get(&id)
-                .filter(|e| e.data_peer == Some(pid) || e.served_peer == Some(pid))
-                .map(|e| e.engine_id.clone())
-        });
-        self.deliver_from(n.payload.to_vec(), engine, "data-plane", || {
-            "a data-plane peer".to_owned()
-        });
-    }
-
-    /// Delivers a notification that came from the peer whose engine id is
-    /// `engine` (`None` when unknown, then `fallback` names it if the
-    /// payload does not); over the `plane` it came by. A frame that names
-    /// another engine than its sender is refused and counted
-    /// ([`Agent::notifications_refused`](crate::Agent::notifications_refused)):
-    /// one peer cannot speak for another.
-    pub(crate) fn deliver_from(
-        &self,
-        payload: Vec<u8>,
-        engine: Option<String>,
-        plane: &str,
-        fallback: impl FnOnce() -> String,
-    ) {
-        let engine = engine.filter(|e| !e.is_empty());
-        let note = crate::frames::notification(payload, || engine.clone().unwrap_or_else(fallback));
-        if let Some(engine) = engine.filter(|e| *e != note.from) {
-            let refused = self.notes_refused.fetch_add(1, Ordering::AcqRel) + 1;
-            debug!(claimed = %note.from, sender = %engine, refused, plane,
-                "refused a notification that names another sender");
-            return;
-        }
-        self.deliver(note);
-    }
-
     pub(crate) fn deliver(&self, note: Notification) {
         if let Err(mpsc::error::TrySendError::Full(n)) = self.note_tx.try_send(note) {
             let dropped = self.notes_dropped.fetch_add(1, Ordering::AcqRel) + 1;

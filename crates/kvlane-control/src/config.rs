@@ -155,6 +155,58 @@ pub struct ConfigError {
     pub field: &'static str,
 }
 
+/// Why a string cannot be an engine id: peers are told apart, and their
+/// notifications attributed, by it, so it must name something.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineIdError {
+    /// The id is empty.
+    #[error("engine id is empty")]
+    Empty,
+    /// The id is longer than [`MAX_ENGINE_ID_LEN`].
+    #[error("engine id is {len} bytes, more than the {max} allowed")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
+    /// The id holds a control character (a newline, NUL, escape, ...).
+    #[error("engine id {id:?} holds a control character at byte {at}")]
+    ControlChar {
+        /// The id, as sent (at most the allowed length, so short).
+        id: String,
+        /// Byte offset of the first control character.
+        at: usize,
+    },
+}
+
+/// The longest engine id, in bytes.
+pub const MAX_ENGINE_ID_LEN: usize = 256;
+
+/// Checks that `id` can name an engine: not empty, at most
+/// [`MAX_ENGINE_ID_LEN`] bytes, no control characters. Both ends of a
+/// handshake check it: a node refuses to start with a malformed id of its
+/// own, and refuses a peer that claims one.
+pub fn check_engine_id(id: &str) -> Result<(), EngineIdError> {
+    if id.is_empty() {
+        return Err(EngineIdError::Empty);
+    }
+    if id.len() > MAX_ENGINE_ID_LEN {
+        return Err(EngineIdError::TooLong {
+            len: id.len(),
+            max: MAX_ENGINE_ID_LEN,
+        });
+    }
+    match id.char_indices().find(|(_, c)| c.is_control()) {
+        Some((at, _)) => Err(EngineIdError::ControlChar {
+            id: id.to_owned(),
+            at,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A pre-shared key. Its `Debug` output is redacted so keys never reach logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Psk(Vec<u8>);
@@ -307,5 +359,30 @@ impl PortPlan {
         let offset = u64::from(ranks.dp_rank) * u64::from(self.tp_size) + u64::from(ranks.tp_rank);
         let port = u64::from(self.base) + offset;
         u16::try_from(port).map_err(|_| overflow)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_ids_are_checked() {
+        assert_eq!(check_engine_id(""), Err(EngineIdError::Empty));
+        assert_eq!(
+            check_engine_id(&"e".repeat(257)),
+            Err(EngineIdError::TooLong { len: 257, max: 256 })
+        );
+        assert!(matches!(
+            check_engine_id("a\tb"),
+            Err(EngineIdError::ControlChar { at: 1, .. })
+        ));
+        assert!(matches!(
+            check_engine_id("a\u{85}"),
+            Err(EngineIdError::ControlChar { at: 1, .. })
+        ));
+        for ok in ["e", "prefill-0", "décode 1/8", &"e".repeat(256)] {
+            assert_eq!(check_engine_id(ok), Ok(()), "{ok:?}");
+        }
     }
 }

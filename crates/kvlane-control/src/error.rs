@@ -80,6 +80,14 @@ pub enum Refusal {
         /// The address the reflected handshake came from or went to.
         peer: String,
     },
+    /// The peer claims an engine id that cannot name an engine.
+    #[error("{peer} sent a malformed engine id: {problem}")]
+    EngineId {
+        /// The address the handshake came from or went to.
+        peer: String,
+        /// What is wrong with the id.
+        problem: crate::config::EngineIdError,
+    },
     /// The remote node has reached its peer cap.
     #[error("peer cap of {cap} reached")]
     PeerCap {
@@ -104,6 +112,7 @@ impl Refusal {
             Self::Fingerprint { .. } => "fingerprint_mismatch",
             Self::Auth { .. } => "auth_failed",
             Self::Reflected { .. } => "reflected",
+            Self::EngineId { .. } => "bad_engine_id",
             Self::PeerCap { .. } => "peer_cap",
             Self::Remote { code, .. } => code,
         }
@@ -238,6 +247,9 @@ pub enum ControlError {
     /// The configuration is unusable.
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// This node's own engine id cannot name an engine.
+    #[error("invalid local identity: {0}")]
+    EngineId(#[from] crate::config::EngineIdError),
     /// Connecting to a peer failed.
     #[error("connect to {addr} failed after {attempts} attempts: {last_error}")]
     Connect {

@@ -116,7 +116,10 @@ mod registry;
 mod timer;
 pub mod wire;
 
-pub use config::{Config, ConfigError, LocalInfo, PortPlan, Psk, RemoteInfo, Route};
+pub use config::{
+    check_engine_id, Config, ConfigError, EngineIdError, LocalInfo, PortPlan, Psk, RemoteInfo,
+    Route, MAX_ENGINE_ID_LEN,
+};
 pub use error::{
     ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError,
 };

@@ -275,7 +275,7 @@ pub struct Bye {
 pub struct ErrorMsg {
     /// Protocol version.
     pub version: u16,
-    /// Stable code (`version_mismatch`, `fingerprint_mismatch`, `auth_failed`, `peer_cap`, ...).
+    /// Stable code (`version_mismatch`, `fingerprint_mismatch`, `auth_failed`, `bad_engine_id`, `peer_cap`, ...).
     pub code: String,
     /// Human-readable reason naming both values.
     pub reason: String,

@@ -9,7 +9,7 @@ use tokio::task::JoinHandle;
 use tracing::{error, info_span, Instrument};
 
 use crate::channel::{Channel, ZmqChannel};
-use crate::config::{Config, LocalInfo, PortPlan, RemoteInfo, Route};
+use crate::config::{check_engine_id, Config, LocalInfo, PortPlan, RemoteInfo, Route};
 use crate::error::{ControlError, GroupError};
 use crate::group::{GroupHandshake, GroupMember};
 use crate::ids::ConnectionId;
@@ -139,12 +139,15 @@ impl ControlNode {
         listen_addr: &str,
     ) -> Result<Self, ControlError> {
         config.validate()?;
+        check_engine_id(&local.identity.engine_id)?;
         let chan = ZmqChannel::bind(listen_addr, &config).await?;
         Ok(Self::with_channel(config, local, chan))
     }
 
     /// A node over any channel (e.g. [`crate::channel::MemChannel`]). The
-    /// config is [normalized](Config::normalized) rather than refused.
+    /// config is [normalized](Config::normalized) rather than refused, and
+    /// the engine id is not checked here (peers refuse a malformed one at
+    /// the handshake; [`bind`](Self::bind) refuses it up front).
     pub fn with_channel<C: Channel>(config: Config, local: LocalInfo, channel: C) -> Self {
         let config = Arc::new(config.normalized());
         let local_addr = channel.local_addr();

@@ -9,23 +9,33 @@ use tracing::debug;
 
 use super::{encode, Hs, Peer, Transmit};
 use crate::auth::{self, Proof};
-use crate::config::RemoteInfo;
+use crate::config::{check_engine_id, RemoteInfo};
 use crate::error::Refusal;
 use crate::timer::Timer;
-use crate::wire::{Auth, AuthAck, Hello, HelloAck, Message, PROTOCOL_VERSION};
+use crate::wire::{Auth, AuthAck, Hello, HelloAck, Identity, Message, PROTOCOL_VERSION};
 
 impl Peer {
-    pub(super) fn check_compat(&self, version: u16, fingerprint: &str) -> Option<Refusal> {
+    /// What the peer's identity (as its handshake states it) makes us
+    /// refuse: another protocol version, another config fingerprint, or an
+    /// engine id that cannot name an engine (a peer known by no name, or by
+    /// one that breaks log lines, cannot be told apart from another).
+    pub(super) fn check_compat(&self, version: u16, identity: &Identity) -> Option<Refusal> {
         if version != PROTOCOL_VERSION {
             return Some(Refusal::Version {
                 local: PROTOCOL_VERSION,
                 remote: version,
             });
         }
-        if fingerprint != self.local.identity.fingerprint {
+        if identity.fingerprint != self.local.identity.fingerprint {
             return Some(Refusal::Fingerprint {
                 local: self.local.identity.fingerprint.clone(),
-                remote: fingerprint.to_owned(),
+                remote: identity.fingerprint.clone(),
+            });
+        }
+        if let Err(problem) = check_engine_id(&identity.engine_id) {
+            return Some(Refusal::EngineId {
+                peer: self.addr.clone(),
+                problem,
             });
         }
         None
@@ -37,7 +47,7 @@ impl Peer {
             .set(Timer::Handshake, now + self.config.handshake_timeout);
         match (self.key(), h.auth) {
             (None, false) => {
-                if let Some(r) = self.check_compat(h.version, &h.identity.fingerprint) {
+                if let Some(r) = self.check_compat(h.version, &h.identity) {
                     return self.refuse(now, r, true);
                 }
                 let peer_host = h.source.as_deref().and_then(|s| s.parse().ok());
@@ -118,7 +128,7 @@ impl Peer {
         };
         match self.key() {
             None => {
-                if let Some(r) = self.check_compat(ack.version, &ack.identity.fingerprint) {
+                if let Some(r) = self.check_compat(ack.version, &ack.identity) {
                     return self.refuse(now, r, true);
                 }
                 let identity = ack.identity;
@@ -206,7 +216,7 @@ impl Peer {
             return self.refuse_reflected(now);
         }
         // The peer is authenticated: from here on a refusal may name values.
-        if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
+        if let Some(r) = self.check_compat(a.version, &a.identity) {
             return self.refuse(now, r, true);
         }
         let local = self.local.identity.clone();
@@ -273,7 +283,7 @@ impl Peer {
         if a.identity == self.local.identity {
             return self.refuse_reflected(now);
         }
-        if let Some(r) = self.check_compat(a.version, &a.identity.fingerprint) {
+        if let Some(r) = self.check_compat(a.version, &a.identity) {
             return self.refuse(now, r, true);
         }
         self.become_ready(
