@@ -5,18 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=$(realpath -m "${KVLANE_VENV:-target/py-venv}")
-if [ ! -x "$venv/bin/python" ]; then
-  if ! python3 -m venv "$venv" 2>/dev/null; then
-    # Debian ships venv's pip bootstrap separately.
-    echo "ci/test-python.sh: installing python3-venv" >&2
-    if [ "$(id -u)" = 0 ]; then apt-get install -y -qq python3-venv; else sudo apt-get install -y -qq python3-venv; fi
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-  fi
-fi
+# shellcheck source=ci/py-venv.sh
+source ci/py-venv.sh
 export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin`
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install 'maturin>=1.7,<2' numpy pytest
 # The real NIXL, for the differential test (its Python API runs without a
 # GPU over UCX tcp; --no-deps skips the CUDA stack it does not need here).

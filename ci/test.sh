@@ -5,10 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Interop tests talk to a Python pyzmq peer; they fail (not skip) without it.
-if ! python3 -c 'import zmq, msgpack' 2>/dev/null; then
-  echo "ci/test.sh: installing pyzmq and msgpack for the interop tests" >&2
-  python3 -m pip install --quiet --disable-pip-version-check pyzmq msgpack
+# It runs in the tests' venv (ci/py-venv.sh; Debian's python3 refuses a
+# system-wide pip install), which KVLANE_PYTHON names to the tests.
+# shellcheck source=ci/py-venv.sh
+source ci/py-venv.sh
+if ! "$venv/bin/python" -c 'import zmq, msgpack' 2>/dev/null; then
+  echo "ci/test.sh: installing pyzmq and msgpack into $venv for the interop tests" >&2
+  "${pip[@]}" install pyzmq msgpack
 fi
+export KVLANE_PYTHON="$venv/bin/python"
 
 # The multi-host tests (crates/kvlane-cli/tests/multihost.rs) build network
 # namespaces: they need root, install iproute2 and nftables if missing, and

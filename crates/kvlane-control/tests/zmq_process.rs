@@ -133,19 +133,26 @@ async fn invariant_9_garbage_from_raw_tcp_does_not_end_listener() {
     b.close().await;
 }
 
-/// Runs `tests/py/peer.py`; fails loudly when python3, pyzmq or msgpack are missing.
+/// Runs `tests/py/peer.py` with `$KVLANE_PYTHON` (ci/test.sh points it at
+/// the tests' venv; default `python3`); fails loudly when that python,
+/// pyzmq or msgpack are missing.
 fn run_python(mode: &str, addr: &str) -> String {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/peer.py");
-    let out = Command::new("python3")
+    let python = std::env::var("KVLANE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
         .args([script, mode, addr])
         .output()
         .unwrap_or_else(|e| {
-            panic!("python3 not runnable ({e}); install python3 and `pip install pyzmq msgpack`")
+            panic!(
+                "{python} not runnable ({e}); set KVLANE_PYTHON to a python with pyzmq and \
+                 msgpack (ci/test.sh makes one in target/py-venv)"
+            )
         });
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.code() != Some(3),
-        "python modules missing: `pip install pyzmq msgpack` ({stderr})"
+        "python modules missing in {python}: install pyzmq and msgpack there, or run \
+         ci/test.sh, which sets up target/py-venv ({stderr})"
     );
     assert!(
         out.status.success(),
