@@ -134,6 +134,11 @@ run() {
       step "Python flow (mock)" env KVLANE_TEST_GPU="$dev" timeout 150 "$py" "$dir/gpu_flow.py" mock
     elif "$py" -c 'import torch, numpy'; then
       step "Python flow (torch)" env KVLANE_TEST_GPU="$dev" timeout 150 "$py" "$dir/gpu_flow.py" torch
+      if "$py" -c 'import cupy' 2>/dev/null; then
+        step "Python flow (cupy)" env KVLANE_TEST_GPU="$dev" timeout 150 "$py" "$dir/gpu_flow.py" cupy
+      else
+        log "SKIPPED: Python flow (cupy): $py has no cupy (optional)"
+      fi
     else
       log "FAILED: $py lacks torch or numpy"; failed+=("Python flow: $py lacks torch or numpy")
     fi

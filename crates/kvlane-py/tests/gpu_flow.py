@@ -5,6 +5,7 @@ GPU driver is loaded once per process, so each mode gets a fresh one).
     python gpu_flow.py mock     # KVLANE_CUDA_LIBRARY = the MOCK driver
     python gpu_flow.py mock-rocm  # KVLANE_HIP_LIBRARY = the MOCK HIP runtime, no CUDA
     python gpu_flow.py torch    # a real GPU, torch CUDA tensors (ci/gpu.sh)
+    python gpu_flow.py cupy     # a real GPU, a CuPy array (needs CuPy)
 
 ``mock`` and ``torch`` end with a two-process run: this process WRITEs
 GPU memory into GPU memory of a child process (``target-mock`` /
@@ -228,22 +229,27 @@ def torch_flow() -> None:
         time.sleep(0.01)
     assert state == "DONE", state
     assert torch.equal(src, dst), "nixl VRAM WRITE bytes differ"
-    try:
-        import cupy
-    except ImportError:
-        print("cupy not installed: skipped the CuPy registration check")
-    else:
-        c = cupy.zeros(4096, dtype=cupy.uint8)
-        assert kvlane.Memory(c).device == dev
     ini.close()
     tgt.close()
     two_processes("torch")
 
 
+def cupy_flow() -> None:
+    """A CuPy array registers as memory of its GPU. Run only where CuPy is
+    installed (test_gpu.py skips with the reason otherwise); without it
+    this mode fails, it does not pass quietly."""
+    import cupy
+
+    dev = os.environ.get("KVLANE_TEST_GPU", "cuda:0")
+    c = cupy.zeros(4096, dtype=cupy.uint8)
+    m = kvlane.Memory(c)
+    assert m.device == dev, m
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     {
-        "absent": absent, "mock": mock, "mock-rocm": lambda: mock("rocm"), "torch": torch_flow,
+        "absent": absent, "mock": mock, "mock-rocm": lambda: mock("rocm"), "torch": torch_flow, "cupy": cupy_flow,
         "target-mock": lambda: target("mock"), "target-mock-rocm": lambda: target("mock-rocm"),
         "target-torch": lambda: target("torch"),
     }[mode]()

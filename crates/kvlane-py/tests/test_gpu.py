@@ -52,3 +52,10 @@ def test_rocm_memory_over_tcp_with_the_mock_hip_runtime_and_no_cuda(tmp_path):
                     reason="needs a GPU: KVLANE_TEST_GPU=cuda:0 (ci/gpu.sh)")
 def test_torch_cuda_tensors_on_a_real_gpu():
     flow("torch", {})
+
+
+@pytest.mark.skipif("KVLANE_TEST_GPU" not in os.environ,
+                    reason="needs a GPU: KVLANE_TEST_GPU=cuda:0 (ci/gpu.sh)")
+def test_cupy_arrays_register_as_memory_of_their_gpu():
+    pytest.importorskip("cupy", reason="CuPy is not installed (optional; e.g. cupy-cuda12x)")
+    flow("cupy", {})
