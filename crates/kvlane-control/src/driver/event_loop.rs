@@ -294,6 +294,9 @@ impl<C: Channel> Driver<C> {
         while let Some(rid) = self.reg.poll_adopted_link() {
             self.chan.adopt_accepted(&rid);
         }
+        while let Some(rid) = self.reg.poll_proven_link() {
+            self.chan.protect_accepted(&rid);
+        }
         // After the transmits: a refusal goes out before its link closes.
         while let Some(rid) = self.reg.poll_released_link() {
             self.chan.close_accepted(&rid);
