@@ -39,7 +39,9 @@ fn init_logging() {
                 .with_ansi(false)
                 .try_init();
         }
-        Err(e) => eprintln!("kvlane: {ENV_LOG}={spec:?} is not a log filter ({e}); logging stays off"),
+        Err(e) => {
+            eprintln!("kvlane: {ENV_LOG}={spec:?} is not a log filter ({e}); logging stays off")
+        }
     }
 }
 
