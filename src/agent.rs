@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
-use tracing::{info, warn};
+use tracing::info;
 
 /// How long a backend's connect may take on top of the handshake, as far
 /// as `connect` waiting for the data plane is concerned: the tcp backend
@@ -383,18 +383,16 @@ impl AgentBuilder {
             rail,
             control_stats: Mutex::new(kvlane_control::Stats::default()),
         });
-        let mut control_events = inner.control.events();
+        // The owner's stream: lossless for peer lifecycle (a flood of
+        // refused hellos or of notifications never pushes out a peer's
+        // Ready or Dead), bounded and counted for notifications.
+        let mut control_events = inner
+            .control
+            .take_events()
+            .ok_or_else(|| Error::msg(ErrorKind::Closed, "control events already taken"))?;
         let weak = Arc::downgrade(&inner);
         let control_task = tokio::spawn(async move {
-            loop {
-                let ev = match control_events.recv().await {
-                    Ok(ev) => ev,
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        warn!(missed = n, "agent lagged behind control events");
-                        continue;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                };
+            while let Some(ev) = control_events.recv().await {
                 let Some(inner) = weak.upgrade() else { break };
                 inner.on_control_event(ev);
             }

@@ -38,9 +38,11 @@ pub struct Config {
     /// sending and dropped (counted as oversized) when received. Default 64 KiB.
     pub notify_cap: usize,
     /// Events buffered for [`ControlNode::events`](crate::ControlNode::events)
-    /// subscribers; a slow subscriber lags (loses the oldest) instead of
-    /// blocking the driver. With `notify_cap` this bounds the memory held
-    /// for unread events. Default 1024.
+    /// subscribers (a slow subscriber lags, losing the oldest, instead of
+    /// blocking the driver), and unread notifications held for the owner's
+    /// stream ([`ControlNode::take_events`](crate::ControlNode::take_events),
+    /// which never drops a lifecycle event). With `notify_cap` this bounds
+    /// the memory held for unread notifications. Default 1024.
     pub event_capacity: usize,
     /// How long `close` waits for the remote `bye` that proves our last
     /// frames were delivered. Default 200 ms.

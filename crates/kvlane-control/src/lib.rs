@@ -129,6 +129,6 @@ pub use peer::{Event, Peer, Role, State, Stats, Transmit};
 pub use registry::{ConnectRefused, Link, PeerEvent, Registry};
 
 pub use channel::{Channel, ChannelEvent, MemChannel, MemNetwork, ZmqChannel};
-pub use driver::{ControlNode, PeerSnapshot};
+pub use driver::{ControlNode, EventStream, PeerSnapshot};
 pub use group::{GroupHandshake, GroupMember};
 pub use probe::probe;

@@ -122,6 +122,11 @@ pub struct Stats {
     pub handshakes_evicted: u64,
     /// Remembered incarnations forgotten because the map was full.
     pub incarnations_evicted: u64,
+    /// Events dropped from the owner's event stream
+    /// ([`ControlNode::take_events`](crate::ControlNode::take_events)):
+    /// notifications past [`Config::event_capacity`](crate::Config::event_capacity)
+    /// unread ones (lifecycle events are never dropped once it is taken).
+    pub events_dropped: u64,
 }
 
 impl Stats {

@@ -118,6 +118,9 @@ pub struct Registry {
     /// Routing ids of accepted links a connection started on
     /// ([`poll_adopted_link`](Self::poll_adopted_link)).
     adopted_links: VecDeque<Bytes>,
+    /// Routing ids of accepted links whose connection reached `Ready`
+    /// ([`poll_proven_link`](Self::poll_proven_link)).
+    proven_links: VecDeque<Bytes>,
 }
 
 impl Registry {
@@ -136,6 +139,7 @@ impl Registry {
             events: VecDeque::new(),
             released_links: VecDeque::new(),
             adopted_links: VecDeque::new(),
+            proven_links: VecDeque::new(),
             stats: Stats::default(),
             refused_at_cap: 0,
             pending: BTreeSet::new(),
@@ -566,6 +570,14 @@ impl Registry {
         self.adopted_links.pop_front()
     }
 
+    /// Next accepted link (routing id) whose connection reached `Ready`
+    /// (proved itself): the transport keeps it when it has to make room
+    /// for new connections ([`Channel::protect_accepted`](crate::Channel::protect_accepted)).
+    #[must_use]
+    pub fn poll_proven_link(&mut self) -> Option<Bytes> {
+        self.proven_links.pop_front()
+    }
+
     /// Next accepted link (routing id) that no connection uses any more:
     /// its connection was released (closed, refused, evicted, timed out,
     /// reaped). The driver has the transport close it, so that a peer
@@ -622,6 +634,7 @@ impl Registry {
             events.push(ev);
         }
         let closed = e.peer.is_closed();
+        let failed_handshake = acceptor && e.peer.state() == State::Dead;
         let next = e.peer.poll_timeout();
         if let Some((engine, ranks, incarnation)) = ready {
             self.on_ready(id, acceptor, &addr, (engine, ranks), incarnation);
@@ -640,6 +653,11 @@ impl Registry {
             }));
         if closed {
             self.forget(id);
+        } else if failed_handshake && self.pending.contains(&id) {
+            // Refused or timed out before it proved itself: released (and
+            // its link closed, after the refusal is sent) at once, so it
+            // holds no slot while it stays connected.
+            self.release(id);
         } else {
             self.schedule(id, next);
         }
@@ -659,6 +677,9 @@ impl Registry {
     ) {
         self.pending.remove(&id);
         let old_incarnation = self.incarnations.get(&key).copied();
+        if let Some(Link::Accepted(rid)) = self.peers.get(&id).map(|e| &e.link) {
+            self.proven_links.push_back(rid.clone());
+        }
         if acceptor {
             if let Some(old) = self.by_engine.get(&key).copied().filter(|&o| o != id) {
                 if let Some(e) = self.peers.get_mut(&old) {

@@ -161,8 +161,9 @@ async fn silent_connections_are_closed_after_the_handshake_timeout() {
 }
 
 /// At most `peer_cap + handshake_cap` accepted connections are open at once;
-/// past that a new connection is closed at accept, and a slot freed by a
-/// closed connection is usable again.
+/// past that a new connection evicts the oldest one that has not proven
+/// itself (here: still in its ZMTP greeting), and a peer that reached
+/// `Ready` is never evicted, however many connections come after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_connections_are_capped() {
     let config = Config {
@@ -171,9 +172,13 @@ async fn accepted_connections_are_capped() {
         handshake_timeout: Duration::from_secs(30),
         ..fast_config()
     };
-    let b = ControlNode::bind(config, local("b"), "127.0.0.1:0")
+    let b = ControlNode::bind(config.clone(), local("b"), "127.0.0.1:0")
         .await
         .expect("bind");
+    let a = ControlNode::bind(config, local("a"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let (id, _) = a.connect(b.local_addr()).await.expect("connect");
     let addr = b.local_addr().to_owned();
     tokio::task::spawn_blocking(move || {
         let greeted = |s: &mut TcpStream| {
@@ -182,31 +187,30 @@ async fn accepted_connections_are_capped() {
             let mut g = [0u8; 10];
             s.read_exact(&mut g).map(|()| g[0] == 0xff)
         };
-        let mut held: Vec<_> = (0..4)
+        // `a` holds one slot; three more fill the cap.
+        let mut held: Vec<_> = (0..3)
             .map(|_| TcpStream::connect(&addr).expect("connect"))
             .collect();
         for s in &mut held {
             assert!(greeted(s).expect("a connection within the cap is greeted"));
         }
+        // Past the cap: the newcomer is served, the oldest unproven
+        // connection is closed for it.
         let mut extra = TcpStream::connect(&addr).expect("connect");
-        closed_by_server(&mut extra, Duration::from_secs(10))
-            .expect("a connection past the cap is closed");
-        // Free one slot; the accept loop sees the close once the
-        // connection's reader ends, so retry a few times (bounded).
-        drop(held.pop());
-        let mut again = None;
-        for _ in 0..100 {
+        assert!(greeted(&mut extra).expect("a connection past the cap is greeted"));
+        closed_by_server(&mut held[0], Duration::from_secs(10))
+            .expect("the oldest unproven connection is evicted");
+        // Many more: each evicts an unproven one, never `a`.
+        for _ in 0..20 {
             let mut s = TcpStream::connect(&addr).expect("connect");
-            if greeted(&mut s).unwrap_or(false) {
-                again = Some(s);
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+            assert!(greeted(&mut s).unwrap_or(false));
+            held.push(s);
         }
-        assert!(again.is_some(), "a freed slot was never reused");
     })
     .await
     .expect("join");
+    a.ping(id).await.expect("a's proven connection was kept");
+    a.close().await;
     b.close().await;
 }
 

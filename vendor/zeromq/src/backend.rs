@@ -61,6 +61,8 @@ pub(crate) struct GenericSocketBackend {
     peer_count: AtomicUsize,
     /// Notifiers for reconnection tasks - keyed by `peer_id`
     disconnect_notifiers: Mutex<HashMap<PeerIdentity, DisconnectNotifier>>,
+    /// kvlane patch: the accept slots of accepted peers, for `protect_peer`.
+    slots: Mutex<HashMap<PeerIdentity, Arc<crate::codec::SlotState>>>,
 }
 
 impl GenericSocketBackend {
@@ -79,6 +81,7 @@ impl GenericSocketBackend {
             single_peer: Mutex::new(None),
             peer_count: AtomicUsize::new(0),
             disconnect_notifiers: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
         }
     }
 
@@ -299,9 +302,24 @@ impl SocketBackend for GenericSocketBackend {
     }
 }
 
+impl GenericSocketBackend {
+    /// kvlane patch: the accepted connection of `peer_id` is never evicted
+    /// for a newer connection at `max_connections`. Unknown ids are ignored.
+    pub(crate) fn protect_peer(&self, peer_id: &PeerIdentity) {
+        if let Some(slot) = self.slots.lock().get(peer_id) {
+            slot.protect();
+        }
+    }
+}
+
 #[async_trait]
 impl MultiPeerBackend for GenericSocketBackend {
     async fn peer_connected(self: Arc<Self>, peer_id: &PeerIdentity, io: FramedIo) {
+        if let Some(slot) = &io.read_half.slot {
+            self.slots
+                .lock()
+                .insert(peer_id.clone(), Arc::clone(&slot.state));
+        }
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
         self.peers
@@ -335,6 +353,7 @@ impl MultiPeerBackend for GenericSocketBackend {
     }
 
     fn peer_disconnected(&self, peer_id: &PeerIdentity) {
+        self.slots.lock().remove(peer_id);
         let peer_removed = self.peers.remove_sync(peer_id).is_some();
         self.refresh_single_peer_cache();
         match &self.fair_queue_inner {

@@ -178,6 +178,17 @@ impl RouterSendHalf {
             self.inner.backend.peer_disconnected(&peer_id);
         }
     }
+
+    /// kvlane patch: keeps the connection of peer `peer_id` (a routing id
+    /// as `recv` reports it) when `max_connections` is reached: a new
+    /// connection evicts the oldest connection that was not protected
+    /// (one still handshaking, or one its owner has not vouched for),
+    /// never this one. Unknown ids are ignored.
+    pub fn protect_peer(&self, peer_id: bytes::Bytes) {
+        if let Ok(peer_id) = PeerIdentity::try_from(peer_id) {
+            self.inner.backend.protect_peer(&peer_id);
+        }
+    }
 }
 
 #[async_trait]

@@ -54,6 +54,13 @@ pub trait Channel: Send + 'static {
     fn adopt_accepted(&mut self, rid: &Bytes) {
         let _ = rid;
     }
+    /// A connection on accepted link `rid` proved itself (reached `Ready`:
+    /// authenticated, with a key). A channel that caps accepted
+    /// connections evicts the oldest unproven one for a new connection at
+    /// its cap, never this one. The default does nothing.
+    fn protect_accepted(&mut self, rid: &Bytes) {
+        let _ = rid;
+    }
     /// Closes the accepted connection `rid` (of a [`Link::Accepted`]) once
     /// the frames queued for it are sent: no connection of the registry
     /// uses it any more. Unknown ids are ignored. The default keeps it

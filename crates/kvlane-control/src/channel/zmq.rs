@@ -235,7 +235,11 @@ impl ZmqChannel {
     /// frame, a multipart message summed) announcing more than
     /// [`Config::frame_cap`] ends its connection before anything is reserved
     /// for it; at most [`Config::peer_cap`] + [`Config::handshake_cap`]
-    /// accepted connections are open at once, later ones are closed on accept.
+    /// accepted connections are open at once: past that a new connection
+    /// evicts the oldest one that has not proven itself (still in its ZMTP
+    /// or kvlane handshake, refused, silent or slow; see
+    /// [`Channel::protect_accepted`]), and is closed on accept only when
+    /// every open one has.
     pub async fn bind(addr: &str, config: &Config) -> Result<Self, ControlError> {
         let max_message = zmq_message_cap(config.frame_cap);
         let mut opts = SocketOptions::default();
@@ -421,6 +425,12 @@ impl Channel for ZmqChannel {
     fn adopt_accepted(&mut self, rid: &Bytes) {
         if let Some(router) = self.router.as_mut() {
             router.adopt(rid);
+        }
+    }
+
+    fn protect_accepted(&mut self, rid: &Bytes) {
+        if let Some(router) = self.router.as_ref() {
+            router.tx.handle().protect_peer(rid.clone());
         }
     }
 

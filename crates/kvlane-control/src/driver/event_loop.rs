@@ -16,7 +16,7 @@ use crate::ids::ConnectionId;
 use crate::peer::{Event, Role, State, Transmit};
 use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
 
-use super::{now, Command, ConnectReply, PeerSnapshot};
+use super::{now, Command, ConnectReply, EventQueue, PeerSnapshot};
 
 struct Waiter {
     addr: String,
@@ -27,6 +27,7 @@ struct Driver<C> {
     reg: Registry,
     chan: C,
     events: broadcast::Sender<PeerEvent>,
+    owner: EventQueue,
     waiters: HashMap<ConnectionId, Vec<Waiter>>,
     pings: HashMap<(ConnectionId, u64), oneshot::Sender<Result<Duration, ControlError>>>,
 }
@@ -36,11 +37,13 @@ pub(super) async fn run<C: Channel>(
     chan: C,
     mut cmds: mpsc::Receiver<Command>,
     events: broadcast::Sender<PeerEvent>,
+    owner: EventQueue,
 ) {
     let mut d = Driver {
         reg,
         chan,
         events,
+        owner,
         waiters: HashMap::new(),
         pings: HashMap::new(),
     };
@@ -262,7 +265,9 @@ impl<C: Channel> Driver<C> {
                 let _ = reply.send(());
             }
             Command::Stats { reply } => {
-                let _ = reply.send(self.reg.stats());
+                let mut stats = self.reg.stats();
+                stats.events_dropped += self.owner.dropped();
+                let _ = reply.send(stats);
             }
             Command::Close { reply } => {
                 let _ = reply.send(());
@@ -289,6 +294,9 @@ impl<C: Channel> Driver<C> {
         while let Some(rid) = self.reg.poll_adopted_link() {
             self.chan.adopt_accepted(&rid);
         }
+        while let Some(rid) = self.reg.poll_proven_link() {
+            self.chan.protect_accepted(&rid);
+        }
         // After the transmits: a refusal goes out before its link closes.
         while let Some(rid) = self.reg.poll_released_link() {
             self.chan.close_accepted(&rid);
@@ -304,8 +312,21 @@ impl<C: Channel> Driver<C> {
                 }
             }
             self.resolve(&ev);
-            let _ = self.events.send(ev);
+            let observed = self.events.receiver_count() > 0;
+            match (self.owner.wants(&ev), observed) {
+                (true, true) => {
+                    self.owner.push(ev.clone());
+                    let _ = self.events.send(ev);
+                }
+                (true, false) => self.owner.push(ev),
+                (false, true) => {
+                    let _ = self.events.send(ev);
+                }
+                (false, false) => {}
+            }
         }
+        let reg = &self.reg;
+        self.owner.prune(reg.len(), |id| reg.peer(id).is_some());
     }
 
     fn resolve(&mut self, ev: &PeerEvent) {

@@ -20,8 +20,11 @@ use crate::registry::{PeerEvent, Registry};
 /// Extra time granted on top of the handshake deadline before a caller gives
 /// up on the driver itself (the machine already bounds the handshake).
 mod event_loop;
+mod events;
 
 use event_loop::run;
+use events::EventQueue;
+pub use events::EventStream;
 
 const DRIVER_GRACE: Duration = Duration::from_secs(1);
 
@@ -126,6 +129,7 @@ pub struct ControlNode {
     cmds: mpsc::Sender<Command>,
     events: broadcast::Sender<PeerEvent>,
     first_events: Mutex<Option<broadcast::Receiver<PeerEvent>>>,
+    owner_events: Mutex<Option<EventStream>>,
     /// Async lock: a concurrent `close` waits for the first one to finish.
     task: tokio::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -154,20 +158,25 @@ impl ControlNode {
         let registry = Registry::new(Arc::clone(&config), Arc::new(local));
         let (cmds, cmd_rx) = mpsc::channel(1024);
         let (events, first) = broadcast::channel(config.event_capacity);
+        let (queue, owner_events) = EventQueue::new(config.event_capacity);
+        let last_word = queue.last_word();
         let span = info_span!("control_node", addr = %local_addr);
-        let driver = tokio::spawn(run(registry, channel, cmd_rx, events.clone()).instrument(span));
+        let driver =
+            tokio::spawn(run(registry, channel, cmd_rx, events.clone(), queue).instrument(span));
         let watch_events = events.clone();
         let watch_addr = local_addr.clone();
         // Supervisor: a driver that dies is logged and reported, never silent.
         let task = tokio::spawn(async move {
             if let Err(e) = driver.await {
                 error!(addr = %watch_addr, error = %e, "control driver task died");
-                let _ = watch_events.send(PeerEvent {
+                let closed = PeerEvent {
                     id: ConnectionId(0),
                     addr: watch_addr,
                     role: Role::Acceptor,
                     event: Event::Closed,
-                });
+                };
+                let _ = last_word.send(closed.clone());
+                let _ = watch_events.send(closed);
             }
         });
         Self {
@@ -176,6 +185,7 @@ impl ControlNode {
             cmds,
             events,
             first_events: Mutex::new(Some(first)),
+            owner_events: Mutex::new(Some(owner_events)),
             task: tokio::sync::Mutex::new(Some(task)),
         }
     }
@@ -185,9 +195,43 @@ impl ControlNode {
         &self.local_addr
     }
 
-    /// Event stream. The first call gets every event since the node was
-    /// created (so inbound `Ready` events are never missed); later calls see
-    /// events from the call on.
+    /// The owner's event stream, once (`None` afterwards): every lifecycle
+    /// event since the node was created, never dropped, however far the
+    /// reader falls behind (`Ready`, `Suspect`, `Recovered`, `Dead`,
+    /// `Restarted`, `Closed` of the connections we dialed and of those that
+    /// reached `Ready`; at most a few per such connection, and those are
+    /// capped by [`Config::peer_cap`]). Notifications share it but are
+    /// bounded: past [`Config::event_capacity`] unread ones, more are
+    /// dropped and counted ([`Stats::events_dropped`]). Accepted
+    /// connections that never reached `Ready` (refused, evicted, timed-out
+    /// handshakes, which anybody can cause) report nothing here, so no
+    /// flood of them can push a peer's state change out. Until it is
+    /// taken, at most `event_capacity` events of any kind are kept.
+    ///
+    /// Taking it also drops the receiver [`events`](Self::events) keeps
+    /// for its first caller, so an owner that reads only this stream does
+    /// not make the node hold a second copy of every event.
+    pub fn take_events(&self) -> Option<EventStream> {
+        let stream = self
+            .owner_events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()?;
+        EventQueue::mark_taken(&stream);
+        self.first_events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        Some(stream)
+    }
+
+    /// Event stream for observers (tests, tools): a bounded broadcast that
+    /// drops the oldest events for a reader that falls behind
+    /// ([`broadcast::error::RecvError::Lagged`]); an owner that must see
+    /// every state change reads [`take_events`](Self::take_events). The
+    /// first call gets every event since the node was created (unless the
+    /// owner stream was taken first); later calls see events from the call
+    /// on.
     pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
         let first = self
             .first_events

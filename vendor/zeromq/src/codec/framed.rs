@@ -41,11 +41,57 @@ pub struct ZmqFramedRead {
 
 /// kvlane patch. One of a bind's `max_connections` slots, held by the read
 /// half of an accepted connection and released when that half is dropped.
-pub(crate) struct ConnectionSlot(pub(crate) Arc<std::sync::atomic::AtomicUsize>);
+pub(crate) struct ConnectionSlot {
+    pub(crate) live: Arc<std::sync::atomic::AtomicUsize>,
+    pub(crate) state: Arc<SlotState>,
+}
+
+/// kvlane patch. What the accept loop and the socket's owner know of one
+/// accepted connection: whether its owner vouched for it (`protect`), and
+/// whether the accept loop evicted it for a newer connection (its read
+/// half then ends at its next poll, which frees the slot).
+#[derive(Default)]
+pub(crate) struct SlotState {
+    evicted: std::sync::atomic::AtomicBool,
+    protected: std::sync::atomic::AtomicBool,
+    released: std::sync::atomic::AtomicBool,
+    waker: futures::task::AtomicWaker,
+}
+
+impl SlotState {
+    /// Marks the connection as one the owner keeps: never evicted.
+    pub(crate) fn protect(&self) {
+        self.protected
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(crate) fn is_protected(&self) -> bool {
+        self.protected.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether the connection gave its slot back (its read half dropped).
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn is_evicted(&self) -> bool {
+        self.evicted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Ends the connection: its read half fails at its next poll (woken now).
+    pub(crate) fn evict(&self) {
+        self.evicted
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.waker.wake();
+    }
+}
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.state
+            .released
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 
@@ -122,6 +168,17 @@ impl Stream for ZmqFramedRead {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
+
+        // kvlane patch: an evicted connection ends here, buffered frames
+        // and all (the accept loop gave its slot to a newer connection).
+        if let Some(slot) = &this.slot {
+            slot.state.waker.register(cx.waker());
+            if slot.state.is_evicted() {
+                return Poll::Ready(Some(Err(CodecError::Io(io::Error::other(
+                    "evicted for a newer connection",
+                )))));
+            }
+        }
 
         // Consume buffered data first; read from the socket only when the
         // current buffer cannot produce a full message.

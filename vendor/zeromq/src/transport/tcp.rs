@@ -89,8 +89,14 @@ where
     T: std::future::Future<Output = ()> + Send + 'static,
 {
     let (stop_channel, stop_callback) = futures::channel::oneshot::channel::<()>();
-    // kvlane patch: accepted connections open at once, capped.
+    // kvlane patch: accepted connections open at once, capped; at the cap
+    // the oldest connection its owner did not protect is evicted for the
+    // new one (so connections that never prove themselves cannot hold
+    // every slot); only when every open one is protected is the new one
+    // refused.
     let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut slots: std::collections::VecDeque<Arc<crate::codec::SlotState>> =
+        std::collections::VecDeque::new();
     let task_handle = async_rt::task::spawn(async move {
         let mut stop_callback = stop_callback.fuse();
         loop {
@@ -98,12 +104,25 @@ where
                 incoming = listener.accept().fuse() => {
                     let incoming = incoming.and_then(|(raw_socket, remote_addr)| {
                         let max = options.max_connections.unwrap_or(usize::MAX);
+                        slots.retain(|s| !s.is_released());
                         if live.load(std::sync::atomic::Ordering::Acquire) >= max {
-                            // Dropping the stream closes it.
-                            return Err(std::io::Error::other("max_connections reached"));
+                            let victim = slots
+                                .iter()
+                                .position(|s| !s.is_protected() && !s.is_evicted());
+                            let Some(victim) = victim.and_then(|i| slots.remove(i)) else {
+                                // Dropping the stream closes it.
+                                return Err(std::io::Error::other("max_connections reached"));
+                            };
+                            log::debug!("max_connections reached: evicting the oldest unprotected connection");
+                            victim.evict();
                         }
                         live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                        let slot = crate::codec::ConnectionSlot(Arc::clone(&live));
+                        let state = Arc::new(crate::codec::SlotState::default());
+                        slots.push_back(Arc::clone(&state));
+                        let slot = crate::codec::ConnectionSlot {
+                            live: Arc::clone(&live),
+                            state,
+                        };
                         Ok((raw_socket, remote_addr, slot))
                     });
                     let maybe_accepted: Result<_, _> = incoming

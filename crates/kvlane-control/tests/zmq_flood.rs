@@ -1,0 +1,185 @@
+//! A flood of unauthenticated connections never locks a real peer out:
+//! a refused peer is closed at once, and a refused, silent or slow
+//! connection never holds a slot that a new connection needs (the oldest
+//! unproven one is evicted for it).
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{fast_config, local};
+use kvlane_control::wire::{Hello, Identity, Message};
+use kvlane_control::{Config, ControlNode};
+
+/// A ZMTP 3.0 greeting (NULL mechanism) and a DEALER's READY command.
+fn zmtp_dealer_preamble() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    let mut body = vec![5u8];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&6u32.to_be_bytes());
+    body.extend_from_slice(b"DEALER");
+    g.push(0x04);
+    g.push(body.len() as u8);
+    g.extend_from_slice(&body);
+    g
+}
+
+/// The preamble and one hello with a wrong fingerprint.
+fn bad_hello() -> Vec<u8> {
+    let hello = Message::Hello(Hello::new(
+        Identity {
+            engine_id: "mallory".into(),
+            fingerprint: "not-fp".into(),
+            tp_size: 1,
+            ..Default::default()
+        },
+        None,
+        Vec::new(),
+        None,
+    ))
+    .encode()
+    .expect("encode");
+    assert!(hello.len() < 256);
+    let mut bytes = zmtp_dealer_preamble();
+    bytes.extend_from_slice(&[0x00, hello.len() as u8]);
+    bytes.extend_from_slice(&hello);
+    bytes
+}
+
+/// Opens a flood connection of kind `i % 3`: a refused hello, then
+/// silence; the ZMTP handshake, then silence; nothing at all.
+fn open(addr: &str, i: u64, hello: &[u8]) -> Option<TcpStream> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    let first: &[u8] = match i % 3 {
+        0 => hello,
+        1 => &hello[..zmtp_dealer_preamble().len()],
+        _ => &[],
+    };
+    s.write_all(first).ok()?;
+    s.set_nonblocking(true).ok()?;
+    Some(s)
+}
+
+/// Whether the server closed `s` (without blocking).
+fn closed(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Keeps `n` unauthenticated connections open against `addr` until
+/// `stop`: each one the server closes is replaced at once; `opened`
+/// counts the connections opened.
+fn flood(addr: String, n: usize, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) {
+    let hello = bad_hello();
+    let mut held: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    while !stop.load(Ordering::Relaxed) {
+        for slot in &mut held {
+            if slot.as_mut().is_none_or(closed) {
+                let i = opened.fetch_add(1, Ordering::Relaxed);
+                *slot = open(&addr, i, &hello);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// With every accepted slot (16) taken again and again by a flood of
+/// refused, silent and mute connections (400 held open, each one the
+/// server closes replaced at once), a real peer connects. (The flood is
+/// 25 times the slots rather than thousands of connections: one thread
+/// keeps this many churning, and the fd limit of a CI runner allows it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_peer_connects_during_a_flood_of_unauthenticated_connections() {
+    let config = Config {
+        peer_cap: 8,
+        handshake_cap: 8,
+        handshake_timeout: Duration::from_secs(5),
+        ..fast_config()
+    };
+    let n = 400;
+    let b = ControlNode::bind(config.clone(), local("b"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let flooder = {
+        let (addr, stop, opened) = (b.local_addr().to_owned(), stop.clone(), opened.clone());
+        std::thread::spawn(move || flood(addr, n, stop, opened))
+    };
+    while opened.load(Ordering::Relaxed) < n as u64 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut times = Vec::new();
+    for round in 0..3 {
+        let a = ControlNode::bind(config.clone(), local("a"), "127.0.0.1:0")
+            .await
+            .expect("bind");
+        let start = Instant::now();
+        let r = a.connect(b.local_addr()).await;
+        let took = start.elapsed();
+        let flooded = opened.load(Ordering::Relaxed);
+        println!(
+            "round {round}: connected in {took:?} ({flooded} flood connections so far): {r:?}"
+        );
+        r.unwrap_or_else(|e| panic!("round {round}: a real peer was locked out: {e}"));
+        times.push(took);
+        a.close().await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    flooder.join().expect("flooder");
+    println!("connect times under the flood: {times:?}");
+    b.close().await;
+}
+
+/// A peer whose hello is refused is closed at once, not when its
+/// handshake would have timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_peer_is_closed_at_once() {
+    let config = Config {
+        handshake_timeout: Duration::from_secs(30),
+        ..fast_config()
+    };
+    let b = ControlNode::bind(config, local("b"), "127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = b.local_addr().to_owned();
+    let outcome = tokio::task::spawn_blocking(move || {
+        let mut s = TcpStream::connect(&addr).expect("connect");
+        s.write_all(&bad_hello()).expect("write");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = [0u8; 4096];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => return Ok(()),
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err("still open 5 s after its refusal".to_owned())
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    })
+    .await
+    .expect("join");
+    assert_eq!(outcome, Ok(()));
+    b.close().await;
+}

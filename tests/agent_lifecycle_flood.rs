@@ -1,0 +1,155 @@
+//! Peer lifecycle events are lossless: a burst of refused hellos (far more
+//! than any event buffer holds) does not make an agent miss another peer's
+//! `Ready` (it attaches) or its `Dead`/`Closed` (it is detached, and the
+//! credential it was issued revoked). End to end through the agent; the
+//! deterministic form (a reader that does not read during the burst) is
+//! `kvlane-control`'s `refused_hellos_never_push_out_a_peers_lifecycle_events`.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use kvlane::control::wire::{Hello, Identity, Message};
+use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
+use kvlane::{Agent, BackendChoice};
+
+fn layout() -> KvLayout {
+    KvLayout::new(2, 8, 4096, KvParts::Separate, LayoutOrder::LayerMajor).unwrap()
+}
+
+async fn agent(name: &str) -> Agent {
+    let len = layout().required_len().unwrap() as usize;
+    Agent::builder()
+        .engine_id(name)
+        .backend(BackendChoice::Tcp)
+        .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+        .build()
+        .await
+        .unwrap()
+}
+
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (name, v) = l.rsplit_once(' ')?;
+        (name == series).then(|| v.parse().unwrap())
+    })
+}
+
+/// Connections of `agent` whose data plane is attached: a peer that left
+/// and was seen leaving (`Dead` or `Closed`) is detached, and the
+/// credential it was issued revoked.
+fn attached(agent: &Agent) -> f64 {
+    sample(&agent.metrics(), r#"kvlane_peers{state="up"}"#).unwrap_or(0.0)
+}
+
+/// A ZMTP 3.0 greeting (NULL mechanism) and a DEALER's READY command.
+fn zmtp_dealer_preamble() -> Vec<u8> {
+    let mut g = vec![0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[12..16].copy_from_slice(b"NULL");
+    let mut body = vec![5u8];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&6u32.to_be_bytes());
+    body.extend_from_slice(b"DEALER");
+    g.push(0x04);
+    g.push(body.len() as u8);
+    g.extend_from_slice(&body);
+    g
+}
+
+/// One ZMTP data frame carrying `body`.
+fn zmtp_frame(body: &[u8]) -> Vec<u8> {
+    let mut f = if body.len() < 256 {
+        vec![0x00, body.len() as u8]
+    } else {
+        let mut h = vec![0x02];
+        h.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        h
+    };
+    f.extend_from_slice(body);
+    f
+}
+
+/// `hellos` hellos with a wrong fingerprint, spread over `conns` raw
+/// connections (a hello on a link whose connection was refused starts a
+/// new one, refused in turn).
+fn flood(addr: &str, conns: usize, hellos: usize) -> usize {
+    let hello = Message::Hello(Hello::new(
+        Identity {
+            engine_id: "mallory".into(),
+            fingerprint: "not-kvlane".into(),
+            tp_size: 1,
+            ..Default::default()
+        },
+        None,
+        Vec::new(),
+        None,
+    ))
+    .encode()
+    .unwrap();
+    let frame = zmtp_frame(&hello);
+    let per = hellos / conns;
+    let mut sent = 0;
+    let mut held = Vec::new();
+    for _ in 0..conns {
+        let Ok(mut s) = TcpStream::connect(addr) else {
+            continue;
+        };
+        let mut bytes = zmtp_dealer_preamble();
+        for _ in 0..per {
+            bytes.extend_from_slice(&frame);
+        }
+        if s.write_all(&bytes).is_ok() {
+            sent += per;
+        }
+        held.push(s);
+    }
+    // Held open a moment, so the burst is read, not cut off by a close.
+    std::thread::sleep(Duration::from_millis(500));
+    sent
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_refused_hellos_loses_no_lifecycle_event() {
+    let b = agent("b").await;
+    let a = agent("a").await;
+    let addr = b.local_addr().to_owned();
+    for round in 0..3 {
+        let flood_addr = addr.clone();
+        let flooder = tokio::task::spawn_blocking(move || flood(&flood_addr, 8, 20_000));
+        // While the burst is being read: attach, write, detach.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let start = Instant::now();
+        let pa = a
+            .connect(&addr)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: attach under the burst failed: {e}"));
+        println!("round {round}: attached in {:?}", start.elapsed());
+        pa.write_blocks(0..2, &[1], &[1], None)
+            .unwrap()
+            .await
+            .unwrap();
+        pa.disconnect().await.unwrap();
+        let sent = flooder.await.unwrap();
+        assert!(sent > 10_000, "the burst sent only {sent} hellos");
+        // `b` saw `a` leave: it detached `a` (revoking its credential).
+        let start = Instant::now();
+        let mut left = attached(&b);
+        while left > 0.0 && start.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            left = attached(&b);
+        }
+        assert_eq!(
+            left,
+            0.0,
+            "round {round}: b still has a attached after it left (missed its Dead/Closed):\n{}",
+            b.metrics()
+        );
+    }
+    a.close().await;
+    b.close().await;
+}
