@@ -377,6 +377,8 @@ impl AgentBuilder {
             runtime: tokio::runtime::Handle::current(),
             per_peer,
             offers: Mutex::new(HashMap::new()),
+            accepting: Mutex::new(FastMap::default()),
+            offers_dropped: Default::default(),
             exchange_timeout,
             attach_timeout: exchange_timeout + CONNECT_BOUND,
             metrics: crate::metrics::Metrics::new(),
@@ -466,12 +468,7 @@ impl Inner {
             Event::Notification {
                 transfer_id: DP_OFFER,
                 payload,
-            } => {
-                let this = self.clone();
-                self.runtime
-                    .spawn(async move { this.accept_offer(id, addr, payload).await });
-                return;
-            }
+            } => return self.on_offer(id, addr, payload),
             Event::Notification {
                 transfer_id: DP_ANSWER,
                 payload,
@@ -545,6 +542,7 @@ impl Agent {
             control: *lock(&self.inner.control_stats),
             notifications_dropped: self.notifications_dropped(),
             notifications_refused: self.notifications_refused(),
+            offers_dropped: self.offers_dropped(),
             notifications_queued: i64::try_from(
                 self.inner.note_tx.max_capacity() - self.inner.note_tx.capacity(),
             )
@@ -732,6 +730,15 @@ impl Agent {
     pub fn notifications_dropped(&self) -> u64 {
         self.inner
             .notes_dropped
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Data-plane endpoint offers dropped: a peer connection sent more
+    /// while one of its offers was being accepted (one is accepted at a
+    /// time per connection, and only the newest waiting one is kept).
+    pub fn offers_dropped(&self) -> u64 {
+        self.inner
+            .offers_dropped
             .load(std::sync::atomic::Ordering::Acquire)
     }
 

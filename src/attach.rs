@@ -33,6 +33,7 @@ use crate::frames::{self, DataPlaneInfo, DpFrame, KvAdvert, DP_ANSWER, DP_OFFER}
 use crate::state::{lock, Attach, Inner, PeerEntry};
 use kvlane_control::{ConnectionId, RemoteInfo, Role};
 use kvlane_data::{DataError, Endpoint, PeerId, RemoteRegion, Transport};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tracing::{debug, info, warn};
 
@@ -300,6 +301,55 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// An endpoint offer arrived on `id`. Accepting one dials the offered
+    /// endpoint on a blocking thread (up to the backend's connect timeout),
+    /// so a peer gets one accepted at a time: an offer that arrives
+    /// meanwhile waits in a slot of one, and a newer one replaces it (a
+    /// restarted peer's fresh offer is still answered); what it replaces
+    /// is dropped and counted. A peer that floods offers holds one
+    /// blocking thread, never the pool that other peers' attaches need.
+    pub(crate) fn on_offer(self: &Arc<Self>, id: ConnectionId, addr: String, payload: Vec<u8>) {
+        {
+            let mut accepting = lock(&self.accepting);
+            if let Some(waiting) = accepting.get_mut(&id) {
+                if waiting.replace((addr.clone(), payload)).is_some() {
+                    let n = self.offers_dropped.fetch_add(1, Ordering::AcqRel) + 1;
+                    debug!(
+                        peer = %id, %addr, dropped = n,
+                        "dropped an endpoint offer: the peer sent another while one was being accepted"
+                    );
+                }
+                return;
+            }
+            accepting.insert(id, None);
+        }
+        let this = self.clone();
+        self.runtime.spawn(async move {
+            // Frees the connection's slot however the task ends (a panic
+            // included), so its next offer is taken up.
+            let mut slot = AcceptSlot {
+                inner: &this,
+                id,
+                armed: true,
+            };
+            let (mut addr, mut payload) = (addr, payload);
+            loop {
+                this.clone().accept_offer(id, addr, payload).await;
+                let mut accepting = lock(&this.accepting);
+                match accepting.get_mut(&id).and_then(Option::take) {
+                    Some(next) => (addr, payload) = next,
+                    None => {
+                        // Freed under the lock that `on_offer` checks, so
+                        // no offer lands in a slot nobody takes up.
+                        accepting.remove(&id);
+                        slot.armed = false;
+                        return;
+                    }
+                }
+            }
+        });
     }
 
     /// Per-peer mode, accepting side: connect to the offer and answer.
@@ -578,5 +628,21 @@ impl Inner {
             .await
             .map_err(|e| Error::msg(ErrorKind::Io, format!("data-plane task: {e}")))?
             .map_err(Error::from)
+    }
+}
+
+/// A connection's place in [`Inner::accepting`], freed when the task that
+/// accepts its offers ends without freeing it (it panicked).
+struct AcceptSlot<'a> {
+    inner: &'a Inner,
+    id: ConnectionId,
+    armed: bool,
+}
+
+impl Drop for AcceptSlot<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.inner.accepting).remove(&self.id);
+        }
     }
 }

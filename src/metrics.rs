@@ -16,6 +16,7 @@
 //! | `kvlane_notifications_dropped_total` | counter | (unread queue full) |
 //! | `kvlane_notifications_queued` | gauge | (delivered, not yet read by the application) |
 //! | `kvlane_notifications_refused_total` | counter | (notifications naming another sender than the peer they came from, or from a sender that maps to no connection) |
+//! | `kvlane_offers_dropped_total` | counter | (data-plane endpoint offers a peer sent while one of its offers was being accepted; one is accepted at a time per connection) |
 //!
 //! | `kvlane_rail_bytes_total` | counter | `rail` (multi-rail agents: bytes each rail carried) |
 //! | `kvlane_rail_parts_total` | counter | `rail` (transfer parts completed on it) |
@@ -108,6 +109,7 @@ pub(crate) struct Snapshot {
     pub(crate) notifications_dropped: u64,
     pub(crate) notifications_queued: i64,
     pub(crate) notifications_refused: u64,
+    pub(crate) offers_dropped: u64,
     pub(crate) control: kvlane_control::Stats,
     pub(crate) tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -119,6 +121,7 @@ struct Scraped {
     notifications_dropped: u64,
     notifications_queued: i64,
     notifications_refused: u64,
+    offers_dropped: u64,
     control: kvlane_control::Stats,
     tcp: Option<kvlane_data::TcpCounters>,
 }
@@ -198,6 +201,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
             prometheus_client::metrics::MetricType::Counter,
         )?;
         ConstCounter::new(scraped.notifications_refused).encode(refused)?;
+        let offers = encoder.encode_descriptor(
+            "offers_dropped",
+            "Data-plane endpoint offers dropped: the peer sent more while one was being accepted",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        ConstCounter::new(scraped.offers_dropped).encode(offers)?;
         let (c, t) = (&scraped.control, scraped.tcp);
         let mut families: Vec<ReasonFamily> = vec![
             (
@@ -571,6 +581,7 @@ impl Metrics {
             notifications_dropped: snap.notifications_dropped,
             notifications_queued: snap.notifications_queued,
             notifications_refused: snap.notifications_refused,
+            offers_dropped: snap.offers_dropped,
             control: snap.control,
             tcp: snap.tcp,
         };

@@ -31,6 +31,10 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// An endpoint offer waiting for its connection's earlier one to be
+/// accepted: the peer's address and the offer's payload.
+pub(crate) type WaitingOffer = (String, Vec<u8>);
+
 /// A KV cache this agent registered.
 pub(crate) struct LocalKv {
     pub(crate) layout: KvLayout,
@@ -159,6 +163,13 @@ pub(crate) struct Inner {
     pub(crate) per_peer: bool,
     /// Endpoint offers waiting for their answer.
     pub(crate) offers: Mutex<HashMap<ConnectionId, oneshot::Sender<DpFrame>>>,
+    /// Connections whose endpoint offer is being accepted (one at a time
+    /// per connection: each holds a blocking thread while it dials), with
+    /// the newest offer that arrived meanwhile, taken up next.
+    pub(crate) accepting: Mutex<FastMap<ConnectionId, Option<WaitingOffer>>>,
+    /// Endpoint offers dropped because a newer one from the same
+    /// connection arrived while an earlier one was being accepted.
+    pub(crate) offers_dropped: AtomicU64,
     /// Bound of one endpoint exchange.
     pub(crate) exchange_timeout: Duration,
     /// Bound of `connect` waiting for the data plane after the handshake
