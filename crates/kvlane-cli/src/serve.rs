@@ -153,6 +153,24 @@ pub(crate) async fn agent(args: &ServeArgs) -> Result<Agent, Error> {
     b.build().await
 }
 
+/// What serving without a key exposes, when there is no key. Loopback is
+/// served without one, but it is not private: every local user (every
+/// process on the host) can connect.
+fn unauthenticated_warning(args: &ServeArgs, bound: &str) -> Option<String> {
+    if args.psk.is_some() {
+        return None;
+    }
+    let who = if is_loopback(&args.listen) {
+        "every local user (any process on this host)"
+    } else {
+        "anyone who reaches this address"
+    };
+    Some(format!(
+        "serving on {bound} without --psk: {who} can connect and read and write the served \
+         memory; give --psk KEY (or KVLANE_PSK) to require a key"
+    ))
+}
+
 /// Whether `listen` (`host:port`) binds only loopback.
 fn is_loopback(listen: &str) -> bool {
     let host = listen
@@ -175,6 +193,11 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
         });
     }
     let agent = agent(&args).await?;
+    if let Some(warning) = unauthenticated_warning(&args, agent.local_addr()) {
+        // Straight to stderr, whatever RUST_LOG filters, before the
+        // `listening` line: the one line a user must see.
+        eprintln!("kvlane serve: warning: {warning}");
+    }
     let mut events = agent.events();
     let mut notes = agent.notifications();
     {

@@ -61,3 +61,48 @@ fn bench_reports_a_block_size_the_host_cannot_allocate_without_panicking() {
         "{stderr}"
     );
 }
+
+/// `kvlane serve` on `listen` with `extra` arguments: what it wrote to
+/// stderr by the time it printed its `listening` line (it is then killed).
+fn serve_stderr(listen: &str, extra: &[&str]) -> String {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args([
+            "serve", "--listen", listen, "--layers", "1", "--blocks", "1",
+        ])
+        .args(["--block-size", "4K"])
+        .args(extra)
+        .env_remove("KVLANE_PSK")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        first.starts_with("listening "),
+        "{first:?}; stderr: {stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn serve_on_loopback_without_a_key_warns_that_every_local_user_has_the_memory() {
+    let stderr = serve_stderr("127.0.0.1:0", &[]);
+    assert!(stderr.contains("without --psk"), "{stderr}");
+    assert!(stderr.contains("every local user"), "{stderr}");
+    assert!(
+        stderr.contains("read and write the served memory"),
+        "{stderr}"
+    );
+    // With a key there is nothing to warn about.
+    let stderr = serve_stderr("127.0.0.1:0", &["--psk", "k"]);
+    assert!(!stderr.contains("without --psk"), "{stderr}");
+}
