@@ -604,15 +604,23 @@ fn kind_label(k: ErrorKind) -> String {
     s
 }
 
+/// Connections the metrics endpoint serves at once.
+const HTTP_CONNECTIONS: usize = 16;
+
 /// Answers `GET /metrics` on `listener` with `render()`, until the task is
 /// aborted. Each connection is read for at most 5 s and 8 KiB of request
-/// head, and at most 16 are served at once; anything else gets a 404.
+/// head, and at most 16 are served at once: a connection that finds 16
+/// open closes the oldest of them (a scrape is answered in milliseconds,
+/// so the oldest is the one most likely idle), so idle or slow sockets
+/// cannot lock scrapes out. Anything but `GET /metrics` gets a 404.
 pub async fn serve_http<F>(listener: tokio::net::TcpListener, render: F)
 where
     F: Fn() -> String + Send + Sync + 'static,
 {
     let render = Arc::new(render);
-    let slots = Arc::new(tokio::sync::Semaphore::new(16));
+    // Oldest first.
+    let mut open: std::collections::VecDeque<tokio::task::JoinHandle<()>> =
+        std::collections::VecDeque::with_capacity(HTTP_CONNECTIONS);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -623,15 +631,17 @@ where
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            tracing::debug!(%from, "metrics listener: 16 scrapes in progress, connection dropped");
-            continue;
-        };
+        open.retain(|h| !h.is_finished());
+        if open.len() >= HTTP_CONNECTIONS {
+            if let Some(oldest) = open.pop_front() {
+                tracing::debug!(%from, "metrics listener: {HTTP_CONNECTIONS} connections open, the oldest closed");
+                oldest.abort();
+            }
+        }
         let render = render.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
+        open.push_back(tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(5), answer(stream, &*render)).await;
-        });
+        }));
     }
 }
 

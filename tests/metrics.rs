@@ -153,3 +153,36 @@ async fn a_live_agent_counts_its_transfers_and_serves_them_over_http() {
     server.abort();
     prefill.close().await;
 }
+
+/// Idle connections (opened, nothing sent) cannot hold the endpoint: a
+/// real scrape that comes after 32 of them is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sockets_do_not_lock_scrapes_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(kvlane::metrics::serve_http(listener, || {
+        "kvlane_up 1\n".to_string()
+    }));
+    let mut idle = Vec::new();
+    for _ in 0..32 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // Let the server take them all up before the real scrape comes.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let start = std::time::Instant::now();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    // A reset (the old endpoint dropped the scrape) reads as an error.
+    let read = s.read_to_string(&mut out).await;
+    println!(
+        "scrape after 32 idle sockets: {read:?} in {:?}",
+        start.elapsed()
+    );
+    assert!(out.starts_with("HTTP/1.1 200 OK"), "{read:?}: {out:?}");
+    assert!(out.ends_with("kvlane_up 1\n"), "{out}");
+    server.abort();
+    drop(idle);
+}
