@@ -363,6 +363,34 @@ mod raw {
             [Status::Ok, Status::NotifyQueueFull]
         );
     }
+
+    /// One peer cannot fill the queue for every peer: with two peers each
+    /// holds at most its share (half), so the other's notification is
+    /// still taken while the flooder's are refused.
+    #[test]
+    fn a_flooding_peer_holds_only_its_share_of_the_notification_queue() {
+        let mut backend = TcpBackend::new(TcpConfig {
+            max_notifications: 16,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let (_, flooder) = backend.prepare_peer().unwrap();
+        let (_, other) = backend.prepare_peer().unwrap();
+        let mut f = authed(&TcpEndpoint::from_endpoint(&flooder).unwrap());
+        let mut o = authed(&TcpEndpoint::from_endpoint(&other).unwrap());
+        let statuses = notify_flood(&mut f, 40, 8);
+        let ok = statuses.iter().filter(|&&st| st == Status::Ok).count();
+        println!("the flooder got {ok} of 40 notifications queued (cap 16, 2 peers)");
+        assert_eq!(ok, 8, "{statuses:?}");
+        assert_eq!(notify_flood(&mut o, 8, 8), [Status::Ok; 8]);
+        // Its share is used up too; the queue is full.
+        assert_eq!(notify_flood(&mut o, 1, 8), [Status::NotifyQueueFull]);
+        let mut notes = Vec::new();
+        assert_eq!(backend.poll_notifications(&mut notes), 16);
+        // Taken: each peer has its share again.
+        assert_eq!(notify_flood(&mut f, 1, 8), [Status::Ok]);
+        assert_eq!(notify_flood(&mut o, 1, 8), [Status::Ok]);
+    }
 }
 
 /// Stalled and broken targets, faked with plain sockets.

@@ -240,7 +240,10 @@ pub struct TcpConfig {
     /// or past `max_notification_bytes`, the target refuses a NOTIFY (it
     /// does not drop it silently): the initiator's transfer fails with
     /// [`DataError::NotificationQueueFull`] and the refusal is counted
-    /// ([`TcpCounters::refused_notify_queue_full`]). Default 4096.
+    /// ([`TcpCounters::refused_notify_queue_full`]). Once the queue is
+    /// half full, a peer that holds its share (this cap divided among the
+    /// peers holding a credential; the same for the bytes) is refused too,
+    /// so one peer cannot fill it for every peer. Default 4096.
     pub max_notifications: usize,
     /// Payload bytes of the notifications held (see `max_notifications`).
     /// Default 64 MiB.
@@ -840,6 +843,9 @@ impl Backend for TcpBackend {
             token: self.creds.issue(peer),
             ..self.endpoint
         };
+        self.shared
+            .peers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.peers.insert(
             peer,
             PeerSlot {
@@ -909,6 +915,9 @@ impl Backend for TcpBackend {
         // Kept staging may hold its connection (see `hand_over`).
         self.stage.clear();
         if let Some(slot) = self.peers.remove(&peer) {
+            self.shared
+                .peers
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             if let Some(conn) = slot.conn {
                 conn.fail("peer removed", None);
             }
@@ -962,10 +971,8 @@ impl Backend for TcpBackend {
     fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
         let mut q = lock(&self.shared.notifications);
         let n = q.queue.len();
-        q.bytes = 0;
         out.extend(
-            q.queue
-                .drain(..)
+            q.take()
                 .map(|(from, payload)| Notification { payload, from }),
         );
         n

@@ -5,7 +5,7 @@ use crate::ids::{FastMap, PeerId, TransferId};
 use crate::transfer::Completion;
 use bytes::Bytes;
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::task::Waker;
 
@@ -25,6 +25,18 @@ pub(crate) struct Notes {
     pub(crate) queue: VecDeque<(Option<PeerId>, Bytes)>,
     /// Payload bytes in `queue`.
     pub(crate) bytes: usize,
+    /// Entries and payload bytes in `queue` by sender: what each holds of
+    /// its share.
+    pub(crate) held: FastMap<Option<PeerId>, (usize, usize)>,
+}
+
+impl Notes {
+    /// Empties the queue (the application took everything).
+    pub(crate) fn take(&mut self) -> impl Iterator<Item = (Option<PeerId>, Bytes)> + '_ {
+        self.bytes = 0;
+        self.held.clear();
+        self.queue.drain(..)
+    }
 }
 
 /// Bounds of the queue of notifications not yet taken (see
@@ -54,6 +66,9 @@ pub(crate) struct Shared {
     /// Requests the submitting thread wrote itself (see
     /// `PeerConn::send_direct`).
     pub(crate) direct_sends: AtomicU64,
+    /// Peers holding a credential: the queue of notifications is shared
+    /// among them (see [`notify`](Self::notify)).
+    pub(crate) peers: AtomicUsize,
 }
 
 impl Shared {
@@ -72,18 +87,35 @@ impl Shared {
 
     /// Queues a notification that arrived; wakes like [`complete`](Self::complete).
     /// False, queueing nothing, when the queue is at its caps (entries or
-    /// payload bytes; an empty queue takes any one notification): the
-    /// caller refuses the notification on the wire rather than lose it.
+    /// payload bytes; an empty queue takes any one notification), or when
+    /// the queue is half full and `from` holds its share: each peer with a
+    /// credential gets an equal share of both caps (a peer that holds none
+    /// may queue one while the queue has room). Below half, anyone queues
+    /// (a lone peer's burst is not cut at its share of many idle peers);
+    /// past it, only peers under their share do, so one peer cannot fill
+    /// the queue for every peer. The caller refuses the notification on
+    /// the wire rather than lose it.
     #[must_use]
     pub(crate) fn notify(&self, from: Option<PeerId>, payload: Bytes) -> bool {
+        let caps = self.note_caps;
+        let peers = self.peers.load(Ordering::Relaxed).max(1);
         let mut q = lock(&self.notifications);
         let was_empty = q.queue.is_empty();
-        let full = q.queue.len() >= self.note_caps.entries
-            || q.bytes.saturating_add(payload.len()) > self.note_caps.bytes;
+        let full =
+            q.queue.len() >= caps.entries || q.bytes.saturating_add(payload.len()) > caps.bytes;
         if full && !was_empty {
             return false;
         }
+        let (entries, bytes) = q.held.get(&from).copied().unwrap_or_default();
+        let over_share = entries >= (caps.entries / peers).max(1)
+            || bytes.saturating_add(payload.len()) > caps.bytes / peers;
+        let pressed = q.queue.len() >= caps.entries / 2
+            || q.bytes.saturating_add(payload.len()) > caps.bytes / 2;
+        if over_share && pressed && entries > 0 {
+            return false;
+        }
         q.bytes += payload.len();
+        q.held.insert(from, (entries + 1, bytes + payload.len()));
         q.queue.push_back((from, payload));
         drop(q);
         if was_empty {
