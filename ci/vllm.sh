@@ -33,6 +33,18 @@ except RuntimeError as e:
     assert "0.99.0" in str(e) and "KVLANE_VLLM_ANY_VERSION" in str(e), e
 else:
     raise SystemExit("kvlane.vllm accepted vLLM 0.99.0")
+# kvlane's threads leave the core vLLM's worker narrows itself to, unless
+# the deployment says otherwise (config first, then KVLANE_CPUS).
+import os
+os.environ.pop("KVLANE_CPUS", None)
+assert k._agent_config({})().cpus == "all", k._agent_config({})().cpus
+assert k._agent_config({"cpus": "inherit"})().cpus == "inherit"
+os.environ["KVLANE_CPUS"] = "inherit"
+assert k._agent_config({})().cpus is None, "KVLANE_CPUS must decide"
+del os.environ["KVLANE_CPUS"]
+os.environ.pop("KVLANE_LIVENESS_BUDGET", None)
+assert k._agent_config({})().liveness_budget == 9
+assert k._agent_config({"liveness_budget": 3})().liveness_budget == 3
 print(f"ci/vllm.sh: kvlane.vllm loads with vLLM {vllm.__version__}")
 PY
 cmd=${1:-check}

@@ -650,6 +650,7 @@ impl Peer {
                     self.events.push_back(Event::Suspect);
                 }
                 let seq = self.keepalive.ping();
+                tracing::trace!(peer = %self.addr, seq, unanswered = self.keepalive.unanswered, "keep-alive ping");
                 let ping = Ping {
                     version: PROTOCOL_VERSION,
                     seq,
@@ -784,6 +785,14 @@ impl Peer {
     }
 
     fn on_up_message(&mut self, now: Instant, msg: Message) {
+        if tracing::enabled!(tracing::Level::TRACE) {
+            let kind = match &msg {
+                Message::Ping(p) => format!("ping {}", p.seq),
+                Message::Pong(p) => format!("pong {}", p.seq),
+                _ => "other".to_owned(),
+            };
+            tracing::trace!(peer = %self.addr, %kind, quiet_ms = now.saturating_duration_since(self.keepalive.last_heard).as_millis() as u64, "heard");
+        }
         if self.keepalive.heard(now) && self.state == State::Suspect {
             self.state = State::Ready;
             self.events.push_back(Event::Recovered);

@@ -19,6 +19,11 @@ kvlane settings come from the environment (``KVLANE_*``, see
 of :class:`kvlane.nixl.nixl_agent_config` keywords (``backend``,
 ``listen_host``, ``advertise_host``, ``psk``, liveness settings, ``cpus``);
 the config wins over the environment. On one host nothing needs setting.
+kvlane's threads run on every CPU of the process (``cpus="all"``, see
+``DEFAULT_CPUS``), not on the core vLLM's CPU worker narrows its own thread
+to; ``cpus="inherit"`` (or ``KVLANE_CPUS=inherit``) keeps vLLM's placement.
+A peer is dead after 10 s of silence (``liveness_budget`` 9, see
+``DEFAULT_LIVENESS_BUDGET``); one that exits fails its transfers at once.
 Across hosts, every engine needs ``listen_host`` (``"0.0.0.0"`` or an
 address its peers reach) and the same ``psk`` (or ``KVLANE_PSK``).
 
@@ -70,6 +75,29 @@ def _check_version(version: str = vllm.__version__) -> None:
     )
 
 
+#: Where kvlane's threads run in a vLLM worker unless ``cpus`` or
+#: ``KVLANE_CPUS`` says otherwise: every CPU of the process, not the one core
+#: vLLM's CPU worker narrows its own thread to before it builds the agent
+#: (the last core of each NUMA node, the same core for every engine on the
+#: host, where that thread also drives the model). Measured on a 2-vCPU VM
+#: with two engines: runnable kvlane threads on that core waited up to 10 s
+#: for it (``/proc/<pid>/task/*/schedstat``: run time flat for seconds while
+#: the state was R), longer than the liveness budget, so a live peer was
+#: declared dead; with ``"all"`` they run where the kernel finds room.
+DEFAULT_CPUS = "all"
+
+#: Unanswered keep-alive pings (one a second by default) before a peer of a
+#: vLLM worker is dead, unless ``liveness_budget`` or
+#: ``KVLANE_LIVENESS_BUDGET`` says otherwise: 9, so a peer silent for 10 s
+#: is dead (kvlane's own default is 3, 4 s). A CPU engine's process can go
+#: unscheduled for seconds on a busy host (7 s seen here with ``"all"``,
+#: 10 s on vLLM's narrowed core), and a live engine must not lose its KV
+#: loads for it. A peer that exits or crashes is not waited for: the kernel
+#: closes its connections and its transfers fail at once; the budget only
+#: bounds a peer that stopped (SIGSTOP, a hung host, a lost link).
+DEFAULT_LIVENESS_BUDGET = 9
+
+
 def _agent_config(extra: Dict[str, Any]) -> Callable[..., Any]:
     """A ``nixl_agent_config`` for vLLM's worker: vLLM's own arguments
     (threads, telemetry) plus the deployment's kvlane settings."""
@@ -80,8 +108,14 @@ def _agent_config(extra: Dict[str, Any]) -> Callable[..., Any]:
         )
 
     def make(*args: Any, **kwargs: Any) -> Any:
+        settings = {**kwargs, **extra}
+        if settings.get("cpus") is None and not os.environ.get("KVLANE_CPUS"):
+            settings["cpus"] = DEFAULT_CPUS
+        if (settings.get("liveness_budget") is None
+                and not os.environ.get("KVLANE_LIVENESS_BUDGET")):
+            settings["liveness_budget"] = DEFAULT_LIVENESS_BUDGET
         try:
-            return _nixl.nixl_agent_config(*args, **{**kwargs, **extra})
+            return _nixl.nixl_agent_config(*args, **settings)
         except TypeError as e:
             raise ValueError(
                 f"kvlane.vllm: bad kv_connector_extra_config['kvlane'] {sorted(extra)}: {e}"
