@@ -19,6 +19,25 @@ from flow import wait as wait_done
 BLOCK = 4096
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Waits until every thread of `pid` is stopped: `kill(SIGSTOP)`
+    returns before the threads stop, and one still running could serve
+    the request the test expects to go unanswered."""
+    end = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < end, f"process {pid} not stopped after {timeout} s: {states}"
+        time.sleep(0.01)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,6 +258,7 @@ def test_transfer_deadline_from_the_config_ends_a_read_from_a_stopped_remote(mak
         a.register_memory(a.get_reg_descs([mine]))
         name = a.add_remote_agent(bytes.fromhex(target.info["md"]))
         os.kill(target.proc.pid, signal.SIGSTOP)
+        wait_stopped(target.proc.pid)
         try:
             h = a.initialize_xfer("READ", [(mine.ctypes.data, LEN, 0)],
                                   [(target.info["buf"], LEN, 0)], name)
