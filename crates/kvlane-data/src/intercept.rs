@@ -1,8 +1,8 @@
 //! Fault injection for tests: [`Intercept`] is a [`Backend`] that forwards
 //! every call to an inner backend and lets hooks rewrite what comes back
-//! (completions, notifications, link state), so a test can make a rail
-//! fail, a link read down or a peer send what it should not, on top of a
-//! real backend.
+//! (completions, notifications, link state, the endpoints it issues), so a
+//! test can make a rail fail, a link read down, a peer send what it should
+//! not or its peers dial through a proxy, on top of a real backend.
 
 use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
@@ -12,6 +12,7 @@ use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer}
 use std::task::Waker;
 
 type Hook<T> = Box<dyn FnMut(&mut [T]) + Send>;
+type EndpointHook = Box<dyn FnMut(&mut Endpoint) + Send>;
 
 /// `inner` with hooks on what it returns. Every other call is forwarded.
 pub struct Intercept {
@@ -20,6 +21,7 @@ pub struct Intercept {
     notifications: Option<Hook<Notification>>,
     link: Option<Box<dyn Fn() -> bool + Send>>,
     batches: Option<Box<dyn FnMut(usize) + Send>>,
+    endpoints: Option<EndpointHook>,
 }
 
 impl Intercept {
@@ -31,6 +33,7 @@ impl Intercept {
             notifications: None,
             link: None,
             batches: None,
+            endpoints: None,
         }
     }
 
@@ -52,6 +55,14 @@ impl Intercept {
         self.batches = Some(Box::new(f));
         self
     }
+
+    /// Calls `f` on the endpoint each `prepare_peer` issues (to have the
+    /// peer dial a proxy, say).
+    pub fn on_endpoint(mut self, f: impl FnMut(&mut Endpoint) + Send + 'static) -> Self {
+        self.endpoints = Some(Box::new(f));
+        self
+    }
+
     /// `link_up` is false while `down` says so (and the inner link is up).
     pub fn link_down_when(mut self, down: impl Fn() -> bool + Send + 'static) -> Self {
         self.link = Some(Box::new(down));
@@ -70,7 +81,11 @@ impl Backend for Intercept {
         self.inner.deregister(r)
     }
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
-        self.inner.prepare_peer()
+        let (id, mut ep) = self.inner.prepare_peer()?;
+        if let Some(f) = &mut self.endpoints {
+            f(&mut ep);
+        }
+        Ok((id, ep))
     }
     fn connect_peer(
         &mut self,

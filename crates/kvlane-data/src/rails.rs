@@ -19,6 +19,13 @@
 //!   The rail's connection to that peer is dropped at once, so that bytes
 //!   it still holds never land after the part was posted elsewhere. With
 //!   no rail left the transfer fails with the last error.
+//! - **Notifications, at most once.** A part with a notification moves
+//!   whole, and its NOTIFY may have reached the peer over the rail that
+//!   failed: between two rails endpoints every notification carries a tag
+//!   per transfer, and the receiver hands each tag to the application once
+//!   (`rails/notes.rs` describes the tag and the receiver's bounded
+//!   memory). To a peer that cannot de-duplicate (an older version) a
+//!   part with a notification is never posted twice.
 //! - **Link state.** Each rail's [`Backend::link_up`] (verbs: the port is
 //!   ACTIVE) is read about every [`LINK_POLL`]. A rail whose link goes down
 //!   gets no new work and drops its connections at once (their parts move
@@ -55,6 +62,7 @@ use crate::transfer::{
     RemoteDescriptors, Transfer,
 };
 
+mod notes;
 mod rejoin;
 use rejoin::{Rejoin, Token};
 use serde::{Deserialize, Serialize};
@@ -117,7 +125,9 @@ pub struct RailStats {
     /// another rail (verbs; see the module docs), on either side.
     pub rejoins: u64,
     /// Rails messages that arrived on it and were dropped: malformed, from
-    /// no known peer, or not matching where that rail's re-pairing stands.
+    /// no known peer, or not matching where that rail's re-pairing stands;
+    /// and notifications dropped as duplicates of one already delivered
+    /// (or too late to tell, see `rails/notes.rs`).
     pub dropped: u64,
 }
 
@@ -132,6 +142,11 @@ struct RailsWire {
     /// (absent: an older peer, or rails whose endpoints are reusable).
     #[serde(default)]
     token: Option<Token>,
+    /// What this side's notifications to the peer are tagged with as
+    /// their sender, random, per peer; it also says that this side takes
+    /// tagged notifications (`rails/notes.rs`). Absent: an older peer.
+    #[serde(default)]
+    note: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -257,6 +272,17 @@ struct PeerState {
     /// token for us; both set when the rails' endpoints are per peer.
     token: Option<Token>,
     their_token: Option<Token>,
+    /// Our notifications to this peer are tagged, as from `note` (it
+    /// de-duplicates them, and more than one rail is paired with it).
+    tag_notes: bool,
+    /// What we tag our notifications to this peer with as their sender.
+    note: u64,
+    /// What it tags its notifications to us with.
+    their_note: Option<u64>,
+    /// The tag of our next notified transfer to it.
+    next_tag: u64,
+    /// The tags of the notes taken from it.
+    seen: notes::Seen,
 }
 
 struct Parent {
@@ -272,6 +298,10 @@ struct Part {
     bytes: u64,
     /// Rails this part already failed on.
     tried: u64,
+    /// The tag its notification travels with on every rail (see
+    /// `rails/notes.rs`); `None` without a notification, or to a peer that
+    /// takes plain ones (then the part is never posted twice).
+    tag: Option<u64>,
 }
 
 /// One rail's share of a batch: per transfer its result slot, its part and
@@ -315,6 +345,8 @@ pub struct Rails {
     prefer: HashMap<RegionId, u64>,
     /// Our tokens -> the peer each was issued to.
     by_token: HashMap<Token, PeerId>,
+    /// The peers' sender ids of their tagged notifications -> the peer.
+    by_note: HashMap<u64, PeerId>,
     /// Application notifications taken from the rails, in arrival order.
     notes: VecDeque<Notification>,
     /// Scratch for draining the rails' notifications.
@@ -392,6 +424,7 @@ impl Rails {
             waker: None,
             prefer: HashMap::new(),
             by_token: HashMap::new(),
+            by_note: HashMap::new(),
             notes: VecDeque::new(),
             inbox: Vec::new(),
             links_read: None,
@@ -506,6 +539,10 @@ impl Rails {
         let allowance = self.cfg.part_timeout
             + Duration::from_secs_f64(part.bytes as f64 / self.cfg.part_min_rate.max(1) as f64);
         t.deadline = t.deadline.min(Instant::now() + allowance);
+        if let (Some(tag), Some(n)) = (part.tag, &t.notify) {
+            let sender = self.peers.get(&part.transfer.peer)?.note;
+            t.notify = Some(notes::tag(sender, tag, n));
+        }
         if i > 0 {
             // `usable` only offers rails that serve every key.
             for d in t.remote.iter_mut() {
@@ -549,7 +586,7 @@ impl Rails {
         if rejoin::is_reserved(transfer.notify.as_deref()) {
             return Err(SubmitError::Rejected(DataError::Unsupported {
                 backend: "rails",
-                what: "a notification that begins with the reserved rails prefix (0xc1 \"kvlane-rails\" 0x00)",
+                what: "a notification that begins with a reserved rails prefix (0xc1 \"kvlane-rails\" 0x00 or 0xc1 \"kvlane-note\" 0x00)",
             }));
         }
         let keys: Vec<RemoteKey> = transfer.remote.iter().map(|d| d.key).collect();
@@ -591,6 +628,7 @@ impl Rails {
                 transfer: t,
                 bytes: len,
                 tried: 0,
+                tag: None,
             };
             // Part k prefers rail k; a full rail passes it on.
             let mut order = rails.clone();
@@ -632,6 +670,13 @@ impl Rails {
     /// The one part of a whole transfer, its parent entry made.
     fn whole_part(&mut self, transfer: Transfer) -> Part {
         let bytes: u64 = transfer.local.iter().map(|d| d.len).sum();
+        let tag = match self.peers.get_mut(&transfer.peer) {
+            Some(p) if p.tag_notes && transfer.notify.is_some() => {
+                p.next_tag += 1;
+                Some(p.next_tag - 1)
+            }
+            _ => None,
+        };
         self.parents.insert(
             transfer.id,
             Parent {
@@ -645,6 +690,7 @@ impl Rails {
             transfer,
             bytes,
             tried: 0,
+            tag,
         }
     }
 
@@ -730,7 +776,10 @@ impl Rails {
                         | DataError::Timeout { .. }
                         | DataError::Rdma { .. }
                 );
-                let moves = broken && now < part.transfer.deadline;
+                // A notification the peer cannot de-duplicate may have
+                // arrived: it is never sent twice.
+                let once = part.transfer.notify.is_some() && part.tag.is_none();
+                let moves = broken && now < part.transfer.deadline && !once;
                 if let Some(rp) = self
                     .peers
                     .get_mut(&peer)
@@ -1110,10 +1159,12 @@ impl Backend for Rails {
         }
         // A token only where a lost rail is paired again by exchange.
         let token = (self.rails.len() > 1 && self.endpoint_per_peer()).then(rand::random::<Token>);
+        let note = rand::random::<u64>();
         let data = rmp_serde::to_vec_named(&RailsWire {
             magic: MAGIC.into(),
             rails: wires,
             token,
+            note: Some(note),
         })
         .map_err(|e| DataError::BadEndpoint {
             backend: "rails",
@@ -1129,6 +1180,11 @@ impl Backend for Rails {
                 rails,
                 token,
                 their_token: None,
+                tag_notes: false,
+                note,
+                their_note: None,
+                next_tag: 0,
+                seen: notes::Seen::default(),
             },
         );
         Ok((
@@ -1160,6 +1216,8 @@ impl Backend for Rails {
         let kind = self.kind();
         let wire = decode_rails(remote);
         let their_token = wire.as_ref().and_then(|w| w.token);
+        let their_note = wire.as_ref().and_then(|w| w.note);
+        let many = wire.as_ref().is_some_and(|w| w.rails.len() > 1);
         let theirs: Vec<(Endpoint, HashMap<RemoteKey, RemoteKey>)> = match wire {
             Some(w) => w
                 .rails
@@ -1181,6 +1239,13 @@ impl Backend for Rails {
             .get_mut(&peer)
             .ok_or(DataError::UnknownPeer(peer))?;
         state.their_token = their_token.filter(|_| state.token.is_some());
+        state.tag_notes = their_note.is_some() && many && state.rails.len() > 1;
+        if let Some(old) = std::mem::replace(&mut state.their_note, their_note) {
+            self.by_note.remove(&old);
+        }
+        if let Some(n) = their_note {
+            self.by_note.insert(n, peer);
+        }
         let mut work = Vec::new();
         for (i, rp) in state.rails.iter_mut().enumerate() {
             let Some(id) = rp.id else { continue };
@@ -1297,6 +1362,9 @@ impl Backend for Rails {
             }
             if let Some(t) = state.token {
                 self.by_token.remove(&t);
+            }
+            if let Some(n) = state.their_note {
+                self.by_note.remove(&n);
             }
         }
         // Parts still queued here fail now; parts on the rails fail through

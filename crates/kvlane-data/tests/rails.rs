@@ -662,3 +662,181 @@ fn with_every_verbs_like_rail_down_the_transfer_fails_typed() {
     let e = run(&mut p, Op::Read, 0, 4096).unwrap_err();
     assert!(matches!(e, DataError::PeerLost { .. }), "{e}");
 }
+
+/// A proxy in front of a tcp listener that forwards both ways until a
+/// notification that begins with `marker` has gone through towards the
+/// target; then it forwards nothing more back (the target's answer to the
+/// NOTIFY is lost), waits a moment for the target to take the NOTIFY in
+/// and resets both sides of every connection it holds. Connections made
+/// after that are forwarded plainly. `fired` says that it reset.
+mod notify_proxy {
+    use socket2::SockRef;
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    pub(crate) struct Proxy {
+        pub(crate) addr: SocketAddr,
+        pub(crate) fired: Arc<AtomicBool>,
+    }
+
+    pub(crate) fn start(to: SocketAddr, marker: &'static [u8]) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fired = Arc::new(AtomicBool::new(false));
+        let cut = Arc::new(AtomicBool::new(false));
+        let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let f = fired.clone();
+        std::thread::spawn(move || {
+            for c in listener.incoming() {
+                let Ok(client) = c else { return };
+                let Ok(server) = TcpStream::connect(to) else {
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                // Connections after the reset are not cut.
+                let cut_here = if f.load(Ordering::SeqCst) {
+                    Arc::new(AtomicBool::new(false))
+                } else {
+                    cut.clone()
+                };
+                {
+                    let mut h = held.lock().unwrap();
+                    h.push(client.try_clone().unwrap());
+                    h.push(server.try_clone().unwrap());
+                }
+                // Towards the target: watches for the marker.
+                let (mut from, mut to_s) =
+                    (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let (cut2, held2, fired2) = (cut_here.clone(), held.clone(), f.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 256 << 10];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let hit = !fired2.load(Ordering::SeqCst)
+                            && buf[..n].windows(marker.len()).any(|w| w == marker);
+                        if hit {
+                            cut2.store(true, Ordering::SeqCst);
+                        }
+                        if to_s.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        if hit {
+                            // Let the target read the NOTIFY, then reset
+                            // everything held so far, both sides.
+                            std::thread::sleep(Duration::from_millis(200));
+                            for s in held2.lock().unwrap().drain(..) {
+                                let _ = SockRef::from(&s).set_linger(Some(Duration::ZERO));
+                                let _ = s.shutdown(Shutdown::Both);
+                            }
+                            fired2.store(true, Ordering::SeqCst);
+                            break;
+                        }
+                    }
+                });
+                // Back to the initiator: stops once cut.
+                let (mut from, mut to_c) = (server, client);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if cut_here.load(Ordering::SeqCst) {
+                            continue;
+                        }
+                        if to_c.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        Proxy { addr, fired }
+    }
+}
+
+/// Issue 41, item 3: a transfer whose NOTIFY reached the target over rail
+/// 0 just before that rail's connections were reset (both sides, before
+/// the target's answer came back) is posted again on rail 1; the target
+/// hands its notification to the application once, not twice.
+#[test]
+fn a_notification_is_delivered_once_when_its_rail_resets_after_the_notify_passed() {
+    let proxy: Arc<Mutex<Option<notify_proxy::Proxy>>> = Arc::default();
+    let p2 = proxy.clone();
+    let rail0 = Intercept::new(tcp()).on_endpoint(move |ep| {
+        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
+        let px = notify_proxy::start(t.addr, b"req-");
+        t.addr = px.addr;
+        *ep = t.to_endpoint();
+        *p2.lock().unwrap() = Some(px);
+    });
+    let target = Rails::new(
+        vec![("tcp0".into(), Box::new(rail0)), ("tcp1".into(), tcp())],
+        RailsConfig::default(),
+    )
+    .unwrap();
+    let mut p = pair(rails(2, RailsConfig::default()), Box::new(target));
+    let fired = proxy.lock().unwrap().as_ref().unwrap().fired.clone();
+    // Whole transfers rotate from rail 0: the first one goes through the
+    // proxy.
+    let mut want = Vec::new();
+    for i in 0..4u64 {
+        let t = transfer(&p, Op::Write, i * 4096, 4096).with_notify(format!("req-{i} done"));
+        want.push(t.id);
+        p.init.submit(t).unwrap();
+    }
+    let mut notes = Vec::new();
+    let mut out = Vec::new();
+    let mut results = Vec::new();
+    let end = Instant::now() + Duration::from_secs(30);
+    while results.len() < want.len() {
+        p.init.poll(&mut out);
+        p.target.poll(&mut Vec::new());
+        p.target.poll_notifications(&mut notes);
+        results.extend(out.drain(..).map(|c| (c.id, c.result)));
+        assert!(
+            Instant::now() < end,
+            "transfers never completed: {results:?}"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // Late copies would arrive within this.
+    let settle = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < settle {
+        p.init.poll(&mut out);
+        p.target.poll(&mut Vec::new());
+        p.target.poll_notifications(&mut notes);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        fired.load(Ordering::SeqCst),
+        "no NOTIFY went through rail 0's proxy"
+    );
+    let s = p.init.rail_stats();
+    assert!(s[0].failures >= 1, "rail 0 never failed: {s:?}");
+    let got: Vec<String> = notes
+        .iter()
+        .map(|n| String::from_utf8_lossy(&n.payload).into_owned())
+        .collect();
+    for (i, id) in want.iter().enumerate() {
+        let name = format!("req-{i} done");
+        let n = got.iter().filter(|g| **g == name).count();
+        assert!(n <= 1, "{name:?} delivered {n} times: {got:?}; rails {s:?}");
+        // A transfer reported done had its notification delivered.
+        let ok = results.iter().any(|(c, r)| c == id && r.is_ok());
+        if ok {
+            assert_eq!(
+                n, 1,
+                "{name:?} done but its notification never came: {got:?}"
+            );
+        }
+    }
+}

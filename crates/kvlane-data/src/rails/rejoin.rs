@@ -73,7 +73,7 @@ pub(crate) const MAX_MESSAGE: usize = 1024;
 
 /// Whether an application notification would be taken for a rails message.
 pub(super) fn is_reserved(payload: Option<&[u8]>) -> bool {
-    payload.is_some_and(|p| p.starts_with(PREFIX))
+    payload.is_some_and(|p| p.starts_with(PREFIX) || p.starts_with(super::notes::TAG_PREFIX))
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
@@ -215,7 +215,26 @@ impl Rails {
         for i in 0..self.rails.len() {
             self.rails[i].backend.poll_notifications(&mut got);
             for mut n in got.drain(..) {
-                if !n.payload.starts_with(PREFIX) {
+                if let Some(tagged) = super::notes::untag(&n.payload) {
+                    // Tagged: once per tag from its sender (`notes.rs`),
+                    // who must be the rail peer's, where the rail can tell.
+                    let fresh = tagged.and_then(|(sender, tag, at)| {
+                        let p = *self.by_note.get(&sender)?;
+                        if n.from.is_some_and(|sub| self.parent_of(i, sub) != Some(p)) {
+                            return None;
+                        }
+                        let s = self.peers.get_mut(&p)?;
+                        s.seen.take(tag).then_some((p, at))
+                    });
+                    if let Some((p, at)) = fresh {
+                        n.payload = n.payload.slice(at..);
+                        n.from = n.from.map(|_| p);
+                        self.notes.push_back(n);
+                    } else {
+                        self.rails[i].stats.dropped += 1;
+                        tracing::debug!(rail = %self.rails[i].name, "rails: notification dropped (a duplicate, or from no known peer)");
+                    }
+                } else if !n.payload.starts_with(PREFIX) {
                     // The rail's peer id means nothing above: name the
                     // peer it is a rail of (or none).
                     n.from = n.from.and_then(|sub| self.parent_of(i, sub));
@@ -704,6 +723,7 @@ mod tests {
             transfer: t,
             bytes: 4096,
             tried: 0,
+            tag: None,
         };
         a.rails.parts.insert((1, id), part);
         let done = Completion {
