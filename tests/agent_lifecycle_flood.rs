@@ -42,24 +42,9 @@ fn attached(agent: &Agent) -> f64 {
     sample(&agent.metrics(), r#"kvlane_peers{state="up"}"#).unwrap_or(0.0)
 }
 
-/// A ZMTP 3.0 greeting (NULL mechanism) and a DEALER's READY command.
-fn zmtp_dealer_preamble() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&6u32.to_be_bytes());
-    body.extend_from_slice(b"DEALER");
-    g.push(0x04);
-    g.push(body.len() as u8);
-    g.extend_from_slice(&body);
-    g
-}
+#[path = "../crates/kvlane-control/tests/common/zmtp.rs"]
+mod zmtp;
+use zmtp::zmtp_dealer_preamble;
 
 /// One ZMTP data frame carrying `body`.
 fn zmtp_frame(body: &[u8]) -> Vec<u8> {
