@@ -56,7 +56,12 @@ VOCAB = 1024
 # Prompt lengths for the correctness check: one block (128 tokens) and its
 # edges, several blocks, ~1,000 tokens (8 blocks of 128 KiB per layer).
 CHECK_LENGTHS = [5, 127, 128, 129, 300, 700, 1000]
-LEASE_S = 10  # prefill's KV lease in the kill cases (vLLM's default is 30 s)
+# Prefill's KV lease: vLLM's default (it was 10 s for a quicker kill-decode
+# case). A decode that reaches a request after the lease released its
+# blocks reads whatever the next prompt wrote there: wrong tokens. That was
+# seen after engine stalls of 10-30 s (cause not established), with either
+# lease (issue 40).
+LEASE_S = 30
 
 
 def log(*a: Any) -> None:
