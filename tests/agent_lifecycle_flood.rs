@@ -44,20 +44,7 @@ fn attached(agent: &Agent) -> f64 {
 
 #[path = "../crates/kvlane-control/tests/common/zmtp.rs"]
 mod zmtp;
-use zmtp::zmtp_dealer_preamble;
-
-/// One ZMTP data frame carrying `body`.
-fn zmtp_frame(body: &[u8]) -> Vec<u8> {
-    let mut f = if body.len() < 256 {
-        vec![0x00, body.len() as u8]
-    } else {
-        let mut h = vec![0x02];
-        h.extend_from_slice(&(body.len() as u64).to_be_bytes());
-        h
-    };
-    f.extend_from_slice(body);
-    f
-}
+use zmtp::{zmtp_dealer_preamble, zmtp_frame};
 
 /// `hellos` hellos with a wrong fingerprint, spread over `conns` raw
 /// connections (a hello on a link whose connection was refused starts a

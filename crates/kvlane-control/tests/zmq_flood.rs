@@ -12,32 +12,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{fast_config, local};
-use kvlane_control::wire::{Hello, Identity, Message};
 use kvlane_control::{Config, ControlNode};
 
 #[path = "common/zmtp.rs"]
 mod zmtp;
-use zmtp::zmtp_dealer_preamble;
+use zmtp::{wrong_fingerprint_hello, zmtp_dealer_preamble, zmtp_frame};
 
 /// The preamble and one hello with a wrong fingerprint.
 fn bad_hello() -> Vec<u8> {
-    let hello = Message::Hello(Hello::new(
-        Identity {
-            engine_id: "mallory".into(),
-            fingerprint: "not-fp".into(),
-            tp_size: 1,
-            ..Default::default()
-        },
-        None,
-        Vec::new(),
-        None,
-    ))
-    .encode()
-    .expect("encode");
-    assert!(hello.len() < 256);
     let mut bytes = zmtp_dealer_preamble();
-    bytes.extend_from_slice(&[0x00, hello.len() as u8]);
-    bytes.extend_from_slice(&hello);
+    bytes.extend(zmtp_frame(&wrong_fingerprint_hello()));
     bytes
 }
 

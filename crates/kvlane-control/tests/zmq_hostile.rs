@@ -13,14 +13,7 @@ use kvlane_control::{Config, ControlNode};
 
 #[path = "common/zmtp.rs"]
 mod zmtp;
-use zmtp::zmtp_dealer_preamble;
-
-/// The header of a long data frame announcing `len` bytes.
-fn long_frame_header(len: u64, more: bool) -> Vec<u8> {
-    let mut h = vec![0x02 | u8::from(more)];
-    h.extend_from_slice(&len.to_be_bytes());
-    h
-}
+use zmtp::{long_frame_header, zmtp_dealer_preamble, zmtp_frame};
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status")
@@ -195,17 +188,6 @@ async fn accepted_connections_are_capped() {
     a.ping(id).await.expect("a's proven connection was kept");
     a.close().await;
     b.close().await;
-}
-
-/// One ZMTP data frame (short or long) carrying `body`.
-fn zmtp_frame(body: &[u8]) -> Vec<u8> {
-    let mut f = if body.len() < 256 {
-        vec![0x00, body.len() as u8]
-    } else {
-        long_frame_header(body.len() as u64, false)
-    };
-    f.extend_from_slice(body);
-    f
 }
 
 /// Connections that pass the ZMTP handshake but never finish a kvlane one

@@ -10,34 +10,15 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use common::{fast_config, local};
-use kvlane_control::wire::{Hello, Identity, Message};
 use kvlane_control::{ControlNode, Event, PeerEvent};
 
 #[path = "common/zmtp.rs"]
 mod zmtp;
-use zmtp::zmtp_dealer_preamble;
+use zmtp::{wrong_fingerprint_hello, zmtp_dealer_preamble, zmtp_frame};
 
-/// One short ZMTP data frame.
-fn zmtp_frame(body: &[u8]) -> Vec<u8> {
-    assert!(body.len() < 256);
-    let mut f = vec![0x00, body.len() as u8];
-    f.extend_from_slice(body);
-    f
-}
-
+/// One frame: a hello with a wrong fingerprint.
 fn bad_hello() -> Vec<u8> {
-    let hello = Message::Hello(Hello::new(
-        Identity {
-            engine_id: "mallory".into(),
-            fingerprint: "not-fp".into(),
-            tp_size: 1,
-            ..Default::default()
-        },
-        None,
-        Vec::new(),
-        None,
-    ));
-    zmtp_frame(&hello.encode().expect("encode"))
+    zmtp_frame(&wrong_fingerprint_hello())
 }
 
 /// Sends hellos with a wrong fingerprint (each refused) until `node` has

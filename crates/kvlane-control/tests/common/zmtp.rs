@@ -1,5 +1,9 @@
 //! Raw ZMTP bytes for tests that talk to a node below the zeromq library
-//! (floods, hostile peers). Included with `#[path]` by the tests that use it.
+//! (floods, hostile peers). Included with `#[path]` by the tests that use it;
+//! each uses a part, hence the `allow`.
+#![allow(dead_code)]
+
+use kvlane_control::wire::{Hello, Identity, Message};
 
 /// A ZMTP 3.0 greeting (NULL mechanism, client) and a READY command for a
 /// DEALER, as a peer sends them before its first message.
@@ -20,4 +24,39 @@ pub(crate) fn zmtp_dealer_preamble() -> Vec<u8> {
     g.push(body.len() as u8);
     g.extend_from_slice(&body);
     g
+}
+
+/// A long-frame header (8-byte length), with or without MORE.
+pub(crate) fn long_frame_header(len: u64, more: bool) -> Vec<u8> {
+    let mut h = vec![0x02 | u8::from(more)];
+    h.extend_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// One ZMTP data frame (short or long) carrying `body`.
+pub(crate) fn zmtp_frame(body: &[u8]) -> Vec<u8> {
+    let mut f = if body.len() < 256 {
+        vec![0x00, body.len() as u8]
+    } else {
+        long_frame_header(body.len() as u64, false)
+    };
+    f.extend_from_slice(body);
+    f
+}
+
+/// An encoded hello whose fingerprint no node accepts (engine "mallory").
+pub(crate) fn wrong_fingerprint_hello() -> Vec<u8> {
+    Message::Hello(Hello::new(
+        Identity {
+            engine_id: "mallory".into(),
+            fingerprint: "not-fp".into(),
+            tp_size: 1,
+            ..Default::default()
+        },
+        None,
+        Vec::new(),
+        None,
+    ))
+    .encode()
+    .expect("encode")
 }
