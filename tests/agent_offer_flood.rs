@@ -7,6 +7,9 @@
 use kvlane::control::{Config, ControlNode, LocalInfo, Ranks, ZmqChannel};
 use kvlane::data::{Access, Endpoint, KvLayout, KvParts, LayoutOrder, Region, TcpEndpoint};
 use kvlane::{Agent, BackendChoice};
+
+mod common;
+use common::metric;
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -38,13 +41,6 @@ struct Offer {
     incarnation: u64,
     endpoint: Option<Endpoint>,
     error: Option<String>,
-}
-
-fn metric(agent: &Agent, name: &str) -> Option<u64> {
-    agent
-        .metrics()
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

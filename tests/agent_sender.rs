@@ -11,6 +11,9 @@ use kvlane::control::{
 use kvlane::data::intercept::Intercept;
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, PeerId, Region, TcpBackend, TcpConfig};
 use kvlane::{Agent, BackendChoice, ErrorKind, PeerEventKind};
+
+mod common;
+use common::metric;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -229,10 +232,9 @@ async fn a_data_notification_from_a_sender_without_a_connection_is_refused() {
 /// The agent's count of inbound peers refused before they proved
 /// themselves (`kvlane_control_refused_total{reason="unauthenticated"}`).
 fn refused_inbound(agent: &Agent) -> u64 {
-    agent
-        .metrics()
-        .lines()
-        .find_map(|l| l.strip_prefix("kvlane_control_refused_total{reason=\"unauthenticated\"} "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+    metric(
+        agent,
+        "kvlane_control_refused_total{reason=\"unauthenticated\"}",
+    )
+    .unwrap_or(0)
 }

@@ -40,3 +40,12 @@ pub(crate) fn routable_local_ip() -> std::net::IpAddr {
     assert!(!ip.is_loopback(), "no non-loopback local address: {ip}");
     ip
 }
+
+/// The value of the metric line `name` (with its labels, as the text
+/// shows them) in `agent`'s metrics, if there is one.
+pub(crate) fn metric(agent: &Agent, name: &str) -> Option<u64> {
+    agent
+        .metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
