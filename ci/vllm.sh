@@ -45,6 +45,22 @@ del os.environ["KVLANE_CPUS"]
 os.environ.pop("KVLANE_LIVENESS_BUDGET", None)
 assert k._agent_config({})().liveness_budget == 9
 assert k._agent_config({"liveness_budget": 3})().liveness_budget == 3
+# The worker thread gets back the CPUs vLLM's NIXL worker narrowed, unless
+# the deployment says "vllm"; the key never reaches the agent's config.
+os.environ.pop("KVLANE_VLLM_MODEL_THREAD_CPUS", None)
+assert k._restore_placement({}) is True
+extra = {"model_thread_cpus": "vllm", "psk": "x"}
+assert k._restore_placement(extra) is False and extra == {"psk": "x"}, extra
+os.environ["KVLANE_VLLM_MODEL_THREAD_CPUS"] = "vllm"
+assert k._restore_placement({}) is False
+assert k._restore_placement({"model_thread_cpus": "restore"}) is True
+del os.environ["KVLANE_VLLM_MODEL_THREAD_CPUS"]
+try:
+    k._restore_placement({"model_thread_cpus": "all"})
+except ValueError as e:
+    assert "model_thread_cpus" in str(e) and "'all'" in str(e), e
+else:
+    raise SystemExit("kvlane.vllm accepted model_thread_cpus='all'")
 print(f"ci/vllm.sh: kvlane.vllm loads with vLLM {vllm.__version__}")
 PY
 cmd=${1:-check}

@@ -2,7 +2,7 @@
 ci/vllm/pd.py.
 
     python engine.py --role single|prefill|decode --model DIR
-                     [--connector none|kvlane|nixl] [--side-port N]
+                     [--connector none|kvlane|nixl|nixl-placed] [--side-port N]
 
 It builds `vllm.LLM` (offline API, token-id prompts, greedy), prints
 `{"ready": ...}`, then answers one JSON line per request line on its
@@ -46,7 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["single", "prefill", "decode"], required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", choices=["none", "kvlane", "nixl"], default="none")
+    ap.add_argument("--connector", choices=["none", "kvlane", "nixl", "nixl-placed"],
+                    default="none")
     ap.add_argument("--side-port", type=int, default=0)
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
     a = ap.parse_args()
@@ -73,8 +74,15 @@ def main() -> None:
             )
         elif a.connector == "nixl":
             kv_cfg = KVTransferConfig(kv_connector="NixlConnector", **common)
+        elif a.connector == "nixl-placed":
+            # ci/vllm/nixl_placed.py: NIXL on kvlane.vllm's thread placement.
+            kv_cfg = KVTransferConfig(
+                kv_connector="NixlPlacedConnector", kv_connector_module_path="nixl_placed",
+                **common
+            )
         else:
-            raise SystemExit("engine.py: prefill/decode roles need --connector kvlane|nixl")
+            raise SystemExit("engine.py: prefill/decode roles need --connector "
+                             "kvlane|nixl|nixl-placed")
 
     t0 = time.monotonic()
     llm = LLM(

@@ -2,11 +2,12 @@
 engine test behind ci/vllm.sh, and the in-engine measurements.
 
     python pd.py check --connector kvlane [--repeats N] [--cases ...]
-    python pd.py bench --connectors none,nixl,kvlane [--lengths 100,1000,4000]
+    python pd.py bench [--connectors none,nixl,nixl-placed,kvlane] [--lengths 100,1000,4000]
 
 Every engine is a real vLLM (CPU build) in processes of its own
 (ci/vllm/engine.py: the offline `vllm.LLM`, its engine core and worker),
-driven over a pipe.
+driven over a pipe. Prefill and decode run on cores of their own
+(`--placement split`, the default; see `placement()` for why).
 
 The proof that the KV cache came over the wire: prefill gets each prompt
 with every token but the last changed, decode gets the original prompt plus
@@ -161,9 +162,82 @@ class Engine:
                 pass
         self.kill()
 
+    def pids(self) -> List[int]:
+        """The engine's processes (its session: engine.py, vLLM's engine
+        core and worker)."""
+        sid = os.getsid(self.proc.pid)
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and os.getsid(int(pid)) == sid:
+                    out.append(int(pid))
+            except (OSError, ProcessLookupError):
+                continue
+        return out
+
+    def worker_cpus(self) -> List[int]:
+        """The CPUs the engine's worker thread (the one that drives the
+        model) may run on, read from /proc."""
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().strip() == "VLLM::Worker":
+                        return sorted(os.sched_getaffinity(pid))
+            except (OSError, ProcessLookupError):
+                continue
+        raise Failed(f"{self.name}: no VLLM::Worker process found")
+
+    def stop_all(self) -> float:
+        """SIGSTOPs the engine's processes and waits until every thread of
+        them is stopped (a signal is sent at once but takes effect as each
+        thread next runs; a transfer must not slip through meanwhile)."""
+        t = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while True:
+            running = []
+            for pid in self.pids():
+                try:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                            state = f.read().rsplit(")", 1)[1].split()[0]
+                        if state not in ("T", "t", "Z", "X"):
+                            running.append(f"{pid}/{tid}:{state}")
+                except OSError:
+                    continue
+            if not running:
+                return time.monotonic() - t
+            if time.monotonic() > deadline:
+                raise Failed(f"{self.name}: threads still running 10 s after SIGSTOP: {running}")
+            time.sleep(0.01)
+
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+
+def placement(how: str, role: str) -> Dict[str, str]:
+    """Where an engine's threads run. `split` (the default): prefill on the
+    first half of the CPUs, decode on the second (one core each on 2), set
+    with vLLM's own `VLLM_CPU_OMP_THREADS_BIND`, as vLLM's CPU docs run
+    several instances on one host. `shared`: vLLM's default for each, every
+    engine on every core.
+
+    Why split: while a prefill holds blocks for a remote decode, its engine
+    steps without pause (vLLM 0.32: `has_requests()` keeps the busy loop
+    going until the decode's notification or the lease), and with shared
+    cores that loop starves the decode engine. Measured here (/tmp/hold.py,
+    2 vCPUs, shared): with the real NIXL a decode call waited 29.6 s, until
+    the prefill's 30 s lease ended; with kvlane 3.7-4.1 s per call for the
+    lease's length. A decode starved past the lease reads blocks prefill
+    already gave to the next prompt: wrong tokens, with NIXL as with kvlane
+    (vLLM's pull protocol has no guard for it)."""
+    if how == "shared" or role not in ("prefill", "decode"):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    mine = cpus[:half] if role == "prefill" else cpus[half:] or cpus[-1:]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
 
 
 def make_prompts(lengths: List[int], seed: int) -> List[List[int]]:
@@ -191,14 +265,18 @@ class Setup:
         self.n = 0
 
     def engine(self, role: str, connector: str, env: Optional[Dict[str, str]] = None,
-               name: Optional[str] = None, side_port: int = 0) -> Engine:
+               name: Optional[str] = None, side_port: int = 0,
+               cores_of: Optional[str] = None) -> Engine:
+        """An engine; with `--placement split`, prefill and decode (and
+        `cores_of`'s role for another) run on cores of their own."""
         self.n += 1
+        env = {**placement(self.a.placement, cores_of or role), **(env or {})}
         return Engine(name or f"{self.n:02d}-{role}-{connector}", role, self.model,
                       connector, self.logdir, side_port, env)
 
     def connector_env(self, connector: str) -> Dict[str, str]:
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        if connector == "nixl":
+        if connector in ("nixl", "nixl-placed"):
             # vLLM imports `nixl._api`; the wheel is `nixl_cu12` (see ENGINES.md).
             shim = os.path.join(self.dir, "nixl-shim")
             os.makedirs(os.path.join(shim, "nixl"), exist_ok=True)
@@ -207,7 +285,8 @@ class Setup:
             with open(os.path.join(shim, "nixl", "_api.py"), "w") as f:
                 f.write("from nixl_cu12._api import *  # noqa: F401,F403\n"
                         "from nixl_cu12._api import nixl_agent, nixl_agent_config  # noqa\n")
-            env["PYTHONPATH"] = shim + os.pathsep + os.environ.get("PYTHONPATH", "")
+            # HERE: nixl_placed.py, for `nixl-placed`.
+            env["PYTHONPATH"] = os.pathsep.join([shim, HERE, os.environ.get("PYTHONPATH", "")])
             env["UCX_TLS"] = "tcp"
         return env
 
@@ -305,6 +384,22 @@ def start_hogs(n: int) -> List[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
+def check_placement(a: argparse.Namespace, connector: str, *engines: Engine) -> None:
+    """kvlane.vllm gives the worker thread back the CPUs vLLM's CPU worker
+    bound it to (one of its engine's cores) after vLLM's NIXL worker
+    narrowed it to the last core of the host. Checked with `split`, where
+    the prefill's cores exclude the last one."""
+    for e in engines:
+        got = e.worker_cpus()
+        role = "prefill" if "prefill" in e.name else "decode"
+        bound = placement(a.placement, role).get("VLLM_CPU_OMP_THREADS_BIND")
+        log(f"{e.name}: worker thread on CPUs {got} (its engine's cores: {bound or 'all'})")
+        if connector != "nixl" and bound and not set(got) <= {int(x) for x in bound.split(",")}:
+            raise Failed(f"{e.name}: the worker thread runs on CPUs {got}, outside its engine's "
+                         f"cores {bound} (kvlane.vllm restores the placement vLLM's NIXL "
+                         "worker narrowed)")
+
+
 def check(a: argparse.Namespace) -> int:
     hogs = start_hogs(a.hogs)
     try:
@@ -333,6 +428,7 @@ def check_cases(a: argparse.Namespace) -> int:
     prefill.ready()
     decode.ready()
     try:
+        check_placement(a, c, prefill, decode)
         if "pd" in cases:
             n = 0
             for r in range(a.repeats):
@@ -398,8 +494,9 @@ def check_cases(a: argparse.Namespace) -> int:
             # processes with their sockets open.
             pre = prefill.run([changed(p) for p in prompts])
             kv = [o["kv"] for o in pre["outputs"]]
-            os.killpg(prefill.proc.pid, signal.SIGSTOP)
             try:
+                log(f"stop-prefill: every thread of the prefill stopped "
+                    f"{prefill.stop_all() * 1e3:.0f} ms after SIGSTOP")
                 secs = expect_failed(decode, prompts, kv, max_tokens, a.liveness, "stop-prefill")
             finally:
                 os.killpg(prefill.proc.pid, signal.SIGCONT)
@@ -448,7 +545,8 @@ def bench(a: argparse.Namespace) -> int:
     for c in a.connectors.split(","):
         rows[c] = {}
         if c == "none":
-            e = s.engine("single", "none")
+            # On the cores a prefill engine gets, for a like-for-like call time.
+            e = s.engine("single", "none", cores_of="prefill")
             try:
                 for n in lengths:
                     ps = make_prompts([n] * (a.reps + 1), seed=n)
@@ -504,8 +602,11 @@ def main() -> int:
         p.add_argument("--workdir", help="model and logs (default: a new temporary folder)")
         p.add_argument("--side-port", type=int, default=25600,
                        help="prefill's side channel port (others use the next few)")
+        p.add_argument("--placement", choices=["split", "shared"], default="split",
+                       help="split: prefill and decode on cores of their own (see "
+                            "placement()); shared: both on every core")
     c = sub.choices["check"]
-    c.add_argument("--connector", choices=["kvlane", "nixl"], default="kvlane")
+    c.add_argument("--connector", choices=["kvlane", "nixl", "nixl-placed"], default="kvlane")
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--cases",
                    default="pd,kill-decode,kill-prefill,stop-prefill,restart-prefill")
@@ -514,7 +615,8 @@ def main() -> int:
     c.add_argument("--liveness", type=float, default=15.0,
                    help="seconds within which decode must fail requests of a dead prefill")
     b = sub.choices["bench"]
-    b.add_argument("--connectors", default="none,nixl,kvlane")
+    b.add_argument("--connectors", default="none,nixl,nixl-placed,kvlane",
+                   help="nixl-placed: NIXL with kvlane.vllm's placement of the worker thread")
     b.add_argument("--lengths", default="100,1000,4000")
     b.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
