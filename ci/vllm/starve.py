@@ -1,0 +1,90 @@
+"""Does a prefill engine that holds blocks for a remote decode starve a
+decode engine on the same host? (issue 40; the reason pd.py gives prefill
+and decode cores of their own.)
+
+    python ci/vllm/starve.py [--connector kvlane|nixl|nixl-placed]
+                             [--placement split|shared] [--calls 40]
+
+Starts a prefill and a decode engine, runs one P/D round, then times
+`--calls` decode calls (a 5-token prompt, 6 tokens, no transfer) twice:
+with the prefill idle, and while the prefill holds one request's blocks
+for a decode that never reads them (vLLM steps the prefill without pause
+until its 30 s lease ends). Prints the CPU each engine thread used in 3 s
+of each phase and the call times. On the 2-vCPU VM of 2026-12-06 with
+`--placement shared`: NIXL's first call waited 29.6 s (the lease), kvlane's
+took 3.7-4.1 s each for the lease's length (1.46 s idle).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pd  # noqa: E402
+
+
+def threads(e: "pd.Engine") -> dict:
+    out = {}
+    for pid in e.pids():
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    st = f.read()
+                comm = st[st.index("(") + 1:st.rindex(")")]
+                fields = st.rsplit(")", 1)[1].split()
+                out[(pid, tid)] = (comm, int(fields[11]) + int(fields[12]), int(fields[36]))
+        except OSError:
+            continue
+    return out
+
+
+def cpu(label: str, engines: list, secs: float = 3.0) -> None:
+    a = {k: v for e in engines for k, v in threads(e).items()}
+    time.sleep(secs)
+    b = {k: v for e in engines for k, v in threads(e).items()}
+    tick = os.sysconf("SC_CLK_TCK")
+    rows = sorted(((v[1] - a[k][1]) / tick / secs, k[0], v[0], v[2])
+                  for k, v in b.items() if k in a)
+    print(label, " ".join(f"{p}/{n}@cpu{c}:{d * 100:.0f}%" for d, p, n, c in reversed(rows)
+                          if d > 0.02), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--connector", choices=["kvlane", "nixl", "nixl-placed"], default="kvlane")
+    ap.add_argument("--placement", choices=["split", "shared"], default="shared")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--side-port", type=int, default=25800)
+    a = ap.parse_args()
+    s = pd.Setup(a)
+    c = a.connector
+    env = s.connector_env(c)
+    penv = dict(env, PD_KV_EXTRA=json.dumps({"kv_lease_duration": pd.LEASE_S}))
+    pre = s.engine("prefill", c, penv, side_port=s.port)
+    dec = s.engine("decode", c, env, side_port=s.port + 1)
+    try:
+        pre.ready()
+        dec.ready()
+        ps = pd.make_prompts([5] * a.calls, seed=3)
+        kv = pre.run([pd.changed(ps[0])])["outputs"][0]["kv"]
+        dec.run([ps[0]], [kv], max_tokens=6)
+        for phase in ("prefill idle", "prefill holding blocks"):
+            if phase != "prefill idle":
+                pre.run([pd.changed(ps[1])])  # its blocks wait for a decode that never comes
+            cpu(f"{phase}: CPU per thread:", [pre, dec])
+            t = [dec.run([p], max_tokens=6)["secs"] for p in ps]
+            print(f"{phase}: decode calls: median {statistics.median(t) * 1e3:.0f} ms, "
+                  f"max {max(t) * 1e3:.0f} ms; all (ms): {[round(x * 1e3) for x in t]}",
+                  flush=True)
+    finally:
+        pre.stop()
+        dec.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
