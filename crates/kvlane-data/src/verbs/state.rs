@@ -20,10 +20,16 @@ use crate::memory::{Region, RemoteRegion};
 use crate::transfer::{Completion, Notification, Op, Transfer};
 
 /// A local registration: the region (kept alive) and its MR.
+pub(crate) type Local = Registered<Region, Arc<MemoryRegistration>>;
+
+/// Memory and its registration, dropped registration first: the MR is
+/// deregistered (its rkey dead on every queue pair) before the memory can
+/// go back to the allocator. Fields drop in declaration order, so `mr`
+/// comes first; generic only so that a test can watch that order.
 #[derive(Clone)]
-pub(crate) struct Local {
-    pub(crate) region: Region,
-    pub(crate) mr: Arc<MemoryRegistration>,
+pub(crate) struct Registered<R, M> {
+    pub(crate) mr: M,
+    pub(crate) region: R,
 }
 
 /// Bytes per notification slot; payloads are further limited to the path MTU
@@ -343,4 +349,30 @@ impl Peer {
 /// `a` is at or before `b` in 31-bit sequence space.
 pub(crate) fn seq_le(a: u32, b: u32) -> bool {
     b.wrapping_sub(a) & SEQ_MASK < (1 << 30)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Registered;
+    use std::sync::{Arc, Mutex};
+
+    /// Records its name in a shared log when dropped.
+    struct Probe(&'static str, Arc<Mutex<Vec<&'static str>>>);
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            self.1.lock().unwrap().push(self.0);
+        }
+    }
+
+    #[test]
+    fn a_registration_is_dropped_before_its_memory() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let local = Registered {
+            region: Probe("region", log.clone()),
+            mr: Probe("mr", log.clone()),
+        };
+        drop(local);
+        assert_eq!(*log.lock().unwrap(), ["mr", "region"]);
+    }
 }
