@@ -384,6 +384,7 @@ impl AgentBuilder {
             metrics: crate::metrics::Metrics::new(),
             rail,
             control_stats: Mutex::new(kvlane_control::Stats::default()),
+            closing: tokio::sync::watch::Sender::new(false),
         });
         // The owner's stream: lossless for peer lifecycle (a flood of
         // refused hellos or of notifications never pushes out a peer's
@@ -434,6 +435,33 @@ fn host_of(addr: &str) -> &str {
 }
 
 impl Inner {
+    /// Runs `fut` (a connect to `what`) unless the agent closes first:
+    /// then `Closed`, at once. An error after the close started is
+    /// `Closed` too (the control node's own failure is its consequence).
+    pub(crate) async fn unless_closing<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let mut rx = self.closing.subscribe();
+        let r = tokio::select! {
+            r = fut => r,
+            _ = rx.wait_for(|c| *c) => {
+                return Err(Error::msg(
+                    ErrorKind::Closed,
+                    format!("the agent was closed while connecting to {what}"),
+                ))
+            }
+        };
+        match r {
+            Err(e) if *self.closing.borrow() => Err(Error::msg(
+                ErrorKind::Closed,
+                format!("the agent was closed while connecting to {what}: {e}"),
+            )),
+            r => r,
+        }
+    }
+
     /// The event task's step: never waits (attaching runs in tasks of its
     /// own), so one slow peer delays no other peer's events.
     fn on_control_event(self: &Arc<Self>, ev: kvlane_control::PeerEvent) {
@@ -636,7 +664,10 @@ impl Agent {
     /// plane cannot be attached, the connection is closed and the error
     /// says why (with the OS error); calling again dials afresh.
     pub async fn connect(&self, addr: &str) -> Result<Peer, Error> {
-        let (id, info) = self.inner.control.connect(addr).await?;
+        let (id, info) = self
+            .inner
+            .unless_closing(addr, async { Ok(self.inner.control.connect(addr).await?) })
+            .await?;
         if let Err(e) = self
             .inner
             .await_attach(id, info.identity.incarnation, addr)
@@ -661,10 +692,16 @@ impl Agent {
         dp_rank: u32,
         tp_size: u32,
     ) -> Result<Vec<Peer>, Error> {
+        let group = format!("{host}:{base_port} dp rank {dp_rank}");
         let members = self
             .inner
-            .control
-            .connect_group(host, base_port, dp_rank, tp_size)
+            .unless_closing(&group, async {
+                Ok(self
+                    .inner
+                    .control
+                    .connect_group(host, base_port, dp_rank, tp_size)
+                    .await?)
+            })
             .await?;
         // Every rank's attach runs in its own task already; collect them all.
         let mut failures = Vec::new();
@@ -746,6 +783,7 @@ impl Agent {
     /// messages), stops the data plane (in-flight transfers fail with
     /// `Closed`) and the agent's tasks. Idempotent.
     pub async fn close(&self) {
+        self.inner.closing.send_replace(true);
         self.inner.control.close().await;
         self.inner.transport.shutdown();
         let tasks: Vec<_> = lock(&self.inner.tasks).drain(..).collect();

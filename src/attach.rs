@@ -200,6 +200,7 @@ impl Inner {
                 }
             }
         };
+        let wait = self.unless_closing(addr, wait);
         tokio::time::timeout(self.attach_timeout, wait)
             .await
             .unwrap_or_else(|_| {

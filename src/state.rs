@@ -184,6 +184,10 @@ pub(crate) struct Inner {
     /// The control driver's counters, refreshed about once a second for
     /// `Agent::metrics` (which cannot wait on the driver).
     pub(crate) control_stats: Mutex<kvlane_control::Stats>,
+    /// Set when [`Agent::close`](crate::Agent::close) starts: a `connect`
+    /// in flight then fails at once with `Closed` instead of waiting out
+    /// its attempts or the attach timeout.
+    pub(crate) closing: watch::Sender<bool>,
 }
 
 impl Inner {

@@ -73,3 +73,40 @@ async fn close_releases_registrations_and_the_data_port() {
         rebound.err()
     );
 }
+
+/// A `connect` in flight when the agent closes fails at once with
+/// `Closed`: it neither waits out its connect attempts nor the data-plane
+/// attach timeout. Here the address refuses connections (a port just
+/// freed), so the connect is retrying when `close` runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_in_flight_fails_at_once_when_the_agent_closes() {
+    let a = Arc::new(
+        Agent::builder()
+            .engine_id("a")
+            .backend(BackendChoice::Tcp)
+            .build()
+            .await
+            .unwrap(),
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dialer = a.clone();
+    let connect = tokio::spawn(async move { dialer.connect(&addr).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!connect.is_finished(), "the connect must still be retrying");
+    let closed_at = Instant::now();
+    a.close().await;
+    let r = tokio::time::timeout(Duration::from_secs(60), connect)
+        .await
+        .expect("connect still waiting 60 s after close")
+        .unwrap();
+    let Err(e) = r else {
+        panic!("a connect to a refusing port cannot succeed")
+    };
+    assert_eq!(e.kind(), kvlane::ErrorKind::Closed, "{e}");
+    eprintln!("connect failed {:?} after close: {e}", closed_at.elapsed());
+}
