@@ -10,9 +10,13 @@ Starts a prefill and a decode engine, runs one P/D round, then times
 with the prefill idle, and while the prefill holds one request's blocks
 for a decode that never reads them (vLLM steps the prefill without pause
 until its 30 s lease ends). Prints the CPU each engine thread used in 3 s
-of each phase and the call times. On the 2-vCPU VM of 2026-12-06 with
-`--placement shared`: NIXL's first call waited 29.6 s (the lease), kvlane's
-took 3.7-4.1 s each for the lease's length (1.46 s idle).
+of each phase and the call times. On the 2-vCPU VM of 2026-12-06:
+
+- `--placement shared` (the default here), worker thread pinned as vLLM
+  pins it: NIXL's first call waited 29.6 s (the lease); kvlane's took
+  3.7-4.1 s each for the lease's length, 1.46 s with the prefill idle;
+- `--placement split` with kvlane.vllm's restored placement: 20 ms median
+  with the prefill idle, 63 ms median (331 ms max) while it holds blocks.
 """
 
 import argparse
