@@ -27,24 +27,24 @@ pub(crate) fn run(args: &DevicesArgs) -> bool {
 fn topology(sysfs: &Path) {
     match Topology::from_sysfs(sysfs) {
         Ok(t) if !t.gpus.is_empty() && !t.nics.is_empty() => {
-            println!("topology (GPU x RDMA NIC, from {}):", sysfs.display());
-            print!("{}", t.matrix());
+            crate::out::outln!("topology (GPU x RDMA NIC, from {}):", sysfs.display());
+            crate::out::out!("{}", t.matrix());
             for g in &t.gpus {
                 let near: Vec<&str> = t
                     .nearest_nics(&g.pci)
                     .iter()
                     .map(|n| n.name.as_str())
                     .collect();
-                println!("nearest to GPU{}: {}", g.index, near.join(", "));
+                crate::out::outln!("nearest to GPU{}: {}", g.index, near.join(", "));
             }
         }
-        Ok(t) => println!(
+        Ok(t) => crate::out::outln!(
             "topology: {} GPU(s) and {} RDMA NIC(s) on the PCIe tree of {} (no matrix)",
             t.gpus.len(),
             t.nics.len(),
             sysfs.display()
         ),
-        Err(e) => println!("topology: {e}"),
+        Err(e) => crate::out::outln!("topology: {e}"),
     }
 }
 
@@ -53,8 +53,8 @@ fn topology(sysfs: &Path) {
 fn gpus() {
     for rt in [GpuRuntime::Cuda, GpuRuntime::Rocm] {
         match gpu_devices(rt) {
-            Ok(devs) => devs.iter().for_each(|d| println!("gpu {d}")),
-            Err(e) => println!("no {rt} GPU: {e}"),
+            Ok(devs) => devs.iter().for_each(|d| crate::out::outln!("gpu {d}")),
+            Err(e) => crate::out::outln!("no {rt} GPU: {e}"),
         }
     }
 }
@@ -69,16 +69,16 @@ fn rdma() -> bool {
         })
         .unwrap_or_default();
     if !cfg!(feature = "verbs") {
-        println!("no RDMA: this kvlane was built without the `verbs` feature (cargo build --features verbs)");
+        crate::out::outln!("no RDMA: this kvlane was built without the `verbs` feature (cargo build --features verbs)");
         if names.is_empty() {
-            println!(
+            crate::out::outln!(
                 "(and the kernel exposes no RDMA devices: {} is missing or empty)",
                 sysfs.display()
             );
         } else {
-            println!("the kernel has RDMA devices: {}", names.join(", "));
+            crate::out::outln!("the kernel has RDMA devices: {}", names.join(", "));
         }
-        println!("available backends: tcp, loopback");
+        crate::out::outln!("available backends: tcp, loopback");
         return false;
     }
     verbs_devices()
@@ -89,16 +89,18 @@ fn verbs_devices() -> bool {
     match kvlane_data::verbs::list_devices() {
         Ok(devs) if !devs.is_empty() => {
             for d in devs {
-                println!("{d}");
+                crate::out::outln!("{d}");
             }
             true
         }
         Ok(_) => {
-            println!("no RDMA: libibverbs found no devices; available backends: tcp, loopback");
+            crate::out::outln!(
+                "no RDMA: libibverbs found no devices; available backends: tcp, loopback"
+            );
             false
         }
         Err(e) => {
-            println!("no RDMA: {e}; available backends: tcp, loopback");
+            crate::out::outln!("no RDMA: {e}; available backends: tcp, loopback");
             false
         }
     }

@@ -5,6 +5,7 @@ mod bench;
 mod devices;
 mod liveness;
 mod logging;
+mod out;
 mod ping;
 mod serve;
 mod soak;

@@ -62,7 +62,7 @@ pub(crate) async fn run(args: PingArgs) -> Result<(), PingError> {
     let agent = b.build().await.map_err(wrap)?;
     let t0 = std::time::Instant::now();
     let peer = agent.connect(&args.addr).await.map_err(wrap)?;
-    println!(
+    crate::out::outln!(
         "connected to {} engine={} incarnation={:#x} handshake={:.3} ms",
         args.addr,
         peer.engine_id(),
@@ -72,7 +72,7 @@ pub(crate) async fn run(args: PingArgs) -> Result<(), PingError> {
     let mut rtts = Vec::new();
     for seq in 0..args.count {
         let rtt = peer.ping().await.map_err(wrap)?;
-        println!(
+        crate::out::outln!(
             "pong from {} seq={seq} rtt={:.1} us",
             args.addr,
             rtt.as_secs_f64() * 1e6
@@ -82,7 +82,7 @@ pub(crate) async fn run(args: PingArgs) -> Result<(), PingError> {
     if !rtts.is_empty() {
         rtts.sort();
         let avg = rtts.iter().sum::<Duration>() / rtts.len() as u32;
-        println!(
+        crate::out::outln!(
             "{} round trips: min {:.1} us, avg {:.1} us, max {:.1} us",
             rtts.len(),
             rtts[0].as_secs_f64() * 1e6,

@@ -213,7 +213,7 @@ pub(crate) async fn run(args: ServeArgs) -> Result<(), ServeError> {
         let _ = out.flush();
     }
     let metrics = metrics_if(&agent, args.metrics.as_deref(), |url| {
-        println!("metrics {url}")
+        crate::out::outln!("metrics {url}")
     })
     .await?;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

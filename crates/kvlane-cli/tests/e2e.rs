@@ -364,6 +364,29 @@ fn ping_measures_round_trips() {
     assert!(text.contains("engine=decode"), "{text}");
 }
 
+/// `kvlane ping ... | head -1`: stdout closes after the first line; the
+/// later lines must not panic the process (`println!` does on a closed
+/// pipe), and the pings still run to their end.
+#[test]
+fn ping_into_a_closed_pipe_does_not_panic() {
+    let served = Served::start("127.0.0.1:0", 1, None);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["ping", &served.addr, "--count", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut first = String::new();
+    BufReader::new(stdout).read_line(&mut first).unwrap();
+    // The reader (and the pipe's read end) is dropped here, as `head` exits.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(first.contains("connected to"), "{first}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+}
+
 /// What an initiator printed against a `kvlane bench --role target`.
 struct BenchRun {
     /// The target's first line.

@@ -182,7 +182,7 @@ pub(crate) fn run(plan: &BenchPlan, opts: &RemoteOpts, peers: &PeersOpts) -> Res
     let addr = target.local_addr().to_owned();
     let backend = target.backend_kind().to_string();
     if !peers.json {
-        println!("{}", table_header());
+        crate::out::outln!("{}", table_header());
     }
     let mut failed = 0;
     for &n in &peers.counts {
@@ -207,9 +207,9 @@ pub(crate) fn run(plan: &BenchPlan, opts: &RemoteOpts, peers: &PeersOpts) -> Res
                     failed += 1;
                 }
                 if peers.json {
-                    println!("{}", serde_json::to_string(&row)?);
+                    crate::out::outln!("{}", serde_json::to_string(&row)?);
                 } else {
-                    println!("{}", table_line(&row));
+                    crate::out::outln!("{}", table_line(&row));
                 }
             }
         }
@@ -447,7 +447,7 @@ pub(crate) fn worker(
         })?;
         return Ok(());
     }
-    println!("ready");
+    crate::out::outln!("ready");
     std::io::stdout().flush()?;
     word.clear();
     stdin.read_line(&mut word)?;
@@ -490,7 +490,7 @@ pub(crate) fn worker(
 }
 
 fn report(r: &WorkerReport) -> Result<(), BoxError> {
-    println!("{}", serde_json::to_string(r)?);
+    crate::out::outln!("{}", serde_json::to_string(r)?);
     std::io::stdout().flush()?;
     Ok(())
 }

@@ -125,7 +125,7 @@ pub(crate) async fn target(
         .register_kv(layout, region)
         .build()
         .await?;
-    println!(
+    crate::out::outln!(
         "listening {} backend={} pool={}{}",
         agent.local_addr(),
         agent.backend_kind(),
