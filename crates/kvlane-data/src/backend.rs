@@ -217,6 +217,18 @@ pub trait Backend: Send + 'static {
         false
     }
 
+    /// Whether, now, every completion and every arriving notification is
+    /// announced through the waker (tcp: its I/O threads wake the driver),
+    /// and nothing but [`poll_by`](Self::poll_by) needs a poll; asked
+    /// after every poll.
+    /// Then a driver with nothing in flight parks until it is woken (or
+    /// until [`poll_by`](Self::poll_by), if the backend names a time)
+    /// instead of re-polling: an idle agent takes no CPU from the engine.
+    /// Default `false`: the driver re-polls an idle backend every 50 ms.
+    fn announces_arrivals(&self) -> bool {
+        false
+    }
+
     /// For a backend that announces completions through the waker: the
     /// latest instant by which `poll` must run again even if nothing wakes
     /// the caller (its earliest deadline: only `poll` notices a transfer
@@ -324,6 +336,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn poll_by(&self) -> Option<Instant> {
         (**self).poll_by()
+    }
+    fn announces_arrivals(&self) -> bool {
+        (**self).announces_arrivals()
     }
     fn poll_after_submit(&self) -> bool {
         (**self).poll_after_submit()

@@ -20,8 +20,10 @@ use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// How long the progress thread sleeps when nothing is in flight (it is
-/// woken at once by `submit` and by backends that announce completions).
+/// How long the progress thread sleeps when nothing is in flight on a
+/// backend that does not announce arrivals, or while notifications are
+/// held back (it is woken at once by `submit` and by backends that
+/// announce completions; those, idle, are not re-polled at all).
 pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 
 /// Notifications a [`Transport`]'s channel holds until its receiver takes
@@ -369,6 +371,13 @@ pub(crate) struct PollResult {
     pub(crate) in_flight: usize,
     pub(crate) busy: bool,
     pub(crate) poll_by: Option<Instant>,
+    /// The backend announces arrivals through its waker
+    /// ([`Backend::announces_arrivals`]).
+    pub(crate) announces: bool,
+    /// Notifications are held back (the channel was full), or the
+    /// backend's own queue was left alone because some were: only a later
+    /// poll passes them on.
+    pub(crate) held: bool,
 }
 
 /// Buffers a driver reuses from poll to poll.
@@ -393,7 +402,8 @@ impl Shared {
     /// only while none are held back (see [`held`](Self::held)).
     fn poll_backend(&self, b: &mut dyn Backend, polled: &mut Polled) -> PollResult {
         let mut results = b.poll(&mut polled.completions);
-        if lock(&self.held).is_empty() {
+        let holding = !lock(&self.held).is_empty();
+        if !holding {
             results += b.poll_notifications(&mut polled.notes);
         }
         PollResult {
@@ -401,6 +411,9 @@ impl Shared {
             in_flight: b.in_flight(),
             busy: b.needs_busy_poll(),
             poll_by: b.poll_by(),
+            announces: b.announces_arrivals(),
+            // The backend's own queue was left alone: a later poll takes it.
+            held: holding,
         }
     }
 
@@ -451,7 +464,8 @@ impl Shared {
 
     /// Passes held-back notifications, then the poll's, into the channel,
     /// in order, as far as it has room; the rest is held back for the
-    /// next poll (every member is polled at least every [`IDLE_PARK`]).
+    /// next poll (a member holding notifications back is re-polled every
+    /// [`IDLE_PARK`]).
     fn pass_notes(&self, polled: &mut Polled) {
         let mut held = lock(&self.held);
         if held.is_empty() && polled.notes.is_empty() {
@@ -502,9 +516,10 @@ impl Shared {
         mut b: MutexGuard<'_, Box<dyn Backend>>,
         polled: &mut Polled,
     ) -> PollResult {
-        let r = self.poll_backend(&mut **b, polled);
+        let mut r = self.poll_backend(&mut **b, polled);
         drop(b);
         self.resolve(polled);
+        r.held |= !lock(&self.held).is_empty();
         r
     }
 

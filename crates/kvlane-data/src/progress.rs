@@ -42,7 +42,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Wake, Waker};
 use std::thread::{self, JoinHandle, Thread};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The thread pools the backends and transports of a process share, one
 /// per thread count: the live pool of `threads` threads, or a new one from
@@ -329,7 +329,9 @@ fn run(home: &Home) {
             Some(&Reverse((at, _))) => {
                 thread::park_timeout(at.saturating_duration_since(Instant::now()))
             }
-            None => thread::park_timeout(IDLE_PARK),
+            // Every member is idle and wakes this thread when it has
+            // work (`Member::wake`, `stop` on drop).
+            None => thread::park(),
         }
     }
 }
@@ -371,12 +373,25 @@ fn turn(
     let now = Instant::now();
     let at = if p.results > 0 {
         // Still yielding after its rounds: again at the next turn.
-        now
+        Some(now)
     } else if p.in_flight > 0 {
-        now + busy_park(p.poll_by)
+        Some(now + busy_park(p.poll_by))
+    } else if p.announces && !p.held {
+        // Idle, and every arrival wakes it: no periodic wake-up (each one
+        // preempts the engine's threads on the cores it shares with
+        // them), only the time the backend itself names, if any.
+        p.poll_by.map(|t| t.max(now + Duration::from_millis(1)))
     } else {
-        now + IDLE_PARK
+        Some(now + IDLE_PARK)
     };
-    timers.push(Reverse((at, m.id)));
-    members.insert(m.id, (m, at));
+    match at {
+        Some(at) => {
+            timers.push(Reverse((at, m.id)));
+            members.insert(m.id, (m, at));
+        }
+        // Kept, with no timer: a wake-up puts it on the ready list.
+        None => {
+            members.insert(m.id, (m, now + Duration::from_secs(365 * 86_400)));
+        }
+    }
 }

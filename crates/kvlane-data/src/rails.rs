@@ -1531,6 +1531,15 @@ impl Backend for Rails {
         self.rails.iter().any(|r| r.backend.needs_busy_poll())
     }
 
+    /// When every rail does, and no part waits for room and no rail is
+    /// being recovered (those move only by polls); its link reads are in
+    /// [`poll_by`](Backend::poll_by).
+    fn announces_arrivals(&self) -> bool {
+        self.pending.is_empty()
+            && !self.recovering()
+            && self.rails.iter().all(|r| r.backend.announces_arrivals())
+    }
+
     /// The earliest of the rails' own answers and the next link read;
     /// unknown (a driver re-polls about every millisecond) while a rail
     /// with work in flight says nothing, parts wait for room, or a lost

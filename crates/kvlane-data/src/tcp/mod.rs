@@ -632,7 +632,12 @@ impl TcpBackend {
     /// stream, go to their stream at once); the caller hands the rest over
     /// ([`hand_over`](Self::hand_over)) before it returns.
     fn submit_staged(&mut self, t: Transfer, now: Instant) -> Result<(), SubmitError> {
-        self.poll_due |= t.deadline < now + crate::handle::IDLE_PARK;
+        // The driver re-polls a busy backend at least every IDLE_PARK, and
+        // an idle one (this backend announces its arrivals) only at the
+        // deadline it was last told: a deadline earlier than both needs
+        // a poll scheduled now.
+        self.poll_due |= t.deadline < now + crate::handle::IDLE_PARK
+            || self.next_deadline.is_none_or(|d| t.deadline < d);
         if !self.peers.contains_key(&t.peer) {
             return Err(SubmitError::Rejected(DataError::UnknownPeer(t.peer)));
         }
@@ -1002,6 +1007,12 @@ impl Backend for TcpBackend {
 
     fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
+    }
+
+    /// The I/O threads wake the driver for every answer and every
+    /// notification that arrives (at the end of their turn).
+    fn announces_arrivals(&self) -> bool {
+        true
     }
 
     /// Completions and notifications are announced by the I/O threads
