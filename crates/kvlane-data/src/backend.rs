@@ -217,14 +217,16 @@ pub trait Backend: Send + 'static {
         false
     }
 
-    /// Whether, now, every completion and every arriving notification is
-    /// announced through the waker (tcp: its I/O threads wake the driver),
-    /// and nothing but [`poll_by`](Self::poll_by) needs a poll; asked
-    /// after every poll.
-    /// Then a driver with nothing in flight parks until it is woken (or
-    /// until [`poll_by`](Self::poll_by), if the backend names a time)
-    /// instead of re-polling: an idle agent takes no CPU from the engine.
-    /// Default `false`: the driver re-polls an idle backend every 50 ms.
+    /// Whether, now, every completion, every failure and every arriving
+    /// notification is announced through the waker (tcp: its I/O threads
+    /// wake the driver), and nothing but [`poll_by`](Self::poll_by) needs
+    /// a poll; asked after every poll. Then a pooled driver polls the
+    /// backend when woken and at [`poll_by`](Self::poll_by) only, with
+    /// work in flight or without (with none and no `poll_by`, it sleeps
+    /// until woken): an idle agent takes no CPU from the engine. A
+    /// deadline that `submit` makes earlier than the last `poll_by` must
+    /// be told through [`poll_after_submit`](Self::poll_after_submit).
+    /// Default `false`: the driver re-polls every 50 ms at least.
     fn announces_arrivals(&self) -> bool {
         false
     }

@@ -31,8 +31,9 @@ pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 /// notification (64 KiB) at most 64 MiB; more wait in the backend's own
 /// bounded queue.
 pub const NOTIFY_CHANNEL: usize = 1024;
-/// How often it re-polls while work is in flight on a backend that
-/// announces completions through its waker (bounds deadline detection).
+/// How often a driver re-polls while work is in flight on a backend that
+/// does not say by when it must be polled ([`Backend::poll_by`] is
+/// `None`).
 const BUSY_PARK: Duration = Duration::from_millis(1);
 /// A thread that waits for a transfer submitted less than this long ago
 /// spins until then before it sleeps (see [`TransferHandle::wait`]).
@@ -553,15 +554,13 @@ pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResu
 }
 
 /// Polls `shared`'s backend on the calling thread if nobody holds it (a
-/// thread that woke it, see `progress.rs`); false when it did not, or a
-/// driver skipped the backend while it was held here: then the driver is
-/// to be woken.
-pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> bool {
-    let Some(b) = shared.try_backend() else {
-        return false;
-    };
-    shared.poll_locked(b, polled);
-    !shared.take_skipped()
+/// thread that woke it, see `progress.rs`): what the poll found, or
+/// `None` when it did not poll, or a driver skipped the backend while it
+/// was held here: then the driver is to be woken.
+pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> Option<PollResult> {
+    let b = shared.try_backend()?;
+    let r = shared.poll_locked(b, polled);
+    (!shared.take_skipped()).then_some(r)
 }
 
 /// What drives a transport's backend.
@@ -995,10 +994,13 @@ impl Backend for Closed {
     }
 }
 
-/// How long the progress thread parks while work is in flight on a
-/// backend that announces completions: until the backend's
-/// [`poll_by`](Backend::poll_by) (at most [`IDLE_PARK`]), or
-/// [`BUSY_PARK`] when it does not say. A thousand agents in one process
+/// How long a driver parks while work is in flight on a backend that
+/// does not announce every arrival (a backend's own progress thread, or
+/// a pool member whose backend says
+/// [`announces_arrivals`](Backend::announces_arrivals) false): until the
+/// backend's [`poll_by`](Backend::poll_by) (at most [`IDLE_PARK`]), or
+/// [`BUSY_PARK`] when it does not say. One that announces every arrival
+/// is polled at its `poll_by` alone (see `progress.rs`). A thousand agents in one process
 /// re-polling every millisecond cost a million wake-ups a second: on 2
 /// cores that alone kept ~700 threads runnable and starved the I/O.
 pub(crate) fn busy_park(poll_by: Option<Instant>) -> Duration {

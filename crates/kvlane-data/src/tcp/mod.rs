@@ -632,10 +632,12 @@ impl TcpBackend {
     /// stream, go to their stream at once); the caller hands the rest over
     /// ([`hand_over`](Self::hand_over)) before it returns.
     fn submit_staged(&mut self, t: Transfer, now: Instant) -> Result<(), SubmitError> {
-        // The driver re-polls a busy backend at least every IDLE_PARK, and
-        // an idle one (this backend announces its arrivals) only at the
-        // deadline it was last told: a deadline earlier than both needs
-        // a poll scheduled now.
+        // This backend announces its arrivals: its driver polls it, busy
+        // or idle, only when woken and at the deadline it was last told
+        // (`poll_by`, never later than the earliest in flight). A
+        // deadline earlier than that, or the first after idle, needs a
+        // poll scheduled now; so does one sooner than a driver's longest
+        // sleep (a driver that does not count on the waker).
         self.poll_due |= t.deadline < now + crate::handle::IDLE_PARK
             || self.next_deadline.is_none_or(|d| t.deadline < d);
         if !self.peers.contains_key(&t.peer) {
