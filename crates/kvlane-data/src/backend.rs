@@ -217,6 +217,20 @@ pub trait Backend: Send + 'static {
         false
     }
 
+    /// Whether, now, every completion, every failure and every arriving
+    /// notification is announced through the waker (tcp: its I/O threads
+    /// wake the driver), and nothing but [`poll_by`](Self::poll_by) needs
+    /// a poll; asked after every poll. Then a pooled driver polls the
+    /// backend when woken and at [`poll_by`](Self::poll_by) only, with
+    /// work in flight or without (with none and no `poll_by`, it sleeps
+    /// until woken): an idle agent takes no CPU from the engine. A
+    /// deadline that `submit` makes earlier than the last `poll_by` must
+    /// be told through [`poll_after_submit`](Self::poll_after_submit).
+    /// Default `false`: the driver re-polls every 50 ms at least.
+    fn announces_arrivals(&self) -> bool {
+        false
+    }
+
     /// For a backend that announces completions through the waker: the
     /// latest instant by which `poll` must run again even if nothing wakes
     /// the caller (its earliest deadline: only `poll` notices a transfer
@@ -324,6 +338,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn poll_by(&self) -> Option<Instant> {
         (**self).poll_by()
+    }
+    fn announces_arrivals(&self) -> bool {
+        (**self).announces_arrivals()
     }
     fn poll_after_submit(&self) -> bool {
         (**self).poll_after_submit()

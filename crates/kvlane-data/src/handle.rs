@@ -20,8 +20,10 @@ use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// How long the progress thread sleeps when nothing is in flight (it is
-/// woken at once by `submit` and by backends that announce completions).
+/// How long the progress thread sleeps when nothing is in flight on a
+/// backend that does not announce arrivals, or while notifications are
+/// held back (it is woken at once by `submit` and by backends that
+/// announce completions; those, idle, are not re-polled at all).
 pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 
 /// Notifications a [`Transport`]'s channel holds until its receiver takes
@@ -29,8 +31,9 @@ pub(crate) const IDLE_PARK: Duration = Duration::from_millis(50);
 /// notification (64 KiB) at most 64 MiB; more wait in the backend's own
 /// bounded queue.
 pub const NOTIFY_CHANNEL: usize = 1024;
-/// How often it re-polls while work is in flight on a backend that
-/// announces completions through its waker (bounds deadline detection).
+/// How often a driver re-polls while work is in flight on a backend that
+/// does not say by when it must be polled ([`Backend::poll_by`] is
+/// `None`).
 const BUSY_PARK: Duration = Duration::from_millis(1);
 /// A thread that waits for a transfer submitted less than this long ago
 /// spins until then before it sleeps (see [`TransferHandle::wait`]).
@@ -369,6 +372,13 @@ pub(crate) struct PollResult {
     pub(crate) in_flight: usize,
     pub(crate) busy: bool,
     pub(crate) poll_by: Option<Instant>,
+    /// The backend announces arrivals through its waker
+    /// ([`Backend::announces_arrivals`]).
+    pub(crate) announces: bool,
+    /// Notifications are held back (the channel was full), or the
+    /// backend's own queue was left alone because some were: only a later
+    /// poll passes them on.
+    pub(crate) held: bool,
 }
 
 /// Buffers a driver reuses from poll to poll.
@@ -393,7 +403,8 @@ impl Shared {
     /// only while none are held back (see [`held`](Self::held)).
     fn poll_backend(&self, b: &mut dyn Backend, polled: &mut Polled) -> PollResult {
         let mut results = b.poll(&mut polled.completions);
-        if lock(&self.held).is_empty() {
+        let holding = !lock(&self.held).is_empty();
+        if !holding {
             results += b.poll_notifications(&mut polled.notes);
         }
         PollResult {
@@ -401,6 +412,9 @@ impl Shared {
             in_flight: b.in_flight(),
             busy: b.needs_busy_poll(),
             poll_by: b.poll_by(),
+            announces: b.announces_arrivals(),
+            // The backend's own queue was left alone: a later poll takes it.
+            held: holding,
         }
     }
 
@@ -451,7 +465,8 @@ impl Shared {
 
     /// Passes held-back notifications, then the poll's, into the channel,
     /// in order, as far as it has room; the rest is held back for the
-    /// next poll (every member is polled at least every [`IDLE_PARK`]).
+    /// next poll (a member holding notifications back is re-polled every
+    /// [`IDLE_PARK`]).
     fn pass_notes(&self, polled: &mut Polled) {
         let mut held = lock(&self.held);
         if held.is_empty() && polled.notes.is_empty() {
@@ -502,9 +517,10 @@ impl Shared {
         mut b: MutexGuard<'_, Box<dyn Backend>>,
         polled: &mut Polled,
     ) -> PollResult {
-        let r = self.poll_backend(&mut **b, polled);
+        let mut r = self.poll_backend(&mut **b, polled);
         drop(b);
         self.resolve(polled);
+        r.held |= !lock(&self.held).is_empty();
         r
     }
 
@@ -538,15 +554,13 @@ pub(crate) fn poll_once(shared: &Shared, polled: &mut Polled) -> Option<PollResu
 }
 
 /// Polls `shared`'s backend on the calling thread if nobody holds it (a
-/// thread that woke it, see `progress.rs`); false when it did not, or a
-/// driver skipped the backend while it was held here: then the driver is
-/// to be woken.
-pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> bool {
-    let Some(b) = shared.try_backend() else {
-        return false;
-    };
-    shared.poll_locked(b, polled);
-    !shared.take_skipped()
+/// thread that woke it, see `progress.rs`): what the poll found, or
+/// `None` when it did not poll, or a driver skipped the backend while it
+/// was held here: then the driver is to be woken.
+pub(crate) fn poll_inline(shared: &Shared, polled: &mut Polled) -> Option<PollResult> {
+    let b = shared.try_backend()?;
+    let r = shared.poll_locked(b, polled);
+    (!shared.take_skipped()).then_some(r)
 }
 
 /// What drives a transport's backend.
@@ -980,10 +994,13 @@ impl Backend for Closed {
     }
 }
 
-/// How long the progress thread parks while work is in flight on a
-/// backend that announces completions: until the backend's
-/// [`poll_by`](Backend::poll_by) (at most [`IDLE_PARK`]), or
-/// [`BUSY_PARK`] when it does not say. A thousand agents in one process
+/// How long a driver parks while work is in flight on a backend that
+/// does not announce every arrival (a backend's own progress thread, or
+/// a pool member whose backend says
+/// [`announces_arrivals`](Backend::announces_arrivals) false): until the
+/// backend's [`poll_by`](Backend::poll_by) (at most [`IDLE_PARK`]), or
+/// [`BUSY_PARK`] when it does not say. One that announces every arrival
+/// is polled at its `poll_by` alone (see `progress.rs`). A thousand agents in one process
 /// re-polling every millisecond cost a million wake-ups a second: on 2
 /// cores that alone kept ~700 threads runnable and starved the I/O.
 pub(crate) fn busy_park(poll_by: Option<Instant>) -> Duration {

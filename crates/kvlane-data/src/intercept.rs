@@ -156,6 +156,9 @@ impl Backend for Intercept {
     fn needs_busy_poll(&self) -> bool {
         self.inner.needs_busy_poll()
     }
+    fn announces_arrivals(&self) -> bool {
+        self.inner.announces_arrivals()
+    }
     fn poll_by(&self) -> Option<std::time::Instant> {
         self.inner.poll_by()
     }

@@ -32,17 +32,27 @@
 //! backend found locked, or a driver that skipped it meanwhile, is left to
 //! the progress thread as before; the progress thread still re-polls every
 //! member by its deadlines.
+//!
+//! A member whose backend announces every arrival (tcp) has no periodic
+//! poll: it is polled when woken and at its backend's `poll_by` (the
+//! earliest deadline), and with nothing in flight not at all; a thread
+//! with no timer parks until unparked. A thread that polled a member
+//! itself wakes it when that poll found something due before the time
+//! its progress thread planned (`Member::due`): held-back notifications,
+//! a deadline the thread does not know of.
 
-use crate::handle::{busy_park, lock, poll_inline, poll_once, Polled, Shared, IDLE_PARK};
+use crate::handle::{
+    busy_park, lock, poll_inline, poll_once, PollResult, Polled, Shared, IDLE_PARK,
+};
 use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Wake, Waker};
 use std::thread::{self, JoinHandle, Thread};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The thread pools the backends and transports of a process share, one
 /// per thread count: the live pool of `threads` threads, or a new one from
@@ -80,6 +90,11 @@ pub(crate) struct Member {
     queued: AtomicBool,
     /// Its transport shut down: the thread forgets it.
     retired: AtomicBool,
+    /// When its thread means to poll it next ([`ticks`]; `u64::MAX`: not
+    /// before it is woken, or being polled there now). A thread that
+    /// polled it itself reads this to tell whether that plan still holds
+    /// (see [`poll_here`](Self::poll_here)).
+    due: AtomicU64,
     home: Arc<Home>,
 }
 
@@ -87,6 +102,12 @@ impl Member {
     /// Asks its thread to poll it (work submitted, a lock let go,
     /// completions announced by the backend).
     pub(crate) fn wake(self: &Arc<Self>) {
+        // What the caller changed (an answer queued, a lock let go) is
+        // ordered before the read of `queued`: a thread that cleared it
+        // (see `run`) and then polls sees the change, or this call sees
+        // the flag clear and queues the member. Without the fences both
+        // could read the old values and the member sleep with work.
+        fence(Ordering::SeqCst);
         if !self.queued.swap(true, Ordering::AcqRel) {
             lock(&self.home.ready).push(self.clone());
             self.home.unpark();
@@ -94,8 +115,10 @@ impl Member {
     }
 
     /// Polls the backend on this thread when it is free; false when it
-    /// was not polled here, or a driver skipped it meanwhile (then the
-    /// caller wakes the member).
+    /// was not polled here, a driver skipped it meanwhile, or the poll
+    /// found it needs a poll sooner than its thread plans one (notes held
+    /// back, say, or a deadline the thread does not know of): then the
+    /// caller wakes the member, and its thread polls and plans again.
     fn poll_here(&self) -> bool {
         if thread::panicking() || self.retired.load(Ordering::Acquire) {
             return false;
@@ -108,14 +131,22 @@ impl Member {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 poll_inline(&self.shared, &mut polled)
             }));
-            r.unwrap_or_else(|_| {
-                tracing::error!(
-                    "a kvlane backend panicked while polled; failing its in-flight transfers"
-                );
-                *polled = Polled::default();
-                self.shared.fail_all_panicked();
-                true
-            })
+            match r {
+                // Read after the poll: a thread that polls it after this
+                // one stored `u64::MAX` before its own poll (see `turn`),
+                // and the backend's lock orders the two polls.
+                Ok(Some(p)) => next_poll(&p, Instant::now())
+                    .is_none_or(|at| ticks(at) >= self.due.load(Ordering::Relaxed)),
+                Ok(None) => false,
+                Err(_) => {
+                    tracing::error!(
+                        "a kvlane backend panicked while polled; failing its in-flight transfers"
+                    );
+                    *polled = Polled::default();
+                    self.shared.fail_all_panicked();
+                    true
+                }
+            }
         })
     }
 
@@ -231,6 +262,7 @@ impl ProgressPool {
     /// The process's pool, started if no live transport holds it.
     pub(crate) fn for_process() -> std::io::Result<Arc<Self>> {
         let n = thread::available_parallelism().map_or(2, |n| n.get().min(4));
+        EPOCH.get_or_init(Instant::now);
         process_pool(&POOLS, n, Self::start)
     }
 
@@ -268,6 +300,7 @@ impl ProgressPool {
             shared,
             queued: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            due: AtomicU64::new(u64::MAX),
             home: self.homes[i].clone(),
         });
         let waker = Waker::from(Arc::new(MemberWaker(Arc::downgrade(&member))));
@@ -298,7 +331,7 @@ impl Drop for ProgressPool {
 
 /// One pool thread: polls ready members, then members whose time came.
 fn run(home: &Home) {
-    let mut members: HashMap<u64, (Arc<Member>, Instant)> = HashMap::new();
+    let mut members: HashMap<u64, (Arc<Member>, Option<Instant>)> = HashMap::new();
     let mut timers: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
     let mut ready: Vec<Arc<Member>> = Vec::new();
     let mut polled = Polled::default();
@@ -306,6 +339,9 @@ fn run(home: &Home) {
         std::mem::swap(&mut ready, &mut *lock(&home.ready));
         for m in ready.drain(..) {
             m.queued.store(false, Ordering::Release);
+            // Pairs with the fence in `Member::wake`: the poll below sees
+            // what a waker changed, or the waker sees the flag clear.
+            fence(Ordering::SeqCst);
             let m = members.remove(&m.id).map_or(m, |(m, _)| m);
             turn(m, &mut members, &mut timers, &mut polled);
         }
@@ -316,7 +352,7 @@ fn run(home: &Home) {
             }
             timers.pop();
             // A stale entry: the member was polled since and rescheduled.
-            if members.get(&id).is_some_and(|(_, due)| *due == at) {
+            if members.get(&id).is_some_and(|(_, due)| *due == Some(at)) {
                 if let Some((m, _)) = members.remove(&id) {
                     turn(m, &mut members, &mut timers, &mut polled);
                 }
@@ -329,7 +365,9 @@ fn run(home: &Home) {
             Some(&Reverse((at, _))) => {
                 thread::park_timeout(at.saturating_duration_since(Instant::now()))
             }
-            None => thread::park_timeout(IDLE_PARK),
+            // Every member is idle and wakes this thread when it has
+            // work (`Member::wake`, `stop` on drop).
+            None => thread::park(),
         }
     }
 }
@@ -337,13 +375,16 @@ fn run(home: &Home) {
 /// Polls one member and schedules its next poll (or forgets it).
 fn turn(
     m: Arc<Member>,
-    members: &mut HashMap<u64, (Arc<Member>, Instant)>,
+    members: &mut HashMap<u64, (Arc<Member>, Option<Instant>)>,
     timers: &mut BinaryHeap<Reverse<(Instant, u64)>>,
     polled: &mut Polled,
 ) {
     if m.retired.load(Ordering::Acquire) {
         return;
     }
+    // No plan while it is polled here: a thread that polls it meanwhile
+    // wakes it for anything it finds due (see `Member::poll_here`).
+    m.due.store(u64::MAX, Ordering::Relaxed);
     let mut next = None;
     for _ in 0..ROUNDS {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -371,12 +412,62 @@ fn turn(
     let now = Instant::now();
     let at = if p.results > 0 {
         // Still yielding after its rounds: again at the next turn.
-        now
-    } else if p.in_flight > 0 {
-        now + busy_park(p.poll_by)
+        Some(now)
     } else {
-        now + IDLE_PARK
+        next_poll(&p, now)
     };
-    timers.push(Reverse((at, m.id)));
+    m.due.store(at.map_or(u64::MAX, ticks), Ordering::Relaxed);
+    if let Some(at) = at {
+        timers.push(Reverse((at, m.id)));
+    }
+    // With no timer, a wake-up puts it on the ready list.
     members.insert(m.id, (m, at));
+}
+
+/// When a member is to be polled next, from what a poll of it found
+/// (`None`: not until it is woken). What the poll yielded does not count:
+/// [`turn`] re-polls a member still yielding, and a thread that polled
+/// it itself took what had been announced.
+///
+/// A backend that announces arrivals through its waker
+/// ([`Backend::announces_arrivals`](crate::Backend::announces_arrivals))
+/// is polled by a timer only for what polling alone notices: its
+/// [`poll_by`](crate::Backend::poll_by) (a deadline, a link read), with
+/// work in flight or without; an answer, a notification or a lost peer
+/// wakes it. Idle, it is not polled at all: each wake-up would preempt
+/// the engine's threads on the cores it shares with them. Any other
+/// backend is polled at least every [`IDLE_PARK`], and so is a member
+/// holding notifications back (only a poll passes them on once the
+/// application makes room).
+fn next_poll(p: &PollResult, now: Instant) -> Option<Instant> {
+    let at = if !p.announces {
+        Some(if p.in_flight > 0 {
+            now + busy_park(p.poll_by)
+        } else {
+            now + IDLE_PARK
+        })
+    } else if p.in_flight > 0 {
+        Some(p.poll_by.unwrap_or_else(|| now + busy_park(None)))
+    } else {
+        // A deadline already past is noticed by this poll (it is not
+        // repeated at once).
+        p.poll_by.map(|t| t.max(now + Duration::from_millis(1)))
+    };
+    if p.held {
+        let held = now + IDLE_PARK;
+        Some(at.map_or(held, |t| t.min(held)))
+    } else {
+        at
+    }
+}
+
+/// The instant the first pool started: [`ticks`] counts from it.
+static EPOCH: OnceLock<Instant> = OnceLock::new();
+
+/// `at` as nanoseconds since [`EPOCH`] (0 for an instant before it;
+/// below `u64::MAX`, which means "none").
+fn ticks(at: Instant) -> u64 {
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let n = at.saturating_duration_since(epoch).as_nanos();
+    u64::try_from(n).unwrap_or(u64::MAX).min(u64::MAX - 1)
 }

@@ -1531,6 +1531,15 @@ impl Backend for Rails {
         self.rails.iter().any(|r| r.backend.needs_busy_poll())
     }
 
+    /// When every rail does, and no part waits for room and no rail is
+    /// being recovered (those move only by polls); its link reads are in
+    /// [`poll_by`](Backend::poll_by).
+    fn announces_arrivals(&self) -> bool {
+        self.pending.is_empty()
+            && !self.recovering()
+            && self.rails.iter().all(|r| r.backend.announces_arrivals())
+    }
+
     /// The earliest of the rails' own answers and the next link read;
     /// unknown (a driver re-polls about every millisecond) while a rail
     /// with work in flight says nothing, parts wait for room, or a lost
@@ -1544,11 +1553,19 @@ impl Backend for Rails {
             return None;
         }
         let links = self.links_read.map_or_else(Instant::now, |t| t + LINK_POLL);
-        // A rail with nothing in flight has nothing to be due for.
+        // Every rail's own time, idle ones too: a rail asks for a poll
+        // after a submission only for a deadline earlier than the time it
+        // last named (`poll_after_submit`), so the driver's timer must not
+        // be later than any. A rail with nothing in flight that names
+        // none has nothing to be due for; one with work that names none
+        // leaves the time unknown.
         self.rails
             .iter()
-            .filter(|r| r.backend.in_flight() > 0)
-            .try_fold(links, |at, r| Some(at.min(r.backend.poll_by()?)))
+            .try_fold(links, |at, r| match r.backend.poll_by() {
+                Some(t) => Some(at.min(t)),
+                None if r.backend.in_flight() == 0 => Some(at),
+                None => None,
+            })
     }
 
     /// What a rail's last submission left to `poll`, or a part that is

@@ -758,8 +758,9 @@ mod faults {
 
     /// The driver is woken after a submission only for what only `poll`
     /// moves on: a failure queued by `submit`, a deadline sooner than the
-    /// driver's longest sleep. Every chunk, large or small, goes to its
-    /// stream from `submit` itself.
+    /// driver's longest sleep, or the first deadline of an idle backend
+    /// (its driver sleeps until woken). Every chunk, large or small, goes
+    /// to its stream from `submit` itself.
     #[test]
     fn poll_after_submit_says_what_only_poll_moves() {
         let (ep, ad) = fake_target(|mut s| {
@@ -767,6 +768,12 @@ mod faults {
         });
         let (mut b, peer, local) = initiator(&ep, ad);
         let far = Instant::now() + Duration::from_secs(30);
+        b.submit(write(peer, &local, ad.key, 0, 1 << 20).with_deadline(far))
+            .unwrap();
+        assert!(
+            b.poll_after_submit(),
+            "the first deadline of an idle backend asks for no poll"
+        );
         b.submit(write(peer, &local, ad.key, 0, 1 << 20).with_deadline(far))
             .unwrap();
         assert!(!b.poll_after_submit(), "a 1 MiB write waits for a poll");
@@ -793,6 +800,11 @@ mod faults {
         let (mut b, peer, local) = initiator(&ep, ad);
         let far = Instant::now() + Duration::from_secs(30);
         let mut results = Vec::new();
+        // The first deadline of an idle backend asks for a poll (its
+        // driver sleeps until woken); the batches after it need none.
+        let first = vec![write(peer, &local, ad.key, 0, 4096).with_deadline(far)];
+        assert!(b.submit_batch(first, &mut results));
+        results.clear();
         let quiet = (0..4)
             .map(|k| write(peer, &local, ad.key, k * 4096, 4096).with_deadline(far))
             .collect();

@@ -632,7 +632,14 @@ impl TcpBackend {
     /// stream, go to their stream at once); the caller hands the rest over
     /// ([`hand_over`](Self::hand_over)) before it returns.
     fn submit_staged(&mut self, t: Transfer, now: Instant) -> Result<(), SubmitError> {
-        self.poll_due |= t.deadline < now + crate::handle::IDLE_PARK;
+        // This backend announces its arrivals: its driver polls it, busy
+        // or idle, only when woken and at the deadline it was last told
+        // (`poll_by`, never later than the earliest in flight). A
+        // deadline earlier than that, or the first after idle, needs a
+        // poll scheduled now; so does one sooner than a driver's longest
+        // sleep (a driver that does not count on the waker).
+        self.poll_due |= t.deadline < now + crate::handle::IDLE_PARK
+            || self.next_deadline.is_none_or(|d| t.deadline < d);
         if !self.peers.contains_key(&t.peer) {
             return Err(SubmitError::Rejected(DataError::UnknownPeer(t.peer)));
         }
@@ -1002,6 +1009,12 @@ impl Backend for TcpBackend {
 
     fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
+    }
+
+    /// The I/O threads wake the driver for every answer and every
+    /// notification that arrives (at the end of their turn).
+    fn announces_arrivals(&self) -> bool {
+        true
     }
 
     /// Completions and notifications are announced by the I/O threads
