@@ -245,7 +245,7 @@ impl Registry {
                 addr: addr.to_owned(),
             });
         }
-        if self.peers.len() >= self.config.peer_cap {
+        if self.peers.len() >= self.config.peer_cap && !self.free_dead_slot() {
             self.refused_at_cap += 1;
             return Err(ConnectRefused::PeerCap {
                 cap: self.config.peer_cap,
@@ -350,6 +350,9 @@ impl Registry {
     fn accept(&mut self, now: Instant, rid: Bytes, hello: crate::wire::Hello) {
         if self.closed {
             return;
+        }
+        if self.peers.len() - self.pending.len() >= self.config.peer_cap {
+            self.free_dead_slot();
         }
         let authenticated = self.peers.len() - self.pending.len();
         if authenticated >= self.config.peer_cap {
@@ -765,6 +768,27 @@ impl Registry {
             .partition(|id| self.pending.contains(id));
         self.dead_accepted = rest;
         self.release_dead(handshaking);
+    }
+
+    /// Releases the oldest dead connection that is not a handshake in
+    /// progress (a peer this side dialed stays visible as dead until then):
+    /// a dead peer never holds a slot under the peer cap that a live one
+    /// needs. False when there is none.
+    fn free_dead_slot(&mut self) -> bool {
+        let oldest = self
+            .peers
+            .iter()
+            .filter(|(id, e)| e.peer.state() == State::Dead && !self.pending.contains(id))
+            .map(|(id, _)| *id)
+            .min();
+        match oldest {
+            Some(id) => {
+                debug!(%id, "peer cap reached; releasing a dead connection for a new peer");
+                self.release(id);
+                true
+            }
+            None => false,
+        }
     }
 
     fn reap_dead(&mut self) {

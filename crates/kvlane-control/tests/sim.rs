@@ -670,3 +670,84 @@ fn a_new_data_plane_blob_reaches_later_handshakes_only() {
         readies(&c, 1)
     );
 }
+
+/// A dead peer holds no slot under the peer cap: with a cap of 1, a peer
+/// that died (inbound or dialed) leaves room for the next one, inbound
+/// and outbound.
+#[test]
+fn dead_peers_free_their_cap_slot() {
+    let mut cfg = config();
+    cfg.peer_cap = 1;
+    let mut c = Cluster::new();
+    c.add("t:1", cfg, local("t", 0, 0, 1));
+    c.add("i0:1", config(), local("i0", 0, 0, 1));
+    c.add("i1:1", config(), local("i1", 0, 0, 1));
+    c.add("i2:1", config(), local("i2", 0, 0, 1));
+    // Inbound: i0 takes the one slot and dies.
+    c.connect(1, "t:1");
+    c.drive_until_event(1, Duration::from_secs(1), is_ready);
+    c.drive_for(Duration::from_millis(10));
+    c.kill(1);
+    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    c.clear_events();
+    // i1 gets the slot, and the dead entry is gone.
+    c.connect(2, "t:1");
+    c.drive_until_event(2, Duration::from_secs(1), is_ready);
+    assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
+    // Outbound: with i1 killed, t can dial i2 (its slot is free again).
+    c.drive_for(Duration::from_millis(10));
+    c.kill(2);
+    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    let now = c.now;
+    assert!(
+        c.nodes[0].reg.connect(now, "i2:1").is_ok(),
+        "dialing i2 was refused with a dead peer in the only slot"
+    );
+}
+
+/// The same for a peer this side dialed: once it is dead, dialing another
+/// address and accepting another peer both find the slot free.
+#[test]
+fn a_dead_dialed_peer_frees_its_cap_slot() {
+    let mut cfg = config();
+    cfg.peer_cap = 1;
+    let mut c = Cluster::new();
+    c.add("t:1", cfg, local("t", 0, 0, 1));
+    c.add("i0:1", config(), local("i0", 0, 0, 1));
+    c.add("i1:1", config(), local("i1", 0, 0, 1));
+    c.add("i2:1", config(), local("i2", 0, 0, 1));
+    let id = c.connect(0, "i0:1");
+    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == id);
+    c.drive_for(Duration::from_millis(10));
+    c.kill(1);
+    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    c.clear_events();
+    // Inbound: i1's hello must not be refused at the cap.
+    c.connect(2, "t:1");
+    c.drive_until_event(2, Duration::from_secs(1), is_ready);
+    assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
+    assert!(
+        c.nodes[0].reg.peer(id).is_none(),
+        "the dead entry was released"
+    );
+}
+
+/// Outbound: a dead dialed peer in the only slot does not stop a dial to
+/// another address.
+#[test]
+fn a_dead_dialed_peer_does_not_stop_the_next_dial() {
+    let mut cfg = config();
+    cfg.peer_cap = 1;
+    let mut c = Cluster::new();
+    c.add("t:1", cfg, local("t", 0, 0, 1));
+    c.add("i0:1", config(), local("i0", 0, 0, 1));
+    c.add("i1:1", config(), local("i1", 0, 0, 1));
+    let id = c.connect(0, "i0:1");
+    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == id);
+    c.drive_for(Duration::from_millis(10));
+    c.kill(1);
+    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    let next = c.connect(0, "i1:1");
+    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == next);
+    assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
+}
