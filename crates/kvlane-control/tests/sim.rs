@@ -671,33 +671,53 @@ fn a_new_data_plane_blob_reaches_later_handshakes_only() {
     );
 }
 
-/// A dead peer holds no slot under the peer cap: with a cap of 1, a peer
-/// that died (inbound or dialed) leaves room for the next one, inbound
-/// and outbound.
-#[test]
-fn dead_peers_free_their_cap_slot() {
+/// `t:1` (node 0) with a peer cap of 1, and `i0:1`, `i1:1`, `i2:1`
+/// (nodes 1-3) with the default config.
+fn cap_of_one() -> Cluster {
     let mut cfg = config();
     cfg.peer_cap = 1;
     let mut c = Cluster::new();
     c.add("t:1", cfg, local("t", 0, 0, 1));
-    c.add("i0:1", config(), local("i0", 0, 0, 1));
-    c.add("i1:1", config(), local("i1", 0, 0, 1));
-    c.add("i2:1", config(), local("i2", 0, 0, 1));
-    // Inbound: i0 takes the one slot and dies.
-    c.connect(1, "t:1");
-    c.drive_until_event(1, Duration::from_secs(1), is_ready);
+    for i in 0..3 {
+        c.add(
+            &format!("i{i}:1"),
+            config(),
+            local(&format!("i{i}"), 0, 0, 1),
+        );
+    }
+    c
+}
+
+/// Node 0 dials `addr` and waits until that connection is ready.
+fn dial_ready(c: &mut Cluster, addr: &str) -> kvlane_control::ConnectionId {
+    let id = c.connect(0, addr);
+    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == id);
+    id
+}
+
+/// Kills `node` and waits until node 0 declares it dead.
+fn kill_until_dead(c: &mut Cluster, node: usize) {
     c.drive_for(Duration::from_millis(10));
-    c.kill(1);
+    c.kill(node);
     c.drive_until_event(0, Duration::from_secs(10), is_dead);
     c.clear_events();
-    // i1 gets the slot, and the dead entry is gone.
+}
+
+/// A dead peer holds no slot under the peer cap: with a cap of 1, a peer
+/// that connected in and died leaves room for the next one, inbound and
+/// outbound.
+#[test]
+fn dead_peers_free_their_cap_slot() {
+    let mut c = cap_of_one();
+    c.connect(1, "t:1");
+    c.drive_until_event(1, Duration::from_secs(1), is_ready);
+    kill_until_dead(&mut c, 1);
+    // i1 gets the slot.
     c.connect(2, "t:1");
     c.drive_until_event(2, Duration::from_secs(1), is_ready);
     assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
-    // Outbound: with i1 killed, t can dial i2 (its slot is free again).
-    c.drive_for(Duration::from_millis(10));
-    c.kill(2);
-    c.drive_until_event(0, Duration::from_secs(10), is_dead);
+    // With i1 dead too, t can dial i2.
+    kill_until_dead(&mut c, 2);
     let now = c.now;
     assert!(
         c.nodes[0].reg.connect(now, "i2:1").is_ok(),
@@ -705,24 +725,13 @@ fn dead_peers_free_their_cap_slot() {
     );
 }
 
-/// The same for a peer this side dialed: once it is dead, dialing another
-/// address and accepting another peer both find the slot free.
+/// The same for a peer this side dialed: once it is dead, another peer's
+/// hello is not refused at the cap, and the dead entry is released.
 #[test]
 fn a_dead_dialed_peer_frees_its_cap_slot() {
-    let mut cfg = config();
-    cfg.peer_cap = 1;
-    let mut c = Cluster::new();
-    c.add("t:1", cfg, local("t", 0, 0, 1));
-    c.add("i0:1", config(), local("i0", 0, 0, 1));
-    c.add("i1:1", config(), local("i1", 0, 0, 1));
-    c.add("i2:1", config(), local("i2", 0, 0, 1));
-    let id = c.connect(0, "i0:1");
-    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == id);
-    c.drive_for(Duration::from_millis(10));
-    c.kill(1);
-    c.drive_until_event(0, Duration::from_secs(10), is_dead);
-    c.clear_events();
-    // Inbound: i1's hello must not be refused at the cap.
+    let mut c = cap_of_one();
+    let id = dial_ready(&mut c, "i0:1");
+    kill_until_dead(&mut c, 1);
     c.connect(2, "t:1");
     c.drive_until_event(2, Duration::from_secs(1), is_ready);
     assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
@@ -736,18 +745,9 @@ fn a_dead_dialed_peer_frees_its_cap_slot() {
 /// another address.
 #[test]
 fn a_dead_dialed_peer_does_not_stop_the_next_dial() {
-    let mut cfg = config();
-    cfg.peer_cap = 1;
-    let mut c = Cluster::new();
-    c.add("t:1", cfg, local("t", 0, 0, 1));
-    c.add("i0:1", config(), local("i0", 0, 0, 1));
-    c.add("i1:1", config(), local("i1", 0, 0, 1));
-    let id = c.connect(0, "i0:1");
-    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == id);
-    c.drive_for(Duration::from_millis(10));
-    c.kill(1);
-    c.drive_until_event(0, Duration::from_secs(10), is_dead);
-    let next = c.connect(0, "i1:1");
-    c.drive_until_event(0, Duration::from_secs(1), |e| is_ready(e) && e.id == next);
+    let mut c = cap_of_one();
+    dial_ready(&mut c, "i0:1");
+    kill_until_dead(&mut c, 1);
+    dial_ready(&mut c, "i1:1");
     assert_eq!(c.nodes[0].reg.refused_at_cap(), 0);
 }
