@@ -60,8 +60,8 @@ CHECK_LENGTHS = [5, 127, 128, 129, 300, 700, 1000]
 # Prefill's KV lease: vLLM's default (it was 10 s for a quicker kill-decode
 # case). A decode that reaches a request after the lease released its
 # blocks reads whatever the next prompt wrote there: wrong tokens. That was
-# seen after engine stalls of 10-30 s (cause not established), with either
-# lease (issue 40).
+# seen with both engines on every core, where a prefill holding blocks
+# starves the decode until the lease ends (see placement(); issue 40).
 LEASE_S = 30
 
 
