@@ -9,7 +9,6 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvlane::control::wire::{Hello, Identity, Message};
 use kvlane::data::{Access, KvLayout, KvParts, LayoutOrder, Region};
 use kvlane::{Agent, BackendChoice};
 
@@ -44,26 +43,13 @@ fn attached(agent: &Agent) -> f64 {
 
 #[path = "../crates/kvlane-control/tests/common/zmtp.rs"]
 mod zmtp;
-use zmtp::{zmtp_dealer_preamble, zmtp_frame};
+use zmtp::{wrong_fingerprint_hello, zmtp_dealer_preamble, zmtp_frame};
 
 /// `hellos` hellos with a wrong fingerprint, spread over `conns` raw
 /// connections (a hello on a link whose connection was refused starts a
 /// new one, refused in turn).
 fn flood(addr: &str, conns: usize, hellos: usize) -> usize {
-    let hello = Message::Hello(Hello::new(
-        Identity {
-            engine_id: "mallory".into(),
-            fingerprint: "not-kvlane".into(),
-            tp_size: 1,
-            ..Default::default()
-        },
-        None,
-        Vec::new(),
-        None,
-    ))
-    .encode()
-    .unwrap();
-    let frame = zmtp_frame(&hello);
+    let frame = zmtp_frame(&wrong_fingerprint_hello());
     let per = hellos / conns;
     let mut sent = 0;
     let mut held = Vec::new();

@@ -52,35 +52,22 @@ fn target() -> &'static Target {
     })
 }
 
-fn preamble() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&6u32.to_be_bytes());
-    body.extend_from_slice(b"DEALER");
-    g.extend_from_slice(&[0x04, body.len() as u8]);
-    g.extend_from_slice(&body);
-    g
-}
+// The raw ZMTP bytes kvlane-control's flood tests send.
+#[path = "../../crates/kvlane-control/tests/common/zmtp.rs"]
+mod zmtp;
+use zmtp::{long_frame_header, zmtp_dealer_preamble};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else {
         return;
     };
     let t = target();
-    let mut bytes = preamble();
+    let mut bytes = zmtp_dealer_preamble();
     if mode % 2 == 0 {
         bytes.extend_from_slice(rest);
     } else {
         for msg in rest.split(|b| *b == 0xc1) {
-            bytes.push(0x02);
-            bytes.extend_from_slice(&(msg.len() as u64).to_be_bytes());
+            bytes.extend(long_frame_header(msg.len() as u64, false));
             bytes.extend_from_slice(msg);
         }
     }

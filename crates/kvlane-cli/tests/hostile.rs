@@ -105,28 +105,14 @@ fn serve(data_port: u16) -> (Child, String) {
     (child, addr)
 }
 
-/// A ZMTP 3.0 greeting and READY of a DEALER.
-fn zmtp_preamble() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&6u32.to_be_bytes());
-    body.extend_from_slice(b"DEALER");
-    g.extend_from_slice(&[0x04, body.len() as u8]);
-    g.extend_from_slice(&body);
-    g
-}
+// Raw ZMTP bytes, as kvlane-control's own flood tests send them.
+#[path = "../../kvlane-control/tests/common/zmtp.rs"]
+mod zmtp;
+use zmtp::{long_frame_header, zmtp_dealer_preamble};
 
 /// A ZMTP message of one frame.
 fn zmtp_frame(body: &[u8]) -> Vec<u8> {
-    let mut f = vec![0x02];
-    f.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    let mut f = long_frame_header(body.len() as u64, false);
     f.extend_from_slice(body);
     f
 }
@@ -198,7 +184,7 @@ fn flood(
             let mut i = t;
             while (i < HELLOS || !stop.load(Ordering::Relaxed)) && i < 40 * HELLOS {
                 if let Ok(mut s) = TcpStream::connect(&control) {
-                    let mut bytes = zmtp_preamble();
+                    let mut bytes = zmtp_dealer_preamble();
                     bytes.extend(zmtp_frame(&unauthenticated_hello(i)));
                     if s.write_all(&bytes).is_ok() {
                         hellos.fetch_add(1, Ordering::Relaxed);
@@ -227,10 +213,8 @@ fn flood(
         threads.push(std::thread::spawn(move || {
             for len in [1u64 << 30, 4 << 30, u64::MAX, 1 << 62] {
                 if let Ok(mut s) = TcpStream::connect(&control) {
-                    let _ = s.write_all(&zmtp_preamble());
-                    let mut h = vec![0x02];
-                    h.extend_from_slice(&len.to_be_bytes());
-                    let _ = s.write_all(&h);
+                    let _ = s.write_all(&zmtp_dealer_preamble());
+                    let _ = s.write_all(&long_frame_header(len, false));
                     let chunk = vec![0x5au8; 1 << 20];
                     for _ in 0..64 {
                         if s.write_all(&chunk).is_err() {

@@ -15,52 +15,14 @@
 //! (`ulimit -n`). Prints one line per second on stderr and a summary line
 //! at the end: `hello_flood connections=N seconds=S opened=M`.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvlane_control::wire::{Hello, Identity, Message};
-
-/// A ZMTP 3.0 greeting (NULL mechanism) and READY command of a DEALER.
-fn zmtp_dealer_preamble() -> Vec<u8> {
-    let mut g = vec![0u8; 64];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[12..16].copy_from_slice(b"NULL");
-    let mut body = vec![5u8];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&6u32.to_be_bytes());
-    body.extend_from_slice(b"DEALER");
-    g.push(0x04);
-    g.extend(u8::try_from(body.len()));
-    g.extend_from_slice(&body);
-    g
-}
-
-/// The preamble and one ZMTP frame holding a hello with a wrong fingerprint.
-fn bad_hello() -> Result<Vec<u8>, String> {
-    let hello = Message::Hello(Hello::new(
-        Identity {
-            engine_id: "mallory".into(),
-            fingerprint: "not-the-fingerprint".into(),
-            tp_size: 1,
-            ..Default::default()
-        },
-        None,
-        Vec::new(),
-        None,
-    ))
-    .encode()
-    .map_err(|e| format!("encode hello: {e}"))?;
-    let len = u8::try_from(hello.len()).map_err(|_| "hello longer than a short frame")?;
-    let mut bytes = zmtp_dealer_preamble();
-    bytes.extend_from_slice(&[0x00, len]);
-    bytes.extend_from_slice(&hello);
-    Ok(bytes)
-}
+// The raw ZMTP bytes the crate's flood tests send.
+#[path = "../tests/common/zmtp.rs"]
+mod zmtp;
+use zmtp::{closed, preamble_and_wrong_hello};
 
 /// Opens one flood connection; `None` if the connect or write failed.
 fn open(addr: &str, hello: &[u8]) -> Option<TcpStream> {
@@ -68,19 +30,6 @@ fn open(addr: &str, hello: &[u8]) -> Option<TcpStream> {
     s.write_all(hello).ok()?;
     s.set_nonblocking(true).ok()?;
     Some(s)
-}
-
-/// Whether the server closed `s` (without blocking).
-fn closed(s: &mut TcpStream) -> bool {
-    let mut buf = [0u8; 4096];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
 }
 
 fn main() -> Result<(), String> {
@@ -96,7 +45,7 @@ fn main() -> Result<(), String> {
         Some(a) => a.parse().map_err(|e| format!("seconds {a:?}: {e}"))?,
         None => 30,
     };
-    let hello = bad_hello()?;
+    let hello = preamble_and_wrong_hello();
     let mut held: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let start = Instant::now();
     let end = start + Duration::from_secs(secs);

@@ -16,14 +16,7 @@ use kvlane_control::{Config, ControlNode};
 
 #[path = "common/zmtp.rs"]
 mod zmtp;
-use zmtp::{wrong_fingerprint_hello, zmtp_dealer_preamble, zmtp_frame};
-
-/// The preamble and one hello with a wrong fingerprint.
-fn bad_hello() -> Vec<u8> {
-    let mut bytes = zmtp_dealer_preamble();
-    bytes.extend(zmtp_frame(&wrong_fingerprint_hello()));
-    bytes
-}
+use zmtp::{closed, preamble_and_wrong_hello, zmtp_dealer_preamble};
 
 /// Opens a flood connection of kind `i % 3`: a refused hello, then
 /// silence; the ZMTP handshake, then silence; nothing at all.
@@ -39,24 +32,11 @@ fn open(addr: &str, i: u64, hello: &[u8]) -> Option<TcpStream> {
     Some(s)
 }
 
-/// Whether the server closed `s` (without blocking).
-fn closed(s: &mut TcpStream) -> bool {
-    let mut buf = [0u8; 4096];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => {}
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
-}
-
 /// Keeps `n` unauthenticated connections open against `addr` until
 /// `stop`: each one the server closes is replaced at once; `opened`
 /// counts the connections opened.
 fn flood(addr: String, n: usize, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) {
-    let hello = bad_hello();
+    let hello = preamble_and_wrong_hello();
     let mut held: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     while !stop.load(Ordering::Relaxed) {
         for slot in &mut held {
@@ -137,7 +117,7 @@ async fn a_refused_peer_is_closed_at_once() {
     let addr = b.local_addr().to_owned();
     let outcome = tokio::task::spawn_blocking(move || {
         let mut s = TcpStream::connect(&addr).expect("connect");
-        s.write_all(&bad_hello()).expect("write");
+        s.write_all(&preamble_and_wrong_hello()).expect("write");
         s.set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");
         let mut buf = [0u8; 4096];

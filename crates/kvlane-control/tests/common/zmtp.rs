@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 use kvlane_control::wire::{Hello, Identity, Message};
+use std::io::{ErrorKind, Read};
+use std::net::TcpStream;
 
 /// A ZMTP 3.0 greeting (NULL mechanism, client) and a READY command for a
 /// DEALER, as a peer sends them before its first message.
@@ -59,4 +61,26 @@ pub(crate) fn wrong_fingerprint_hello() -> Vec<u8> {
     ))
     .encode()
     .expect("encode")
+}
+
+/// What a flooding peer sends on a new connection: the DEALER preamble and
+/// one frame with [`wrong_fingerprint_hello`].
+pub(crate) fn preamble_and_wrong_hello() -> Vec<u8> {
+    let mut bytes = zmtp_dealer_preamble();
+    bytes.extend(zmtp_frame(&wrong_fingerprint_hello()));
+    bytes
+}
+
+/// Whether the other side closed `s`, a non-blocking stream (whatever it
+/// sent is read and dropped; never blocks).
+pub(crate) fn closed(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(_) => return true,
+        }
+    }
 }
