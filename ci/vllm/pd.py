@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 1024
@@ -79,6 +79,7 @@ class Engine:
     def __init__(self, name: str, role: str, model: str, connector: str, logdir: str,
                  side_port: int = 0, extra_env: Optional[Dict[str, str]] = None) -> None:
         self.name = name
+        self.role = role
         self.log_path = os.path.join(logdir, f"{name}.log")
         env = dict(os.environ)
         env.update(extra_env or {})
@@ -171,7 +172,24 @@ class Engine:
             try:
                 if pid.isdigit() and os.getsid(int(pid)) == sid:
                     out.append(int(pid))
-            except (OSError, ProcessLookupError):
+            except OSError:
+                continue
+        return out
+
+    def threads(self) -> List[Tuple[int, int, str, List[str]]]:
+        """Every thread of the engine's processes: `(pid, tid, name, the
+        fields of /proc/PID/task/TID/stat after the name)`, so `fields[0]` is
+        the state, `fields[11] + fields[12]` the CPU ticks, `fields[36]` the
+        CPU it last ran on."""
+        out = []
+        for pid in self.pids():
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        st = f.read()
+                    name = st[st.index("(") + 1:st.rindex(")")]
+                    out.append((pid, int(tid), name, st[st.rindex(")") + 1:].split()))
+            except OSError:
                 continue
         return out
 
@@ -183,7 +201,7 @@ class Engine:
                 with open(f"/proc/{pid}/comm") as f:
                     if f.read().strip() == "VLLM::Worker":
                         return sorted(os.sched_getaffinity(pid))
-            except (OSError, ProcessLookupError):
+            except OSError:
                 continue
         raise Failed(f"{self.name}: no VLLM::Worker process found")
 
@@ -195,16 +213,8 @@ class Engine:
         os.killpg(self.proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while True:
-            running = []
-            for pid in self.pids():
-                try:
-                    for tid in os.listdir(f"/proc/{pid}/task"):
-                        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                            state = f.read().rsplit(")", 1)[1].split()[0]
-                        if state not in ("T", "t", "Z", "X"):
-                            running.append(f"{pid}/{tid}:{state}")
-                except OSError:
-                    continue
+            running = [f"{pid}/{tid}:{fields[0]}" for pid, tid, _, fields in self.threads()
+                       if fields[0] not in ("T", "t", "Z", "X")]
             if not running:
                 return time.monotonic() - t
             if time.monotonic() > deadline:
@@ -391,8 +401,7 @@ def check_placement(a: argparse.Namespace, connector: str, *engines: Engine) -> 
     the prefill's cores exclude the last one."""
     for e in engines:
         got = e.worker_cpus()
-        role = "prefill" if "prefill" in e.name else "decode"
-        bound = placement(a.placement, role).get("VLLM_CPU_OMP_THREADS_BIND")
+        bound = placement(a.placement, e.role).get("VLLM_CPU_OMP_THREADS_BIND")
         log(f"{e.name}: worker thread on CPUs {got} (its engine's cores: {bound or 'all'})")
         if connector != "nixl" and bound and not set(got) <= {int(x) for x in bound.split(",")}:
             raise Failed(f"{e.name}: the worker thread runs on CPUs {got}, outside its engine's "

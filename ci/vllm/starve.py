@@ -30,25 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pd  # noqa: E402
 
 
-def threads(e: "pd.Engine") -> dict:
-    out = {}
-    for pid in e.pids():
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    st = f.read()
-                comm = st[st.index("(") + 1:st.rindex(")")]
-                fields = st.rsplit(")", 1)[1].split()
-                out[(pid, tid)] = (comm, int(fields[11]) + int(fields[12]), int(fields[36]))
-        except OSError:
-            continue
-    return out
-
-
 def cpu(label: str, engines: list, secs: float = 3.0) -> None:
-    a = {k: v for e in engines for k, v in threads(e).items()}
+    def ticks() -> dict:
+        return {(pid, tid): (name, int(f[11]) + int(f[12]), int(f[36]))
+                for e in engines for pid, tid, name, f in e.threads()}
+
+    a = ticks()
     time.sleep(secs)
-    b = {k: v for e in engines for k, v in threads(e).items()}
+    b = ticks()
     tick = os.sysconf("SC_CLK_TCK")
     rows = sorted(((v[1] - a[k][1]) / tick / secs, k[0], v[0], v[2])
                   for k, v in b.items() if k in a)
