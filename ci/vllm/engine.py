@@ -46,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["single", "prefill", "decode"], required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", choices=["none", "kvlane", "nixl", "nixl-placed"],
+    ap.add_argument("--connector", choices=["none", "kvlane", "nixl", "nixl-placed", "null"],
                     default="none")
     ap.add_argument("--side-port", type=int, default=0)
     ap.add_argument("--kv-bytes", type=int, default=512 << 20)
@@ -80,9 +80,15 @@ def main() -> None:
                 kv_connector="NixlPlacedConnector", kv_connector_module_path="nixl_placed",
                 **common
             )
+        elif a.connector == "null" and a.role == "prefill":
+            # ci/vllm/null_connector.py: vLLM's connector machinery, no transport.
+            kv_cfg = KVTransferConfig(
+                kv_connector="NullConnector", kv_connector_module_path="null_connector",
+                **common
+            )
         else:
             raise SystemExit("engine.py: prefill/decode roles need --connector "
-                             "kvlane|nixl|nixl-placed")
+                             "kvlane|nixl|nixl-placed (or null, prefill only)")
 
     t0 = time.monotonic()
     llm = LLM(

@@ -2,7 +2,7 @@
 engine test behind ci/vllm.sh, and the in-engine measurements.
 
     python pd.py check --connector kvlane [--repeats N] [--cases ...]
-    python pd.py bench [--connectors none,nixl,nixl-placed,kvlane] [--lengths 100,1000,4000]
+    python pd.py bench [--connectors none,null,nixl,nixl-placed,kvlane] [--lengths 100,1000,4000]
 
 Every engine is a real vLLM (CPU build) in processes of its own
 (ci/vllm/engine.py: the offline `vllm.LLM`, its engine core and worker),
@@ -553,14 +553,20 @@ def bench(a: argparse.Namespace) -> int:
     rows: Dict[str, Dict[int, Dict[str, float]]] = {}
     for c in a.connectors.split(","):
         rows[c] = {}
-        if c == "none":
-            # On the cores a prefill engine gets, for a like-for-like call time.
-            e = s.engine("single", "none", cores_of="prefill")
+        if c in ("none", "null"):
+            # On the cores a prefill engine gets, for a like-for-like call
+            # time. `null` (null_connector.py) is vLLM's connector machinery
+            # with no transport: prefill calls only, nothing to load.
+            if c == "none":
+                e = s.engine("single", "none", cores_of="prefill")
+            else:
+                e = s.engine("prefill", "null", {"PYTHONPATH": HERE}, side_port=s.port)
             try:
                 for n in lengths:
                     ps = make_prompts([n] * (a.reps + 1), seed=n)
                     t = [e.run([p], max_tokens=1)["secs"] for p in ps][1:]
                     rows[c][n] = {"prefill": statistics.median(t)}
+                    log(f"{c} {n}: prefill {rows[c][n]['prefill'] * 1e3:.1f} ms")
             finally:
                 e.stop()
             continue
@@ -590,14 +596,14 @@ def bench(a: argparse.Namespace) -> int:
     print(json.dumps(rows))
     print()
     print("| prompt tokens | " + " | ".join(
-        f"{c} prefill call (ms)" + ("" if c == "none" else f" | {c} KV load (ms)")
+        f"{c} prefill call (ms)" + ("" if c in ("none", "null") else f" | {c} KV load (ms)")
         for c in rows) + " |")
-    print("|" + "---|" * (1 + sum(1 if c == "none" else 2 for c in rows)))
+    print("|" + "---|" * (1 + sum(1 if c in ("none", "null") else 2 for c in rows)))
     for n in lengths:
         cells = []
         for c in rows:
             cells.append(f"{rows[c][n]['prefill'] * 1e3:.1f}")
-            if c != "none":
+            if c not in ("none", "null"):
                 cells.append(f"{rows[c][n]['load'] * 1e3:.1f}")
         print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
@@ -625,7 +631,9 @@ def main() -> int:
                    help="seconds within which decode must fail requests of a dead prefill")
     b = sub.choices["bench"]
     b.add_argument("--connectors", default="none,nixl,nixl-placed,kvlane",
-                   help="nixl-placed: NIXL with kvlane.vllm's placement of the worker thread")
+                   help="nixl-placed: NIXL with kvlane.vllm's placement of the worker thread; "
+                        "null: vLLM's connector machinery without a transport (prefill "
+                        "calls only, null_connector.py)")
     b.add_argument("--lengths", default="100,1000,4000")
     b.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
