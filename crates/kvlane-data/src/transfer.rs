@@ -272,6 +272,8 @@ pub enum BackendKind {
     Tcp,
     /// libibverbs.
     Verbs,
+    /// Shared memory between processes of one host.
+    Shm,
 }
 
 impl BackendKind {
@@ -281,6 +283,7 @@ impl BackendKind {
             Self::Loopback => "loopback",
             Self::Tcp => "tcp",
             Self::Verbs => "verbs",
+            Self::Shm => "shm",
         }
     }
 }

@@ -232,6 +232,12 @@ fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
             TcpBackend::new(TcpConfig::default()).map_err(data)?,
         )),
         BackendKind::Verbs => verbs_backend().map_err(data),
+        // Not selectable (`BackendArg` has no shm yet): the bench's regions
+        // are not shareable memory (issue 44).
+        BackendKind::Shm => Err(data(kvlane_data::DataError::Unsupported {
+            backend: "shm",
+            what: "kvlane bench does not run the shm backend yet",
+        })),
     }
 }
 
