@@ -257,3 +257,74 @@ pub(crate) fn monotonic_ns() -> u64 {
         .saturating_mul(1_000_000_000)
         .saturating_add(ts.tv_nsec as u64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(len: i64, seals: libc::c_int) -> OwnedFd {
+        // SAFETY: plain syscalls creating and sizing a descriptor we own.
+        unsafe {
+            let fd = libc::memfd_create(
+                c"test".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            );
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, len), 0);
+            if seals != 0 {
+                assert_eq!(libc::fcntl(fd, libc::F_ADD_SEALS, seals), 0);
+            }
+            OwnedFd::from_raw_fd(fd)
+        }
+    }
+
+    #[test]
+    fn a_target_that_could_truncate_its_memory_is_refused_before_mapping() {
+        // Unsealed: it could be shrunk under a copy (SIGBUS). Refused.
+        let unsealed = memfd(8192, 0);
+        assert!(matches!(
+            map_peer(&unsealed, 8192, Access::ALL),
+            Err(MapRefusal::Unsafe(why)) if why.contains("not sealed")
+        ));
+        // Sealed but shorter than it claims: refused.
+        let short = memfd(4096, libc::F_SEAL_SHRINK);
+        assert!(matches!(
+            map_peer(&short, 8192, Access::ALL),
+            Err(MapRefusal::Unsafe(why)) if why.contains("shorter")
+        ));
+        // Not a memory file at all (a pipe): refused.
+        let mut p = [0; 2];
+        // SAFETY: pipe writes two descriptors we then own.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        // SAFETY: both just returned by pipe, owned by nothing else.
+        let (r, _w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        assert!(matches!(
+            map_peer(&r, 4096, Access::ALL),
+            Err(MapRefusal::Unsafe(_))
+        ));
+        // Sealed and long enough: mapped, and once mapped the target can
+        // no longer shrink it.
+        let good = memfd(8192, libc::F_SEAL_SHRINK);
+        let region = map_peer(&good, 8192, Access::ALL).expect("mapped");
+        region.write(8000, &[1; 192]).unwrap();
+        // SAFETY: ftruncate on a live descriptor; refused by the seal.
+        assert_eq!(unsafe { libc::ftruncate(good.as_raw_fd(), 0) }, -1);
+        let mut b = [0u8; 192];
+        region.read(8000, &mut b).unwrap();
+        assert_eq!(b, [1; 192]);
+    }
+
+    #[test]
+    fn a_read_only_grant_is_mapped_read_only() {
+        let fd = memfd(4096, libc::F_SEAL_SHRINK);
+        let region = map_peer(&fd, 4096, Access::REMOTE_READ).expect("mapped");
+        assert!(!region.access().contains(Access::LOCAL_WRITE));
+        // A grant of WRITE on a file sealed against writable mappings
+        // fails to map rather than mapping read-only.
+        let sealed = memfd(4096, libc::F_SEAL_SHRINK | libc::F_SEAL_FUTURE_WRITE);
+        assert!(matches!(
+            map_peer(&sealed, 4096, Access::REMOTE_WRITE),
+            Err(MapRefusal::Os("mmap", _))
+        ));
+    }
+}
