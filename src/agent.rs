@@ -25,8 +25,12 @@ const CONNECT_BOUND: Duration = Duration::from_secs(25);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BackendChoice {
-    /// The best this machine has: verbs when built with the `verbs`
-    /// feature and a device is usable, else tcp (the reason is logged).
+    /// The best this machine has, per peer: shared memory to a peer on
+    /// this host when the shm path works and every region this agent and
+    /// the peer serve is shareable ([`Region::alloc_shared`]); otherwise
+    /// verbs when built with the `verbs` feature and a device is usable,
+    /// else tcp. Each fallback's reason is logged at `info`;
+    /// [`Peer::backend_kind`](crate::Peer::backend_kind) says which a peer got.
     #[default]
     Auto,
     /// Software one-sided RDMA over TCP.
@@ -35,6 +39,11 @@ pub enum BackendChoice {
     Loopback,
     /// libibverbs (feature `verbs`).
     Verbs,
+    /// Shared memory between processes of one host (Linux): one-sided
+    /// copies between the two processes' registered memory. Regions with
+    /// remote rights must be allocated with [`Region::alloc_shared`];
+    /// peers on another host are refused (see [`kvlane_data::shm`]).
+    Shm,
 }
 
 /// Builds an [`Agent`].

@@ -98,6 +98,8 @@ mod placement;
 mod progress;
 pub mod rails;
 #[cfg(target_os = "linux")]
+mod samehost;
+#[cfg(target_os = "linux")]
 pub mod shm;
 pub mod tcp;
 pub mod topology;
@@ -123,6 +125,8 @@ pub use memory::send_vectored;
 pub use memory::{Access, IoPart, MemoryKind, Region, RemoteRegion, IOV_MAX, REGION_ALIGN};
 pub use placement::{CpuPlacement, ENV_CPUS, MAX_CPU};
 pub use rails::{RailStats, Rails, RailsConfig};
+#[cfg(target_os = "linux")]
+pub use samehost::SameHost;
 #[cfg(target_os = "linux")]
 pub use shm::{ShmBackend, ShmConfig, ShmEndpoint};
 pub use smallvec::{smallvec, SmallVec};

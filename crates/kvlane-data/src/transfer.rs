@@ -314,6 +314,10 @@ impl Endpoint {
     /// Other backends' endpoints do not carry an IP address and are
     /// returned as they are.
     pub fn reached_at(&self, host: Option<std::net::IpAddr>) -> Result<Self, DataError> {
+        #[cfg(target_os = "linux")]
+        if let Some(r) = crate::samehost::map_other(self, |other| other.reached_at(host)) {
+            return r;
+        }
         if let Some(r) = crate::rails::map_rails(self, |rail| rail.reached_at(host)) {
             return r;
         }

@@ -109,9 +109,10 @@ impl Agent {
             "tcp" => BackendChoice::Tcp,
             "verbs" => BackendChoice::Verbs,
             "loopback" => BackendChoice::Loopback,
+            "shm" => BackendChoice::Shm,
             b => {
                 return Err(invalid(format!(
-                    "backend is \"auto\", \"tcp\", \"verbs\" or \"loopback\", not {b:?}"
+                    "backend is \"auto\", \"tcp\", \"verbs\", \"shm\" or \"loopback\", not {b:?}"
                 )))
             }
         };

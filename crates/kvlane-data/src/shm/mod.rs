@@ -1,7 +1,8 @@
 //! The shm backend: one-sided READ and WRITE between processes of one host
-//! through shared memory. **Incomplete** (issue 44): `auto` does not pick
-//! it yet, and memory the engine allocated itself cannot be served (see
-//! *Not yet* below).
+//! through shared memory. **Incomplete** (issue 44): memory the engine
+//! allocated itself cannot be served (see *Not yet* below). The facade's
+//! `auto` runs it beside tcp or verbs through [`SameHost`](crate::SameHost),
+//! per peer.
 //!
 //! # How registered memory becomes reachable
 //!
@@ -83,7 +84,6 @@
 //!   `process_vm_writev`, which exposes the whole process to a same-user
 //!   peer, hence opt-in and documented), else tcp for such regions.
 //! - GPU memory through CUDA/HIP IPC handles.
-//! - `auto` selection in the facade, `kvlane bench --backend shm`.
 //!
 //! [`register`]: Backend::register
 
@@ -168,8 +168,11 @@ impl ShmEndpoint {
         }
     }
 
-    /// Decodes a shm endpoint.
+    /// Decodes a shm endpoint (or the shm part of a
+    /// [`SameHost`](crate::SameHost) endpoint).
     pub fn from_endpoint(ep: &Endpoint) -> Result<Self, DataError> {
+        let part = crate::samehost::shm_part(ep);
+        let ep = part.as_ref().unwrap_or(ep);
         let bad = |reason: String| DataError::BadEndpoint {
             backend: "shm",
             reason,
@@ -447,6 +450,74 @@ impl ShmBackend {
     }
 }
 
+impl ShmBackend {
+    /// [`register`](Backend::register) under `key` when given (see
+    /// [`SameHost`](crate::SameHost), which serves a region over shm under
+    /// the key its other backend chose).
+    pub(crate) fn register_as(
+        &mut self,
+        region: &Region,
+        key: Option<RemoteKey>,
+    ) -> Result<RemoteRegion, DataError> {
+        let served = remote_rights(region.access());
+        if served && !region.is_shared() {
+            return Err(DataError::Unsupported {
+                backend: "shm",
+                what: "a region with remote rights must be shareable memory: allocate it with \
+                       Region::alloc_shared, or use the tcp backend (memory the engine \
+                       allocated cannot be passed to a peer)",
+            });
+        }
+        let key = self.registry.register_as("shm", region, key)?;
+        if served {
+            lock(&self.target.shared.regions).insert(key, region.clone());
+            self.target.send(Cmd::Grant(key));
+        }
+        Ok(region.advert(key))
+    }
+
+    /// [`prepare_peer`](Backend::prepare_peer) under the id `peer` when
+    /// given (what [`SameHost`](crate::SameHost) uses, so that both of its
+    /// backends name a peer alike); an id in use is refused.
+    pub(crate) fn prepare_peer_as(
+        &mut self,
+        peer: Option<PeerId>,
+    ) -> Result<(PeerId, Endpoint), DataError> {
+        let peer = match peer {
+            Some(p) if self.peers.contains_key(&p) => {
+                return Err(DataError::Unsupported {
+                    backend: "shm",
+                    what: "preparing a peer under an id already in use",
+                })
+            }
+            Some(p) => p,
+            None => {
+                while self.peers.contains_key(&PeerId(self.next_peer)) {
+                    self.next_peer += 1;
+                }
+                let p = PeerId(self.next_peer);
+                self.next_peer += 1;
+                p
+            }
+        };
+        let token: [u8; TOKEN_LEN] = rand::random();
+        lock(&self.target.shared.creds).insert(token, peer);
+        self.peers.insert(
+            peer,
+            Slot {
+                token,
+                conn: None,
+                lost: None,
+            },
+        );
+        let ep = ShmEndpoint {
+            token,
+            ..self.endpoint.clone()
+        };
+        Ok((peer, ep.to_endpoint()))
+    }
+}
+
 /// A copy of a lost-peer error for each transfer it fails.
 fn clone_lost(e: &DataError) -> DataError {
     match e {
@@ -543,21 +614,7 @@ impl Backend for ShmBackend {
     }
 
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
-        let served = remote_rights(region.access());
-        if served && !region.is_shared() {
-            return Err(DataError::Unsupported {
-                backend: "shm",
-                what: "a region with remote rights must be shareable memory: allocate it with \
-                       Region::alloc_shared, or use the tcp backend (memory the engine \
-                       allocated cannot be passed to a peer)",
-            });
-        }
-        let key = self.registry.register("shm", region)?;
-        if served {
-            lock(&self.target.shared.regions).insert(key, region.clone());
-            self.target.send(Cmd::Grant(key));
-        }
-        Ok(region.advert(key))
+        self.register_as(region, None)
     }
 
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
@@ -569,23 +626,12 @@ impl Backend for ShmBackend {
     }
 
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
-        let peer = PeerId(self.next_peer);
-        self.next_peer += 1;
-        let token: [u8; TOKEN_LEN] = rand::random();
-        lock(&self.target.shared.creds).insert(token, peer);
-        self.peers.insert(
-            peer,
-            Slot {
-                token,
-                conn: None,
-                lost: None,
-            },
-        );
-        let ep = ShmEndpoint {
-            token,
-            ..self.endpoint.clone()
-        };
-        Ok((peer, ep.to_endpoint()))
+        self.prepare_peer_as(None)
+    }
+
+    fn endpoint_per_peer(&self) -> bool {
+        // A credential per peer, as tcp.
+        true
     }
 
     fn connect_peer(
@@ -607,7 +653,7 @@ impl Backend for ShmBackend {
         if !self.peers.contains_key(&peer) {
             return Err(DataError::UnknownPeer(peer));
         }
-        let ep = ShmEndpoint::from_endpoint(&remote.primary())?;
+        let ep = ShmEndpoint::from_endpoint(remote)?;
         if ep.boot_id != self.endpoint.boot_id {
             return Err(DataError::BadEndpoint {
                 backend: "shm",
