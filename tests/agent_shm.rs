@@ -118,7 +118,9 @@ fn shm_target() {
                         };
                     }
                 }
-                std::thread::yield_now();
+                // Not a busy loop: on a small machine it would starve the
+                // keep-alives of both processes.
+                std::thread::sleep(Duration::from_micros(200));
             }
         })
     });
@@ -241,6 +243,27 @@ fn signal(t: &Target, sig: &str) {
     assert!(ok, "kill {sig} {}", t.pid());
 }
 
+/// Waits until every thread of `t` is stopped (a signal is delivered to
+/// a thread running on another CPU a little later).
+fn wait_stopped(t: &Target) {
+    let until = Instant::now() + Duration::from_secs(10);
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", t.pid()))
+            .unwrap()
+            .all(|task| {
+                let stat =
+                    std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesised command name.
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+            })
+    };
+    while !stopped() {
+        assert!(Instant::now() < until, "the target never stopped");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn spans(
     local: &Region,
     remote: u64,
@@ -337,6 +360,7 @@ async fn a_killed_target_fails_in_flight_transfers_peer_lost_within_the_budget()
     // A stopped target answers no notification: these WRITEs are copied
     // and stay in flight, waiting for its answer.
     signal(&target, "-STOP");
+    wait_stopped(&target);
     let (local, remote) = spans(&mem, target.region_addr, 0..8);
     let handles: Vec<_> = (0..16)
         .map(|i| {
