@@ -24,8 +24,8 @@ pub(crate) struct RailChoice {
 pub const ENV_IB_DEVICES: &str = "KVLANE_IB_DEVICES";
 
 /// Creates the backend `choice` names; `Auto` tries verbs and falls back
-/// to tcp, logging why, and runs shm beside it for peers on this host
-/// ([`kvlane_data::SameHost`]). `data_listen` is a comma-separated list of tcp
+/// to tcp, logging why; `SameHost` runs shm beside Auto's backend for
+/// peers on this host ([`kvlane_data::SameHost`]). `data_listen` is a comma-separated list of tcp
 /// listen addresses, one rail each; several rails are joined by
 /// [`Rails`](kvlane_data::Rails).
 pub(crate) fn create(
@@ -65,7 +65,7 @@ pub(crate) fn create(
         BackendChoice::Tcp => one(tcp_rails()?),
         BackendChoice::Verbs => one(verbs(rails)?),
         BackendChoice::Shm => shm(),
-        BackendChoice::Auto => {
+        BackendChoice::Auto | BackendChoice::SameHost => {
             let other = match verbs(rails) {
                 Ok(v) => one(v)?,
                 Err(e) => {
@@ -73,7 +73,11 @@ pub(crate) fn create(
                     one(tcp_rails()?)?
                 }
             };
-            Ok(same_host(other))
+            if choice == BackendChoice::SameHost {
+                Ok(same_host(other))
+            } else {
+                Ok(other)
+            }
         }
     }
 }
@@ -92,7 +96,7 @@ fn shm() -> Result<Box<dyn Backend>, Error> {
     ))
 }
 
-/// `auto`: shm to peers on this host beside `other`, when an shm backend
+/// `SameHost`: shm to peers on this host beside `other`, when an shm backend
 /// starts here; else `other` alone (the reason is logged).
 #[cfg(target_os = "linux")]
 fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {

@@ -1,4 +1,4 @@
-//! The shm backend through the facade, across two processes: `auto`
+//! The shm backend through the facade, across two processes: `SameHost`
 //! picks shm for a peer on this host whose regions are shareable, data
 //! moves both ways, a WRITE's notification arrives after its bytes; a
 //! killed target fails in-flight transfers `PeerLost` within the liveness
@@ -90,7 +90,7 @@ fn shm_target() {
     let a = rt.block_on(agent(
         "shm-target",
         &listen,
-        BackendChoice::Auto,
+        BackendChoice::SameHost,
         region.clone(),
     ));
     let mut notes = a.notifications().unwrap();
@@ -281,13 +281,13 @@ fn spans(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways() {
+async fn same_host_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways() {
     let target = Target::spawn("serve", "127.0.0.1:0");
     let mem = shared(9);
     let a = agent(
         "shm-initiator",
         "127.0.0.1:0",
-        BackendChoice::Auto,
+        BackendChoice::SameHost,
         mem.clone(),
     )
     .await;
@@ -314,13 +314,13 @@ async fn auto_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn auto_uses_tcp_when_this_side_serves_memory_that_is_not_shareable() {
+async fn same_host_uses_tcp_when_this_side_serves_memory_that_is_not_shareable() {
     let target = Target::spawn("serve", "127.0.0.1:0");
     let mem = Region::alloc(LEN, Access::ALL).unwrap();
     let a = agent(
         "tcp-initiator",
         "127.0.0.1:0",
-        BackendChoice::Auto,
+        BackendChoice::SameHost,
         mem.clone(),
     )
     .await;
@@ -402,7 +402,7 @@ async fn a_restarted_target_makes_old_plans_stale_and_new_ones_run_over_shm() {
     let a = agent(
         "shm-initiator",
         "127.0.0.1:0",
-        BackendChoice::Auto,
+        BackendChoice::SameHost,
         mem.clone(),
     )
     .await;
