@@ -25,8 +25,10 @@ const CONNECT_BOUND: Duration = Duration::from_secs(25);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BackendChoice {
-    /// The best this machine has: verbs when built with the `verbs`
-    /// feature and a device is usable, else tcp (the reason is logged).
+    /// The best network backend this machine has: verbs when built with
+    /// the `verbs` feature and a device is usable, else tcp (the reason is
+    /// logged). Shared memory to peers on this host is opt-in for now:
+    /// [`BackendChoice::SameHost`].
     #[default]
     Auto,
     /// Software one-sided RDMA over TCP.
@@ -35,6 +37,19 @@ pub enum BackendChoice {
     Loopback,
     /// libibverbs (feature `verbs`).
     Verbs,
+    /// Shared memory between processes of one host (Linux): one-sided
+    /// copies between the two processes' registered memory. Regions with
+    /// remote rights must be allocated with [`Region::alloc_shared`];
+    /// peers on another host are refused (see [`kvlane_data::shm`]).
+    Shm,
+    /// [`Auto`](BackendChoice::Auto), plus shared memory to each peer on
+    /// this host when the shm path works and every region this agent and
+    /// the peer serve is shareable ([`Region::alloc_shared`]); other peers
+    /// get Auto's backend. Each fallback's reason is logged at `info`;
+    /// [`Peer::backend_kind`](crate::Peer::backend_kind) says which a peer
+    /// got. Not yet the default: the shm path does not reach its speed
+    /// targets on every block size (see the README).
+    SameHost,
 }
 
 /// Builds an [`Agent`].

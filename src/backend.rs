@@ -24,7 +24,8 @@ pub(crate) struct RailChoice {
 pub const ENV_IB_DEVICES: &str = "KVLANE_IB_DEVICES";
 
 /// Creates the backend `choice` names; `Auto` tries verbs and falls back
-/// to tcp, logging why. `data_listen` is a comma-separated list of tcp
+/// to tcp, logging why; `SameHost` runs shm beside Auto's backend for
+/// peers on this host ([`kvlane_data::SameHost`]). `data_listen` is a comma-separated list of tcp
 /// listen addresses, one rail each; several rails are joined by
 /// [`Rails`](kvlane_data::Rails).
 pub(crate) fn create(
@@ -63,14 +64,56 @@ pub(crate) fn create(
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
         BackendChoice::Tcp => one(tcp_rails()?),
         BackendChoice::Verbs => one(verbs(rails)?),
-        BackendChoice::Auto => match verbs(rails) {
-            Ok(v) => one(v),
-            Err(e) => {
-                tracing::info!(reason = %e, "backend auto: verbs unavailable, using tcp");
-                one(tcp_rails()?)
+        BackendChoice::Shm => shm(),
+        BackendChoice::Auto | BackendChoice::SameHost => {
+            let other = match verbs(rails) {
+                Ok(v) => one(v)?,
+                Err(e) => {
+                    tracing::info!(reason = %e, "backend auto: verbs unavailable, using tcp");
+                    one(tcp_rails()?)?
+                }
+            };
+            if choice == BackendChoice::SameHost {
+                Ok(same_host(other))
+            } else {
+                Ok(other)
             }
-        },
+        }
     }
+}
+
+#[cfg(target_os = "linux")]
+fn shm() -> Result<Box<dyn Backend>, Error> {
+    use kvlane_data::{ShmBackend, ShmConfig};
+    Ok(Box::new(ShmBackend::new(ShmConfig::default())?))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn shm() -> Result<Box<dyn Backend>, Error> {
+    Err(Error::msg(
+        ErrorKind::Unsupported,
+        "shm backend: Linux only (memfd, SCM_RIGHTS)",
+    ))
+}
+
+/// `SameHost`: shm to peers on this host beside `other`, when an shm backend
+/// starts here; else `other` alone (the reason is logged).
+#[cfg(target_os = "linux")]
+fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {
+    use kvlane_data::{SameHost, ShmBackend, ShmConfig};
+    match ShmBackend::new(ShmConfig::default()) {
+        Ok(shm) => Box::new(SameHost::new(shm, other)),
+        Err(e) => {
+            tracing::info!(reason = %e, other = %other.kind(),
+                "backend auto: shm unavailable, peers on this host use the other backend");
+            other
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {
+    other
 }
 
 /// Gives each GPU region the rails nearest to its GPU, from this machine's

@@ -148,6 +148,19 @@ impl Peer {
             .is_some_and(|e| e.data_peer.is_some())
     }
 
+    /// The backend that carries this side's transfers to the peer, while
+    /// its data plane is attached: with [`BackendChoice::Auto`](crate::BackendChoice::Auto),
+    /// `Shm` for a peer on this host that shm reached, else the backend
+    /// `auto` fell back to (the reason is logged at `info`).
+    pub fn backend_kind(&self) -> Option<kvlane_data::BackendKind> {
+        let data_peer = lock(&self.inner.peers).get(&self.conn)?.data_peer?;
+        Some(
+            self.inner
+                .transport
+                .with_backend(|b| b.peer_kind(data_peer)),
+        )
+    }
+
     /// The layout of the peer's first KV cache, as it advertised it.
     pub fn remote_layout(&self) -> Option<kvlane_data::KvLayout> {
         lock(&self.inner.peers)

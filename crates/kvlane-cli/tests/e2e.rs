@@ -501,6 +501,51 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
+/// `--backend shm` on both sides: the agent's rows are shm, and the
+/// initiator measures the ceiling of a peer on its host, `memcpy` of the
+/// same blocks, in the same run (no raw-tcp rows).
+#[cfg(target_os = "linux")]
+#[test]
+fn bench_over_shm_across_two_processes_reports_memcpy_as_the_ceiling() {
+    let BenchRun {
+        first,
+        points: points_seen,
+        rows,
+        stderr,
+    } = bench_two_processes(&["--backend", "shm"], &["--backend", "shm"]);
+    assert!(first.contains("backend=shm"), "{first}");
+    assert_eq!(
+        points_seen,
+        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
+    );
+    for r in &rows {
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["transfers"].as_u64().unwrap() >= 12, "{r}");
+    }
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
+/// `--backend shm` in one process: a pair of shm backends on shareable
+/// memory, beside the memcpy rows.
+#[cfg(target_os = "linux")]
+#[test]
+fn bench_runs_the_shm_backend_locally() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlane"))
+        .args(["bench", "--backend", "shm", "--json", "--block-sizes", "4K"])
+        .args(["--batch", "4", "--duration", "50ms"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    let shm = rows.iter().filter(|r| r["backend"] == "shm").count();
+    let memcpy = rows.iter().filter(|r| r["backend"] == "memcpy").count();
+    assert!(shm == 2 && memcpy == 1, "{rows:?}");
+}
+
 /// `--post single`: each batch goes to the agent as one transfer of its
 /// blocks; the rows say so and count blocks, as the other modes' do.
 #[test]

@@ -96,6 +96,14 @@ pub trait Backend: Send + 'static {
     /// Which backend this is.
     fn kind(&self) -> BackendKind;
 
+    /// Which backend carries the transfers to `peer`: [`kind`](Self::kind)
+    /// except for a backend that chooses per peer
+    /// ([`SameHost`](crate::SameHost): shm to peers on this host).
+    fn peer_kind(&self, peer: PeerId) -> BackendKind {
+        let _ = peer;
+        self.kind()
+    }
+
     /// Makes `region` available to local transfers and serves it to peers
     /// with the region's remote rights; returns what to advertise.
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError>;
@@ -276,6 +284,9 @@ pub trait Backend: Send + 'static {
 impl<B: Backend + ?Sized> Backend for Box<B> {
     fn kind(&self) -> BackendKind {
         (**self).kind()
+    }
+    fn peer_kind(&self, peer: PeerId) -> BackendKind {
+        (**self).peer_kind(peer)
     }
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
         (**self).register(region)

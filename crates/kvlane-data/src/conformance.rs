@@ -33,6 +33,35 @@ pub trait Fixture {
     fn memory(&self) -> Option<GpuDevice> {
         None
     }
+    /// A host region of `len` zeroed bytes for the suite (when
+    /// [`memory`](Self::memory) is `None`): [`Region::alloc`] by default,
+    /// shareable memory for a backend that serves only that (shm).
+    fn host_region(&self, len: usize, access: Access) -> Region {
+        Region::alloc(len, access).expect("allocate host region")
+    }
+}
+
+/// Shm backends for the suite (a queue of 256); every region
+/// [`Region::alloc_shared`].
+#[cfg(target_os = "linux")]
+pub struct ShmFixture;
+
+#[cfg(target_os = "linux")]
+impl Fixture for ShmFixture {
+    type Backend = crate::shm::ShmBackend;
+    fn backends(&self) -> (Self::Backend, Self::Backend) {
+        let config = crate::shm::ShmConfig {
+            queue_depth: 256,
+            ..crate::shm::ShmConfig::default()
+        };
+        (
+            crate::shm::ShmBackend::new(config.clone()).expect("start shm backend"),
+            crate::shm::ShmBackend::new(config).expect("start shm backend"),
+        )
+    }
+    fn host_region(&self, len: usize, access: Access) -> Region {
+        Region::alloc_shared(len, access).expect("allocate shared region")
+    }
 }
 
 /// Tcp backends for the suite: a queue of 256 and 64 KiB chunks (so the
@@ -155,8 +184,8 @@ pub fn setup<F: Fixture>(
 ) -> Setup<F::Backend> {
     let (mut init, mut target) = f.backends();
     let mut rng = Rng::new(seed);
-    let local = random_region(&mut rng, local_len, Access::ALL, f.memory());
-    let remote = random_region(&mut rng, remote_len, remote_access, f.memory());
+    let local = random_region(f, &mut rng, local_len, Access::ALL);
+    let remote = random_region(f, &mut rng, remote_len, remote_access);
     let local_ad = init.register(&local).expect("register initiator memory");
     let remote_ad = target.register(&remote).expect("register target memory");
     let (peer, _) =
@@ -171,10 +200,22 @@ pub fn setup<F: Fixture>(
     }
 }
 
-fn random_region(rng: &mut Rng, len: usize, access: Access, memory: Option<GpuDevice>) -> Region {
+fn random_region<F: Fixture>(f: &F, rng: &mut Rng, len: usize, access: Access) -> Region {
     let mut data = vec![0u8; len];
     rng.fill(&mut data);
-    region_in(memory, len, access, &data)
+    fixture_region(f, len, access, &data)
+}
+
+/// A region of `len` bytes of the fixture's memory, filled with `bytes`
+/// (repeated), granting `access`.
+pub fn fixture_region<F: Fixture>(f: &F, len: usize, access: Access, bytes: &[u8]) -> Region {
+    let r = match f.memory() {
+        None => f.host_region(len, access),
+        Some(d) => Region::alloc_device(d, len, access).expect("allocate GPU region"),
+    };
+    let data: Vec<u8> = bytes.iter().copied().cycle().take(len).collect();
+    r.copy_in(0, &data).expect("fill region");
+    r
 }
 
 /// Submits every transfer (retrying when the queue is full) and polls both
@@ -397,7 +438,7 @@ pub fn write_read_roundtrip<F: Fixture>(f: &F) {
     );
 
     // READ random remote spans into a zeroed local region.
-    let back = region_in(f.memory(), LEN as usize, Access::ALL, &[0]);
+    let back = fixture_region(f, LEN as usize, Access::ALL, &[0]);
     let back_ad = s.init.register(&back).unwrap();
     let _ = back_ad;
     let mut expect = vec![0u8; LEN as usize];

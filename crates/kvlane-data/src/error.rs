@@ -166,6 +166,31 @@ pub enum DataError {
         /// The target's `host:port`.
         addr: std::net::SocketAddr,
     },
+    /// The target refused a notification (shm backend): its queue of
+    /// notifications not yet taken by its application is full. The
+    /// transfer's data landed; the notification was not delivered.
+    #[error(
+        "{peer} refused the notification: the target's notification queue is full \
+         (its application is not taking notifications); the data landed, retry later"
+    )]
+    NotificationRefused {
+        /// The target.
+        peer: PeerId,
+    },
+    /// A same-host peer passed a region this side will not map (shm
+    /// backend): not a memory file sealed against shrinking, shorter than
+    /// it claims, or not mappable with the rights it grants.
+    #[error("{backend}: region {key} of {peer} refused: {reason}")]
+    PeerRegionRefused {
+        /// The backend.
+        backend: &'static str,
+        /// The peer that passed it.
+        peer: PeerId,
+        /// The key it was granted under.
+        key: RemoteKey,
+        /// Why it was refused.
+        reason: String,
+    },
     /// A peer's advertised data-plane address cannot be reached from where
     /// this side reached the peer.
     #[error(
@@ -237,7 +262,10 @@ impl DataError {
     /// Whether the target could not take the work now, and retrying later
     /// may succeed (its notification queue was full).
     pub fn is_busy(&self) -> bool {
-        matches!(self, Self::NotificationQueueFull { .. })
+        matches!(
+            self,
+            Self::NotificationQueueFull { .. } | Self::NotificationRefused { .. }
+        )
     }
 
     /// Whether the error means the peer is gone.

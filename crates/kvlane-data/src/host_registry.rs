@@ -22,6 +22,18 @@ impl HostRegistry {
         backend: &'static str,
         region: &Region,
     ) -> Result<RemoteKey, DataError> {
+        self.register_as(backend, region, None)
+    }
+
+    /// [`register`](Self::register), serving the region under `key` when
+    /// given (a wrapper backend that serves one region over two backends
+    /// under one key); a key another region holds is refused.
+    pub(crate) fn register_as(
+        &mut self,
+        backend: &'static str,
+        region: &Region,
+        key: Option<RemoteKey>,
+    ) -> Result<RemoteKey, DataError> {
         match region.kind() {
             MemoryKind::Host => {}
             MemoryKind::Gpu { .. } if region.gpu().is_some() => {}
@@ -32,11 +44,26 @@ impl HostRegistry {
                 })
             }
         }
-        let key = match self.keys.get(&region.id()) {
-            Some(key) => *key,
+        let key = match (self.keys.get(&region.id()), key) {
+            (Some(old), Some(key)) if *old != key => {
+                return Err(DataError::Unsupported {
+                    backend,
+                    what: "registering a region again under another key",
+                })
+            }
+            (Some(key), _) => *key,
+            (None, Some(key)) => {
+                if key.0 == 0 || self.keys.values().any(|k| *k == key) {
+                    return Err(DataError::Unsupported {
+                        backend,
+                        what: "a key that is zero or already serves another region",
+                    });
+                }
+                key
+            }
             // Not guessable from other keys: random (`rand`'s thread-local
             // CSPRNG, seeded by the OS), non-zero, unused.
-            None => loop {
+            (None, None) => loop {
                 let key = RemoteKey(rand::random::<u32>());
                 if key.0 != 0 && !self.keys.values().any(|k| *k == key) {
                     break key;

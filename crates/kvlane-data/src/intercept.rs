@@ -74,6 +74,9 @@ impl Backend for Intercept {
     fn kind(&self) -> BackendKind {
         self.inner.kind()
     }
+    fn peer_kind(&self, p: PeerId) -> BackendKind {
+        self.inner.peer_kind(p)
+    }
     fn register(&mut self, r: &Region) -> Result<RemoteRegion, DataError> {
         self.inner.register(r)
     }

@@ -88,12 +88,19 @@ mod ids;
 pub mod intercept;
 pub mod layout;
 pub mod loopback;
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)] // memfd_create, mmap and seals of shareable regions
+mod memfd;
 #[allow(unsafe_code)] // raw copies on region memory; see the module's Soundness
 mod memory;
 #[allow(unsafe_code)] // sched_setaffinity (libc), in `set_affinity` only
 mod placement;
 mod progress;
 pub mod rails;
+#[cfg(target_os = "linux")]
+mod samehost;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 pub mod topology;
 mod transfer;
@@ -118,6 +125,10 @@ pub use memory::send_vectored;
 pub use memory::{Access, IoPart, MemoryKind, Region, RemoteRegion, IOV_MAX, REGION_ALIGN};
 pub use placement::{CpuPlacement, ENV_CPUS, MAX_CPU};
 pub use rails::{RailStats, Rails, RailsConfig};
+#[cfg(target_os = "linux")]
+pub use samehost::SameHost;
+#[cfg(target_os = "linux")]
+pub use shm::{ShmBackend, ShmConfig, ShmEndpoint};
 pub use smallvec::{smallvec, SmallVec};
 pub use tcp::{TcpBackend, TcpConfig, TcpCounters, TcpEndpoint};
 pub use transfer::{

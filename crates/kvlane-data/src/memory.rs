@@ -210,12 +210,19 @@ impl RemoteRegion {
     }
 }
 
-enum Owner {
+pub(crate) enum Owner {
     /// Allocated by [`Region::alloc`]; freed with this layout.
     Aligned(Layout),
     /// Mapped by [`Region::alloc`] (large regions); unmapped with this length.
     #[cfg(target_os = "linux")]
     Mapped(usize),
+    /// Mapped from a sealed memfd by [`Region::alloc_shared`]; unmapped
+    /// with this length, the descriptor closed after.
+    #[cfg(target_os = "linux")]
+    Shared {
+        fd: std::os::fd::OwnedFd,
+        mapped: usize,
+    },
     /// A boxed slice from [`Region::from_vec`]; rebuilt and dropped.
     Boxed,
     /// Foreign memory; the optional value is dropped with the region.
@@ -257,6 +264,13 @@ impl Drop for Inner {
                 // made (and trimmed to); it is unmapped exactly once, here.
                 // munmap of a valid mapping cannot fail.
                 unsafe { libc::munmap(self.ptr.cast(), *len) };
+            }
+            #[cfg(target_os = "linux")]
+            Owner::Shared { mapped, .. } => {
+                // SAFETY: `ptr..ptr+mapped` is exactly the mapping
+                // `alloc_shared` made; it is unmapped exactly once, here.
+                // The descriptor is closed when `owner` drops, after this.
+                unsafe { libc::munmap(self.ptr.cast(), *mapped) };
             }
             Owner::Boxed => {
                 // SAFETY: `ptr`/`len` come from `Box::into_raw` of a
@@ -339,10 +353,10 @@ fn map_huge(len: usize) -> Option<*mut u8> {
 
 /// The longest region: no Rust allocation or valid memory range is longer
 /// than `isize::MAX` bytes, and the raw copies of this module rely on it.
-const MAX_REGION_LEN: usize = isize::MAX as usize;
+pub(crate) const MAX_REGION_LEN: usize = isize::MAX as usize;
 
 /// Refuses a region length of 0 or past [`MAX_REGION_LEN`].
-fn check_len(len: usize) -> Result<(), DataError> {
+pub(crate) fn check_len(len: usize) -> Result<(), DataError> {
     if len == 0 {
         return Err(DataError::EmptyRegion);
     }
@@ -449,7 +463,13 @@ impl Region {
         ))
     }
 
-    fn wrap(ptr: *mut u8, len: usize, kind: MemoryKind, access: Access, owner: Owner) -> Self {
+    pub(crate) fn wrap(
+        ptr: *mut u8,
+        len: usize,
+        kind: MemoryKind,
+        access: Access,
+        owner: Owner,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 id: RegionId::next(),
@@ -461,6 +481,25 @@ impl Region {
                 gpu: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// The memfd behind a region of [`Region::alloc_shared`].
+    #[cfg(target_os = "linux")]
+    pub(crate) fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        match &self.inner.owner {
+            Owner::Shared { fd, .. } => Some(fd.as_fd()),
+            _ => None,
+        }
+    }
+
+    /// Whether a same-host peer can map this region: it was made by
+    /// [`Region::alloc_shared`] (the shm backend serves only those).
+    pub fn is_shared(&self) -> bool {
+        #[cfg(target_os = "linux")]
+        return self.shared_fd().is_some();
+        #[cfg(not(target_os = "linux"))]
+        false
     }
 
     /// The runtime handle of a GPU region.

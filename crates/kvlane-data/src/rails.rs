@@ -172,6 +172,11 @@ impl Endpoint {
     /// Every rail of a multi-rail endpoint, in order, or this endpoint
     /// itself: what a backend of as many rails connects to.
     pub fn rails(&self) -> Vec<Self> {
+        // A same-host endpoint: the part a peer without shm dials.
+        #[cfg(target_os = "linux")]
+        if let Some(other) = crate::samehost::other_part(self) {
+            return other.rails();
+        }
         match decode_rails(self) {
             Some(w) if !w.rails.is_empty() => w
                 .rails

@@ -272,6 +272,8 @@ pub enum BackendKind {
     Tcp,
     /// libibverbs.
     Verbs,
+    /// Shared memory between processes of one host.
+    Shm,
 }
 
 impl BackendKind {
@@ -281,6 +283,7 @@ impl BackendKind {
             Self::Loopback => "loopback",
             Self::Tcp => "tcp",
             Self::Verbs => "verbs",
+            Self::Shm => "shm",
         }
     }
 }
@@ -311,6 +314,10 @@ impl Endpoint {
     /// Other backends' endpoints do not carry an IP address and are
     /// returned as they are.
     pub fn reached_at(&self, host: Option<std::net::IpAddr>) -> Result<Self, DataError> {
+        #[cfg(target_os = "linux")]
+        if let Some(r) = crate::samehost::map_other(self, |other| other.reached_at(host)) {
+            return r;
+        }
         if let Some(r) = crate::rails::map_rails(self, |rail| rail.reached_at(host)) {
             return r;
         }

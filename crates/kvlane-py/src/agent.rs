@@ -109,9 +109,11 @@ impl Agent {
             "tcp" => BackendChoice::Tcp,
             "verbs" => BackendChoice::Verbs,
             "loopback" => BackendChoice::Loopback,
+            "shm" => BackendChoice::Shm,
+            "same-host" => BackendChoice::SameHost,
             b => {
                 return Err(invalid(format!(
-                    "backend is \"auto\", \"tcp\", \"verbs\" or \"loopback\", not {b:?}"
+                    "backend is \"auto\", \"same-host\", \"tcp\", \"verbs\", \"shm\" or \"loopback\", not {b:?}"
                 )))
             }
         };

@@ -13,6 +13,10 @@ pub(crate) enum BackendArg {
     Loopback,
     Tcp,
     Verbs,
+    /// Shared memory between processes of one host (memory allocated with
+    /// `Region::alloc_shared`); `--role initiator` prints `memcpy` rows of
+    /// the same blocks, the ceiling, instead of raw-tcp rows.
+    Shm,
     /// The best backend this machine has (verbs, else tcp).
     Auto,
 }
@@ -153,10 +157,11 @@ fn role_backend(args: &[BackendArg]) -> Result<kvlane::BackendChoice, String> {
         (Some(b), None) => Ok(match b {
             BackendArg::Tcp => kvlane::BackendChoice::Tcp,
             BackendArg::Verbs => kvlane::BackendChoice::Verbs,
+            BackendArg::Shm => kvlane::BackendChoice::Shm,
             _ => kvlane::BackendChoice::Auto,
         }),
         (None, _) => Err(
-            "--role target|initiator needs a network backend (tcp, verbs or auto), not loopback"
+            "--role target|initiator needs a network backend (tcp, verbs, shm or auto), not loopback"
                 .into(),
         ),
         (Some(_), Some(_)) => {
@@ -232,7 +237,23 @@ fn make_backend(kind: BackendKind) -> Result<Box<dyn Backend>, BenchError> {
             TcpBackend::new(TcpConfig::default()).map_err(data)?,
         )),
         BackendKind::Verbs => verbs_backend().map_err(data),
+        BackendKind::Shm => shm_backend().map_err(data),
     }
+}
+
+#[cfg(target_os = "linux")]
+fn shm_backend() -> Result<Box<dyn Backend>, kvlane_data::DataError> {
+    Ok(Box::new(kvlane_data::ShmBackend::new(
+        kvlane_data::ShmConfig::default(),
+    )?))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn shm_backend() -> Result<Box<dyn Backend>, kvlane_data::DataError> {
+    Err(kvlane_data::DataError::Unsupported {
+        backend: "shm",
+        what: "the shm backend is Linux only",
+    })
 }
 
 #[cfg(feature = "verbs")]
@@ -256,6 +277,7 @@ fn resolve(arg: BackendArg) -> BackendKind {
         BackendArg::Loopback => BackendKind::Loopback,
         BackendArg::Tcp => BackendKind::Tcp,
         BackendArg::Verbs => BackendKind::Verbs,
+        BackendArg::Shm => BackendKind::Shm,
         BackendArg::Auto => match verbs_backend() {
             Ok(_) => BackendKind::Verbs,
             Err(e) => {

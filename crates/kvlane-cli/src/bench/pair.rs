@@ -42,7 +42,19 @@ pub(crate) fn filled(
     memory: Option<GpuDevice>,
     byte: u8,
 ) -> Result<Region, kvlane_data::DataError> {
+    filled_as(len, memory, byte, false)
+}
+
+/// [`filled`], in shareable host memory ([`Region::alloc_shared`], what
+/// the shm backend serves) when `shared` and `memory` is host memory.
+pub(crate) fn filled_as(
+    len: u64,
+    memory: Option<GpuDevice>,
+    byte: u8,
+    shared: bool,
+) -> Result<Region, kvlane_data::DataError> {
     let r = match memory {
+        None if shared => Region::alloc_shared(len as usize, Access::ALL)?,
         None => Region::alloc(len as usize, Access::ALL)?,
         Some(d) => Region::alloc_device(d, len as usize, Access::ALL)?,
     };
@@ -116,7 +128,12 @@ impl Pair {
         };
         let mut init = factory(kind)?;
         let mut target = factory(kind)?;
-        let (local, remote) = buffers_in(block * pool, memory).map_err(data)?;
+        // The shm backend serves shareable memory only.
+        let shared = kind == BackendKind::Shm;
+        let (local, remote) = (
+            filled_as(block * pool, memory, 0xa5, shared).map_err(data)?,
+            filled_as(block * pool, memory, 0x5a, shared).map_err(data)?,
+        );
         let l = init.register(&local).map_err(data)?;
         let r = target.register(&remote).map_err(data)?;
         let (peer, target_peer) =

@@ -320,6 +320,7 @@ fn backend_arg(b: kvlane::BackendChoice) -> &'static str {
     match b {
         kvlane::BackendChoice::Tcp => "tcp",
         kvlane::BackendChoice::Verbs => "verbs",
+        kvlane::BackendChoice::Shm => "shm",
         _ => "auto",
     }
 }

@@ -63,6 +63,14 @@ pub(crate) struct RemoteOpts {
     pub(crate) metrics: Option<String>,
 }
 
+impl RemoteOpts {
+    /// Whether the memory must be shareable: the shm backend serves only
+    /// memory allocated with `Region::alloc_shared`.
+    pub(crate) fn shared(&self) -> bool {
+        self.backend == BackendChoice::Shm
+    }
+}
+
 pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
     let mut b = Agent::builder()
         .backend(opts.backend)
@@ -96,7 +104,12 @@ pub(crate) async fn target(
         fmt_size(pool)
     );
     let filling = Instant::now();
-    let region = super::pair::filled(layout.required_len().unwrap_or(pool), opts.memory, 0)?;
+    let region = super::pair::filled_as(
+        layout.required_len().unwrap_or(pool),
+        opts.memory,
+        0,
+        opts.shared(),
+    )?;
     eprintln!(
         "kvlane bench: pool filled in {:.1} s",
         filling.elapsed().as_secs_f64()
@@ -157,6 +170,9 @@ enum Side {
     RawTcp,
     /// The agent's peer.
     Agent,
+    /// `memcpy` of the same blocks in this process: the ceiling of a peer
+    /// on this host (shm).
+    Memcpy,
 }
 
 /// Runs the plan against a target agent at `addr`.
@@ -181,10 +197,11 @@ pub(crate) fn initiator(
         .max()
         .unwrap_or(PAGE);
     let layout = flat_layout(pool_bytes)?;
-    let region = super::pair::filled(
+    let region = super::pair::filled_as(
         layout.required_len().unwrap_or(pool_bytes),
         opts.memory,
         0xa5,
+        opts.shared(),
     )?;
     let agent = BlockingAgent::build(
         builder(opts)
@@ -216,10 +233,16 @@ fn against(
 ) -> Result<(), BoxError> {
     let peer = agent.connect(addr)?;
     let remote_pages = peer_pages(&peer)?;
-    let backend = agent.agent().backend_kind().to_string();
+    let kind = peer
+        .backend_kind()
+        .unwrap_or_else(|| agent.agent().backend_kind());
+    let backend = kind.to_string();
     let rails = agent.agent().rail_stats().len().max(1);
+    // A peer on this host over shm: the ceiling is memcpy, not the link.
+    let same_host = kind == kvlane::data::BackendKind::Shm;
     let mut raw = match (plan.baselines, announced_raw_port(&peer.engine_id())?) {
         (false, _) => None,
+        (true, _) if same_host => None,
         (true, Some(port)) => {
             let at = raw_addr(addr, port)?;
             let client = RawClient::connect(at, 1).map_err(|e| {
@@ -260,6 +283,16 @@ fn against(
             .flat_map(|s| plan.ops.iter().map(move |&op| (s, op)))
             .flat_map(|(s, op)| plan.batches.iter().map(move |&b| (s, Point::new(op, b))))
             .collect();
+        // memcpy rows: one per batch (a copy has no direction), between
+        // two buffers of this process as large as a batch's blocks.
+        let mut memcpy = Vec::new();
+        if same_host && plan.baselines {
+            for &b in &plan.batches {
+                let pool = super::pair::pool_blocks(block, b);
+                memcpy.push(super::memcpy::MemcpyPoint::new(block, b, pool, 1, &[])?);
+                points.push((Side::Memcpy, Point::new(Op::Read, b)));
+            }
+        }
         let n = points.len();
         rounds(
             &mut points,
@@ -270,6 +303,14 @@ fn against(
                 let s = match (*side, raw.as_mut()) {
                     (Side::RawTcp, Some(c)) => c.measure(p.op, block, p.batch, slice, first)?,
                     (Side::RawTcp, None) => unreachable!("raw-tcp points exist only with streams"),
+                    (Side::Memcpy, _) => {
+                        let m = memcpy
+                            .iter_mut()
+                            .find(|m| m.batch() == p.batch)
+                            .expect("a memcpy point per batch");
+                        m.slice(slice, first)?;
+                        std::mem::take(&mut m.sample)
+                    }
                     (Side::Agent, _) => {
                         let at = Target {
                             peer: &peer,
@@ -291,18 +332,18 @@ fn against(
             },
         )?;
         for (side, p) in points {
-            let name = if side == Side::RawTcp {
-                "raw-tcp"
-            } else {
-                &backend
+            let (name, op) = match side {
+                Side::RawTcp => ("raw-tcp", op_name(p.op)),
+                Side::Memcpy => ("memcpy", "copy"),
+                Side::Agent => (backend.as_str(), op_name(p.op)),
             };
-            let mut row = p.sample.row(name, op_name(p.op), block, p.batch);
-            row.post = if side == Side::RawTcp {
-                "batch"
-            } else {
+            let mut row = p.sample.row(name, op, block, p.batch);
+            row.post = if side == Side::Agent {
                 plan.post.name()
+            } else {
+                "batch"
             };
-            if side != Side::RawTcp {
+            if side == Side::Agent {
                 row.memory = plan.memory_name();
                 row.rails = rails;
             }

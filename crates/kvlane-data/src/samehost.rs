@@ -1,0 +1,417 @@
+//! [`SameHost`]: shared memory to peers on this host, another backend to
+//! the rest; what the facade's `auto` runs.
+//!
+//! - **Endpoints.** A peer gets one endpoint: the other backend's, and
+//!   beside it a [`ShmEndpoint`] issued for that peer under the same
+//!   [`PeerId`]. [`Endpoint::primary`] and [`Endpoint::rails`] read the
+//!   other backend's part, so a peer without shm (another host's, or a
+//!   plain tcp or verbs agent) connects to it as it always did.
+//! - **Choosing, per peer.** Connecting tries shm first when the peer
+//!   offers an shm endpoint, with this host's boot id, and this side
+//!   serves shm; the connect itself (the target's socket, its credential,
+//!   mapping its memory) is the proof that the path works. Anything else
+//!   falls back to the other backend, and the reason is logged at `info`
+//!   (`shm: peer via <kind>: <why>`). Each side chooses for the transfers
+//!   it initiates; its target serves both paths.
+//! - **Keys.** A region is registered with both backends under the key the
+//!   other backend chose, so one advertisement serves both paths.
+//! - **Which memory.** shm serves only memory allocated with
+//!   [`Region::alloc_shared`]. Once a region with remote rights that is not
+//!   shareable is registered, shm is off for peers prepared from then on
+//!   (they use the other backend both ways; the reason is logged); peers
+//!   already on shm keep it for the regions they were offered. Put every
+//!   served region in shared memory to get shm.
+//!
+//! [`ShmEndpoint`]: crate::ShmEndpoint
+
+use crate::backend::{Backend, Connected, Connecting};
+use crate::error::{DataError, SubmitError};
+use crate::ids::{FastMap, PeerId, RegionId};
+use crate::memory::{Access, Region, RemoteRegion};
+use crate::shm::ShmBackend;
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
+use serde::{Deserialize, Serialize};
+use std::task::Waker;
+use std::time::Instant;
+
+/// `"kvlane-samehost"`: tells a same-host endpoint from a plain one.
+const MAGIC: &str = "kvlane-samehost";
+
+/// A [`SameHost`] endpoint inside [`Endpoint::data`] (msgpack).
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    magic: String,
+    /// The other backend's endpoint: what a peer without shm dials.
+    other: Endpoint,
+    /// The shm endpoint issued for the peer.
+    shm: Endpoint,
+}
+
+fn decode(e: &Endpoint) -> Option<Wire> {
+    let w: Wire = rmp_serde::from_slice(&e.data).ok()?;
+    (w.magic == MAGIC).then_some(w)
+}
+
+/// The other backend's part of a same-host endpoint; `None` for any other
+/// endpoint.
+pub(crate) fn other_part(e: &Endpoint) -> Option<Endpoint> {
+    decode(e).map(|w| w.other)
+}
+
+/// The shm part of a same-host endpoint, or a plain shm endpoint; `None`
+/// for any other endpoint.
+pub(crate) fn shm_part(e: &Endpoint) -> Option<Endpoint> {
+    match decode(e) {
+        Some(w) => Some(w.shm),
+        None => (e.backend == BackendKind::Shm).then(|| e.clone()),
+    }
+}
+
+/// Applies `f` to the other backend's part of a same-host endpoint; `None`
+/// for any other endpoint.
+pub(crate) fn map_other(
+    e: &Endpoint,
+    f: impl FnOnce(&Endpoint) -> Result<Endpoint, DataError>,
+) -> Option<Result<Endpoint, DataError>> {
+    let mut w = decode(e)?;
+    Some(f(&w.other).and_then(|other| {
+        w.other = other;
+        encode(&w, e.backend)
+    }))
+}
+
+fn encode(w: &Wire, backend: BackendKind) -> Result<Endpoint, DataError> {
+    let data = rmp_serde::to_vec_named(w).map_err(|e| DataError::BadEndpoint {
+        backend: "shm",
+        reason: e.to_string(),
+    })?;
+    Ok(Endpoint { backend, data })
+}
+
+/// Per prepared peer.
+#[derive(Clone, Copy, Debug, Default)]
+struct Route {
+    /// Prepared on shm too (an shm endpoint was issued for it).
+    shm_prepared: bool,
+    /// Its transfers go over shm.
+    via_shm: bool,
+}
+
+/// What a started connect produced.
+enum Made {
+    Shm(Connected),
+    /// Over the other backend, and why not over shm.
+    Other(Connected, String),
+}
+
+/// Shared memory to peers on this host, `other` to the rest (see the
+/// [module docs](self)).
+pub struct SameHost {
+    shm: ShmBackend,
+    other: Box<dyn Backend>,
+    /// Why peers prepared from now on get no shm endpoint.
+    shm_off: Option<String>,
+    routes: FastMap<PeerId, Route>,
+    /// Whether the last submit went to shm (for `poll_after_submit`).
+    last_shm: bool,
+}
+
+impl std::fmt::Debug for SameHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SameHost")
+            .field("shm", &self.shm)
+            .field("other", &self.other.kind())
+            .field("shm_off", &self.shm_off)
+            .field("peers", &self.routes.len())
+            .finish()
+    }
+}
+
+impl SameHost {
+    /// Serves shm through `shm` and everything else through `other`.
+    pub fn new(shm: ShmBackend, other: Box<dyn Backend>) -> Self {
+        Self {
+            shm,
+            other,
+            shm_off: None,
+            routes: FastMap::default(),
+            last_shm: false,
+        }
+    }
+
+    /// Why shm is off for peers prepared from now on; `None` while on.
+    pub fn shm_off(&self) -> Option<&str> {
+        self.shm_off.as_deref()
+    }
+
+    fn turn_off(&mut self, why: String) {
+        if self.shm_off.is_none() {
+            tracing::info!(reason = %why, other = %self.other.kind(),
+                "shm: off for peers prepared from now on");
+            self.shm_off = Some(why);
+        }
+    }
+
+    fn via_shm(&self, peer: PeerId) -> bool {
+        self.routes.get(&peer).is_some_and(|r| r.via_shm)
+    }
+}
+
+impl Backend for SameHost {
+    fn kind(&self) -> BackendKind {
+        self.other.kind()
+    }
+
+    fn peer_kind(&self, peer: PeerId) -> BackendKind {
+        if self.via_shm(peer) {
+            BackendKind::Shm
+        } else {
+            self.other.peer_kind(peer)
+        }
+    }
+
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        let ad = self.other.register(region)?;
+        let served = region.access().contains(Access::REMOTE_READ)
+            || region.access().contains(Access::REMOTE_WRITE);
+        if served && !region.is_shared() {
+            self.turn_off(format!(
+                "{} has remote rights but is not shareable memory (Region::alloc_shared)",
+                region.id()
+            ));
+        } else if let Err(e) = self.shm.register_as(region, Some(ad.key)) {
+            self.turn_off(format!("registering {} with shm: {e}", region.id()));
+        }
+        Ok(ad)
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        // Not registered with shm when shm refused it.
+        let _ = self.shm.deregister(region);
+        self.other.deregister(region)
+    }
+
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        let (peer, other) = self.other.prepare_peer()?;
+        let mut route = Route::default();
+        let endpoint = if self.shm_off.is_some() {
+            other
+        } else {
+            match self.shm.prepare_peer_as(Some(peer)) {
+                Ok((_, shm)) => {
+                    route.shm_prepared = true;
+                    encode(
+                        &Wire {
+                            magic: MAGIC.into(),
+                            other: other.clone(),
+                            shm,
+                        },
+                        other.backend,
+                    )?
+                }
+                Err(e) => {
+                    tracing::info!(%peer, error = %e, "shm: no shm endpoint for this peer");
+                    other
+                }
+            }
+        };
+        self.routes.insert(peer, route);
+        Ok((peer, endpoint))
+    }
+
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        let connected = self.start_connect(peer, remote, regions)?.run()?;
+        self.finish_connect(peer, connected)
+    }
+
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        let route = *self.routes.get(&peer).ok_or(DataError::UnknownPeer(peer))?;
+        let other_remote = other_part(remote).unwrap_or_else(|| remote.clone());
+        let shm = match (&self.shm_off, shm_part(remote), route.shm_prepared) {
+            (Some(why), _, _) => Err(format!("shm is off here: {why}")),
+            (None, _, false) => Err("no shm endpoint was issued for this peer".to_owned()),
+            (None, None, true) => {
+                Err("the peer offers no shm endpoint (it has none, or serves memory that is not shareable)".to_owned())
+            }
+            (None, Some(ep), true) => self
+                .shm
+                .start_connect(peer, &ep, regions)
+                .map_err(|e| e.to_string()),
+        };
+        let other = self.other.start_connect(peer, &other_remote, regions);
+        let kind = self.other.kind();
+        Ok(match shm {
+            Ok(shm) => Connecting::new(move || {
+                let why = match shm.run() {
+                    Ok(c) => return Ok(Box::new(Made::Shm(c)) as Box<dyn std::any::Any + Send>),
+                    Err(e) => format!("connecting over shm failed: {e}"),
+                };
+                tracing::info!(%peer, reason = %why, "shm: falling back to {kind}");
+                let c = other?.run()?;
+                Ok(Box::new(Made::Other(c, why)))
+            }),
+            Err(why) => {
+                let other = other?;
+                Connecting::new(move || {
+                    let c = other.run()?;
+                    Ok(Box::new(Made::Other(c, why)))
+                })
+            }
+        })
+    }
+
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        let made = connected.take::<Made>().ok_or(DataError::BadEndpoint {
+            backend: "shm",
+            reason: "connect produced no connection".into(),
+        })?;
+        let Some(route) = self.routes.get_mut(&peer) else {
+            return Err(DataError::UnknownPeer(peer));
+        };
+        match *made {
+            Made::Shm(c) => {
+                self.shm.finish_connect(peer, c)?;
+                route.via_shm = true;
+                tracing::info!(%peer, "shm: peer via shm (same host)");
+            }
+            Made::Other(c, why) => {
+                self.other.finish_connect(peer, c)?;
+                route.via_shm = false;
+                tracing::info!(%peer, reason = %why, "shm: peer via {}", self.other.kind());
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        if let Some(r) = self.routes.remove(&peer) {
+            if r.shm_prepared {
+                self.shm.remove_peer(peer);
+            }
+        }
+        self.other.remove_peer(peer);
+    }
+
+    fn disconnect_peer(&mut self, peer: PeerId) -> bool {
+        // An shm connection is not kept prepared across a disconnect: the
+        // caller removes the peer instead.
+        if self.routes.get(&peer).is_some_and(|r| r.shm_prepared) {
+            return false;
+        }
+        self.other.disconnect_peer(peer)
+    }
+
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
+        self.last_shm = self.via_shm(transfer.peer);
+        if self.last_shm {
+            self.shm.submit(transfer)
+        } else {
+            self.other.submit(transfer)
+        }
+    }
+
+    fn submit_at(&mut self, transfer: Transfer, now: Instant) -> Result<(), SubmitError> {
+        self.last_shm = self.via_shm(transfer.peer);
+        if self.last_shm {
+            self.shm.submit_at(transfer, now)
+        } else {
+            self.other.submit_at(transfer, now)
+        }
+    }
+
+    fn submit_batch(
+        &mut self,
+        transfers: Vec<Transfer>,
+        results: &mut Vec<Result<(), SubmitError>>,
+    ) -> bool {
+        let Some(first) = transfers.first() else {
+            return false;
+        };
+        let shm = self.via_shm(first.peer);
+        if transfers.iter().all(|t| self.via_shm(t.peer) == shm) {
+            self.last_shm = shm;
+            return if shm {
+                self.shm.submit_batch(transfers, results)
+            } else {
+                self.other.submit_batch(transfers, results)
+            };
+        }
+        let mut due = false;
+        for t in transfers {
+            results.push(self.submit(t));
+            due |= self.poll_after_submit();
+        }
+        due
+    }
+
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        let mut n = 0;
+        if self.shm.in_flight() > 0 {
+            n += self.shm.poll(completions);
+        }
+        n + self.other.poll(completions)
+    }
+
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        self.shm.poll_notifications(out) + self.other.poll_notifications(out)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.shm.in_flight() + self.other.in_flight()
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        self.shm.set_waker(waker.clone());
+        self.other.set_waker(waker);
+    }
+
+    fn endpoint_per_peer(&self) -> bool {
+        true
+    }
+
+    fn needs_busy_poll(&self) -> bool {
+        self.other.needs_busy_poll()
+    }
+
+    fn poll_by(&self) -> Option<Instant> {
+        // `None` from a backend with work in flight means "unknown": so is
+        // the sum.
+        let busy = |b: &dyn Backend| (b.in_flight() > 0).then(|| b.poll_by());
+        match (busy(&self.shm), busy(self.other.as_ref())) {
+            (Some(None), _) | (_, Some(None)) => None,
+            (Some(Some(a)), Some(Some(b))) => Some(a.min(b)),
+            (Some(Some(a)), None) | (None, Some(Some(a))) => Some(a),
+            (None, None) => self.other.poll_by(),
+        }
+    }
+
+    fn poll_after_submit(&self) -> bool {
+        if self.last_shm {
+            self.shm.poll_after_submit()
+        } else {
+            self.other.poll_after_submit()
+        }
+    }
+
+    fn tcp_counters(&self) -> Option<crate::TcpCounters> {
+        self.other.tcp_counters()
+    }
+
+    fn rail_stats(&self) -> Vec<crate::RailStats> {
+        self.other.rail_stats()
+    }
+
+    fn link_up(&self) -> bool {
+        self.other.link_up()
+    }
+}

@@ -1,0 +1,820 @@
+//! The shm backend: one-sided READ and WRITE between processes of one host
+//! through shared memory. **Incomplete** (issue 44): memory the engine
+//! allocated itself cannot be served (see *Not yet* below). The facade's
+//! `auto` runs it beside tcp or verbs through [`SameHost`](crate::SameHost),
+//! per peer.
+//!
+//! # How registered memory becomes reachable
+//!
+//! Only regions made by [`Region::alloc_shared`] are served: host memory
+//! backed by a memfd, its pages allocated up front, sealed against
+//! resizing (`F_SEAL_SHRINK | F_SEAL_GROW`), against new writable mappings
+//! when the region grants no [`Access::REMOTE_WRITE`]
+//! (`F_SEAL_FUTURE_WRITE`), and against further seals (`F_SEAL_SEAL`).
+//!
+//! 1. Each backend listens on an abstract Unix `SOCK_SEQPACKET` socket
+//!    with a random name (`\0kvlane-shm-<pid>-<random>`; no file to clean
+//!    up, scoped to the network namespace). Its [`Endpoint`] carries that
+//!    name, the host's boot id, and a random 128-bit credential that
+//!    [`prepare_peer`](Backend::prepare_peer) issues for one peer (as tcp
+//!    does; the control plane hands it only to a peer that completed the
+//!    handshake).
+//! 2. The initiator refuses an endpoint from another boot id (another
+//!    host, or this host before a reboot) with a typed error naming both,
+//!    then connects and presents the credential. The target's I/O thread
+//!    checks it before anything else; a connection with no valid
+//!    credential within [`ShmConfig::auth_timeout`] is closed having
+//!    learnt nothing.
+//! 3. The target then passes the memfd of every registered region with a
+//!    remote right (`SCM_RIGHTS`), with its key, length and rights.
+//!    Regions registered later are passed to connected peers as they are
+//!    registered; a deregistered region is revoked (see *Trust*).
+//! 4. The initiator maps each descriptor only after checking that it is a
+//!    memory file sealed against shrinking and at least as long as the
+//!    region: every byte of the mapping then stays backed whatever the
+//!    target does later (a `ftruncate` is refused by the seal), so a copy
+//!    cannot fault with `SIGBUS`. It maps writable only regions that grant
+//!    WRITE; for the others the target's seal makes a writable mapping
+//!    impossible, even through `/proc/<pid>/fd`.
+//! 5. READ and WRITE are `memcpy` between the initiator's region and its
+//!    mapping of the target's, in the initiator's own thread (the one that
+//!    calls [`poll`](Backend::poll)); the target's threads copy nothing.
+//!    Every segment is checked first, as a NIC would (key granted, range
+//!    inside the grant, remote right, local range and right); nothing
+//!    moves when one check fails, and a lying peer gets a typed error,
+//!    never another byte of memory.
+//! 6. A notification goes to the target over the socket only after every
+//!    byte of its transfer was copied; the target's I/O thread queues it
+//!    and answers (delivered, queue full, past the deadline). The transfer
+//!    completes on that answer. The deadline crosses the process boundary
+//!    as `CLOCK_MONOTONIC`, which every process of the host shares: a
+//!    notification that arrives late is refused, never delivered late.
+//!
+//! # Liveness
+//!
+//! The socket is the liveness signal: when the target's process ends, the
+//! kernel closes it and the initiator's next read returns end-of-stream
+//! (no timer involved). The backend's I/O thread watches its connections
+//! to targets and wakes the driver, and `poll` reads every connection with
+//! work in flight before copying, so in-flight transfers fail with
+//! [`DataError::PeerLost`] at once. A restarted target has a new socket
+//! name and new credentials: the old endpoint no longer connects, and the
+//! mappings of the dead process's memory are dropped with the connection;
+//! the control plane reports the new incarnation (`Stale`).
+//!
+//! # Trust
+//!
+//! A peer that holds a region's descriptor keeps its mapping for as long
+//! as it likes: revocation (on [`deregister`](Backend::deregister) and
+//! [`remove_peer`](Backend::remove_peer)) is honoured by this backend but
+//! cannot be forced on a hostile process. It never reaches more than the
+//! regions it was granted, and never writes a read-only one. Memory that
+//! must become private to its owner again must be dropped and a new
+//! region allocated. A WRITE-only grant is readable too: no page table
+//! maps memory write-only. A peer with a writable region could punch holes
+//! in its file (`fallocate`), which reads as zeros afterwards, no worse
+//! than writing zeros.
+//!
+//! # Not yet
+//!
+//! - Memory the engine allocated (a torch tensor, numpy): [`register`]
+//!   refuses it, with remote rights, as [`DataError::Unsupported`] (it
+//!   works as local memory: a READ's destination or a WRITE's source).
+//!   The plan is an opt-in cross-memory attach (`process_vm_readv` /
+//!   `process_vm_writev`, which exposes the whole process to a same-user
+//!   peer, hence opt-in and documented), else tcp for such regions.
+//! - GPU memory through CUDA/HIP IPC handles.
+//!
+//! [`register`]: Backend::register
+
+mod peer;
+#[allow(unsafe_code)] // sendmsg/recvmsg with SCM_RIGHTS, mmap of peer regions
+mod sys;
+mod target;
+mod wire;
+
+use crate::backend::{Backend, Connected, Connecting};
+use crate::error::{DataError, SubmitError};
+use crate::host_registry::HostRegistry;
+use crate::ids::{FastMap, PeerId, RegionId, RemoteKey, TransferId};
+use crate::memory::{Access, Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
+use peer::{Conn, Event, PeerRegion};
+use serde::{Deserialize, Serialize};
+use socket2::{Domain, SockAddr, Socket, Type};
+use std::collections::VecDeque;
+use std::task::Waker;
+use std::time::{Duration, Instant};
+use target::{lock, Cmd, Target};
+use wire::{NotifyStatus, ToTarget, MAX_MESSAGE, MAX_NOTIFY, TOKEN_LEN};
+
+/// Settings of a [`ShmBackend`].
+#[derive(Clone, Debug)]
+pub struct ShmConfig {
+    /// Transfers in flight (queued or waiting for the answer to their
+    /// notification) before `submit` hands them back. Default 4096.
+    pub queue_depth: usize,
+    /// Bytes copied per `poll` call before it returns (at least one
+    /// transfer is always done). Default 8 MiB; bounds how long `poll`
+    /// holds the caller.
+    pub poll_budget: u64,
+    /// Notifications held for the application before the target refuses
+    /// more ([`DataError::NotificationRefused`]). Default 4096.
+    pub notification_capacity: usize,
+    /// Bound of each blocking step of connecting to a target. Default 5 s.
+    pub connect_timeout: Duration,
+    /// How long a connection to this target may take to present its
+    /// credential. Default 5 s.
+    pub auth_timeout: Duration,
+    /// How long past its deadline a transfer waits for the answer to its
+    /// notification before failing with [`DataError::Timeout`]: the target
+    /// decides delivery by the deadline, and its answer is on its way.
+    /// Default 1 s.
+    pub notify_grace: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        Self {
+            queue_depth: 4096,
+            poll_budget: 8 << 20,
+            notification_capacity: 4096,
+            connect_timeout: Duration::from_secs(5),
+            auth_timeout: Duration::from_secs(5),
+            notify_grace: Duration::from_secs(1),
+        }
+    }
+}
+
+/// What a peer needs to reach a [`ShmBackend`] (inside [`Endpoint::data`],
+/// msgpack).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmEndpoint {
+    /// `/proc/sys/kernel/random/boot_id` of the target's host.
+    pub boot_id: String,
+    /// Abstract socket name, without the leading NUL.
+    pub name: String,
+    /// The credential issued for the peer.
+    #[serde(with = "serde_bytes")]
+    pub token: [u8; TOKEN_LEN],
+}
+
+impl ShmEndpoint {
+    /// The endpoint as carried in a handshake.
+    pub fn to_endpoint(&self) -> Endpoint {
+        Endpoint {
+            backend: BackendKind::Shm,
+            data: rmp_serde::to_vec_named(self).expect("shm endpoint encodes"),
+        }
+    }
+
+    /// Decodes a shm endpoint (or the shm part of a
+    /// [`SameHost`](crate::SameHost) endpoint).
+    pub fn from_endpoint(ep: &Endpoint) -> Result<Self, DataError> {
+        let part = crate::samehost::shm_part(ep);
+        let ep = part.as_ref().unwrap_or(ep);
+        let bad = |reason: String| DataError::BadEndpoint {
+            backend: "shm",
+            reason,
+        };
+        if ep.backend != BackendKind::Shm {
+            return Err(bad(format!("endpoint is for the {} backend", ep.backend)));
+        }
+        rmp_serde::from_slice(&ep.data).map_err(|e| bad(e.to_string()))
+    }
+
+    fn socket_name(&self) -> String {
+        format!("\0{}", self.name)
+    }
+
+    fn display_name(&self) -> String {
+        format!("@{}", self.name)
+    }
+}
+
+/// This host's boot id: two processes with the same one share a kernel.
+pub fn boot_id() -> Result<String, DataError> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .map_err(|source| DataError::Io {
+            op: "read /proc/sys/kernel/random/boot_id".into(),
+            source,
+        })
+}
+
+struct Slot {
+    token: [u8; TOKEN_LEN],
+    conn: Option<Conn>,
+    /// Why the connection ended, once it did.
+    lost: Option<&'static str>,
+}
+
+struct Waiting {
+    id: TransferId,
+    peer: PeerId,
+    deadline: Instant,
+}
+
+/// Same-host shared-memory backend (see the [module docs](self)).
+pub struct ShmBackend {
+    config: ShmConfig,
+    endpoint: ShmEndpoint,
+    target: Target,
+    registry: HostRegistry,
+    peers: FastMap<PeerId, Slot>,
+    next_peer: u64,
+    queue: VecDeque<Transfer>,
+    failed: VecDeque<Completion>,
+    /// Transfers whose notification awaits the target's answer, by seq.
+    waiting: FastMap<u64, Waiting>,
+    next_seq: u64,
+    scratch: Vec<Segment>,
+    events: Vec<Event>,
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for ShmBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmBackend")
+            .field("socket", &self.endpoint.display_name())
+            .field("regions", &self.registry.len())
+            .field("peers", &self.peers.len())
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+impl ShmBackend {
+    /// Starts a backend: listens on a fresh abstract Unix socket and
+    /// starts its I/O thread.
+    pub fn new(config: ShmConfig) -> Result<Self, DataError> {
+        let boot_id = boot_id()?;
+        let name = format!(
+            "kvlane-shm-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        let io = |op: &str, source| DataError::Io {
+            op: format!("{op} shm socket @{name}"),
+            source,
+        };
+        let listener = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None)
+            .map_err(|e| io("create", e))?;
+        let addr = SockAddr::unix(format!("\0{name}")).map_err(|e| io("address", e))?;
+        listener.bind(&addr).map_err(|e| io("bind", e))?;
+        listener.listen(128).map_err(|e| io("listen on", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| io("configure", e))?;
+        let target = Target::start(listener, config.notification_capacity, config.auth_timeout)
+            .map_err(|e| io("start the I/O thread of", e))?;
+        Ok(Self {
+            config,
+            endpoint: ShmEndpoint {
+                boot_id,
+                name,
+                token: [0; TOKEN_LEN],
+            },
+            target,
+            registry: HostRegistry::default(),
+            peers: FastMap::default(),
+            next_peer: 1,
+            queue: VecDeque::new(),
+            failed: VecDeque::new(),
+            waiting: FastMap::default(),
+            next_seq: 1,
+            scratch: Vec::new(),
+            events: Vec::new(),
+            buf: vec![0; MAX_MESSAGE],
+        })
+    }
+
+    /// Connections refused by this target (bad credential or message,
+    /// no credential in time, answers not read).
+    pub fn refused(&self) -> u64 {
+        self.target
+            .shared
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Marks `peer`'s connection lost: its mappings are dropped and every
+    /// transfer waiting for its answers fails.
+    fn lose(&mut self, peer: PeerId, reason: &'static str, source: Option<std::io::Error>) {
+        let Some(slot) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        if slot.conn.take().is_some() {
+            self.target.send(Cmd::Unwatch(peer));
+            tracing::info!(%peer, reason, error = ?source, "shm: target lost");
+        }
+        slot.lost = Some(reason);
+        let source = source.map(std::sync::Arc::new);
+        let gone: Vec<u64> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| w.peer == peer)
+            .map(|(s, _)| *s)
+            .collect();
+        for seq in gone {
+            let w = self.waiting.remove(&seq).expect("listed above");
+            self.failed.push_back(Completion {
+                id: w.id,
+                peer,
+                result: Err(DataError::PeerLost {
+                    peer,
+                    reason,
+                    source: source.clone(),
+                }),
+            });
+        }
+    }
+
+    /// Reads what `peer`'s target sent: answers complete transfers, an
+    /// ended connection fails them.
+    fn drain(&mut self, peer: PeerId, now: Instant, completions: &mut Vec<Completion>) {
+        let Some(conn) = self.peers.get_mut(&peer).and_then(|s| s.conn.as_mut()) else {
+            return;
+        };
+        let mut events = std::mem::take(&mut self.events);
+        conn.drain(peer, &mut self.buf, &mut events);
+        if let Err(e) = conn.flush() {
+            events.push(Event::Lost("sending to the target failed", Some(e)));
+        }
+        for ev in events.drain(..) {
+            match ev {
+                Event::Notified(seq, status) => {
+                    // An answer for a transfer that already timed out is
+                    // dropped: it was reported once.
+                    let Some(w) = self.waiting.remove(&seq) else {
+                        continue;
+                    };
+                    let result = match status {
+                        NotifyStatus::Delivered => Ok(()),
+                        NotifyStatus::QueueFull => Err(DataError::NotificationRefused { peer }),
+                        NotifyStatus::Expired => Err(DataError::Timeout {
+                            id: w.id,
+                            peer,
+                            overdue: now.saturating_duration_since(w.deadline),
+                        }),
+                    };
+                    completions.push(Completion {
+                        id: w.id,
+                        peer,
+                        result,
+                    });
+                }
+                Event::Lost(reason, source) => self.lose(peer, reason, source),
+            }
+        }
+        self.events = events;
+    }
+
+    /// Runs queued transfers to the peer at the queue's head, while
+    /// `budget` lasts.
+    fn run_peer(&mut self, now: Instant, budget: &mut u64, completions: &mut Vec<Completion>) {
+        let Some(peer) = self.queue.front().map(|t| t.peer) else {
+            return;
+        };
+        // Reading first notices a target that is gone before copying.
+        self.drain(peer, now, completions);
+        let lost = match self.peers.get(&peer) {
+            None => Some(DataError::UnknownPeer(peer)),
+            Some(Slot { conn: Some(_), .. }) => None,
+            Some(Slot { lost, .. }) => Some(DataError::PeerLost {
+                peer,
+                reason: lost.unwrap_or("not connected"),
+                source: None,
+            }),
+        };
+        if let Some(err) = lost {
+            while self.queue.front().is_some_and(|t| t.peer == peer) {
+                let t = self.queue.pop_front().expect("front was just read");
+                completions.push(Completion {
+                    id: t.id,
+                    peer,
+                    result: Err(clone_lost(&err)),
+                });
+                *budget = budget.saturating_sub(1);
+            }
+            return;
+        }
+        let conn = self
+            .peers
+            .get_mut(&peer)
+            .and_then(|s| s.conn.as_mut())
+            .expect("checked above");
+        let mut broken = None;
+        while *budget > 0 && self.queue.front().is_some_and(|t| t.peer == peer) {
+            let t = self.queue.pop_front().expect("front was just read");
+            let result = execute(&t, now, &self.registry, &conn.regions, &mut self.scratch);
+            *budget = budget.saturating_sub(if result.is_ok() {
+                t.total_len().max(1)
+            } else {
+                1
+            });
+            match (result, t.notify) {
+                (Ok(()), Some(payload)) => {
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    let left = t.deadline.saturating_duration_since(now);
+                    let msg = wire::encode(&ToTarget::Notify {
+                        seq,
+                        deadline_ns: sys::monotonic_ns()
+                            .saturating_add(u64::try_from(left.as_nanos()).unwrap_or(u64::MAX)),
+                        payload: payload.to_vec(),
+                    });
+                    self.waiting.insert(
+                        seq,
+                        Waiting {
+                            id: t.id,
+                            peer,
+                            deadline: t.deadline,
+                        },
+                    );
+                    if let Err(e) = conn.notify(msg) {
+                        broken = Some(e);
+                        break;
+                    }
+                }
+                (result, _) => completions.push(Completion {
+                    id: t.id,
+                    peer,
+                    result,
+                }),
+            }
+        }
+        if let Some(e) = broken {
+            self.lose(peer, "sending a notification to the target failed", Some(e));
+        }
+    }
+}
+
+impl ShmBackend {
+    /// [`register`](Backend::register) under `key` when given (see
+    /// [`SameHost`](crate::SameHost), which serves a region over shm under
+    /// the key its other backend chose).
+    pub(crate) fn register_as(
+        &mut self,
+        region: &Region,
+        key: Option<RemoteKey>,
+    ) -> Result<RemoteRegion, DataError> {
+        let served = remote_rights(region.access());
+        if served && !region.is_shared() {
+            return Err(DataError::Unsupported {
+                backend: "shm",
+                what: "a region with remote rights must be shareable memory: allocate it with \
+                       Region::alloc_shared, or use the tcp backend (memory the engine \
+                       allocated cannot be passed to a peer)",
+            });
+        }
+        let key = self.registry.register_as("shm", region, key)?;
+        if served {
+            lock(&self.target.shared.regions).insert(key, region.clone());
+            self.target.send(Cmd::Grant(key));
+        }
+        Ok(region.advert(key))
+    }
+
+    /// [`prepare_peer`](Backend::prepare_peer) under the id `peer` when
+    /// given (what [`SameHost`](crate::SameHost) uses, so that both of its
+    /// backends name a peer alike); an id in use is refused.
+    pub(crate) fn prepare_peer_as(
+        &mut self,
+        peer: Option<PeerId>,
+    ) -> Result<(PeerId, Endpoint), DataError> {
+        let peer = match peer {
+            Some(p) if self.peers.contains_key(&p) => {
+                return Err(DataError::Unsupported {
+                    backend: "shm",
+                    what: "preparing a peer under an id already in use",
+                })
+            }
+            Some(p) => p,
+            None => {
+                while self.peers.contains_key(&PeerId(self.next_peer)) {
+                    self.next_peer += 1;
+                }
+                let p = PeerId(self.next_peer);
+                self.next_peer += 1;
+                p
+            }
+        };
+        let token: [u8; TOKEN_LEN] = rand::random();
+        lock(&self.target.shared.creds).insert(token, peer);
+        self.peers.insert(
+            peer,
+            Slot {
+                token,
+                conn: None,
+                lost: None,
+            },
+        );
+        let ep = ShmEndpoint {
+            token,
+            ..self.endpoint.clone()
+        };
+        Ok((peer, ep.to_endpoint()))
+    }
+}
+
+/// A copy of a lost-peer error for each transfer it fails.
+fn clone_lost(e: &DataError) -> DataError {
+    match e {
+        DataError::PeerLost {
+            peer,
+            reason,
+            source,
+        } => DataError::PeerLost {
+            peer: *peer,
+            reason,
+            source: source.clone(),
+        },
+        DataError::UnknownPeer(p) => DataError::UnknownPeer(*p),
+        _ => DataError::Unsupported {
+            backend: "shm",
+            what: "unexpected error",
+        },
+    }
+}
+
+/// Checks every segment of `t` against the local registrations and the
+/// target's grants, then copies them all (nothing moves when any check
+/// fails).
+fn execute(
+    t: &Transfer,
+    now: Instant,
+    local: &HostRegistry,
+    remote: &FastMap<RemoteKey, PeerRegion>,
+    plan: &mut Vec<Segment>,
+) -> Result<(), DataError> {
+    if now > t.deadline {
+        return Err(DataError::Timeout {
+            id: t.id,
+            peer: t.peer,
+            overdue: now - t.deadline,
+        });
+    }
+    plan.clear();
+    let lookup = |seg: &Segment| -> Result<(&Region, &PeerRegion), DataError> {
+        let l = local
+            .get(seg.region)
+            .ok_or(DataError::UnknownRegion(seg.region))?;
+        let r = remote.get(&seg.key).ok_or(DataError::UnknownKey {
+            peer: t.peer,
+            key: seg.key,
+        })?;
+        Ok((l, r))
+    };
+    for seg in t.segments()? {
+        let (l, r) = lookup(&seg)?;
+        if t.op == Op::Read && !l.access().contains(Access::LOCAL_WRITE) {
+            return Err(DataError::AccessDenied {
+                op: t.op,
+                target: format!("local {}", seg.region),
+                needed: Access::LOCAL_WRITE,
+                granted: l.access(),
+            });
+        }
+        l.check_range(seg.local_offset, seg.len)?;
+        // The grant's rights and length; WRITE into the mapping only when
+        // the grant has REMOTE_WRITE (the mapping is writable exactly then).
+        r.advert().check(t.peer, t.op, seg.remote_offset, seg.len)?;
+        plan.push(seg);
+    }
+    for seg in plan.iter() {
+        let (l, r) = lookup(seg)?;
+        match t.op {
+            Op::Write => crate::gpu::staging::copy_between(
+                l,
+                seg.local_offset,
+                &r.region,
+                seg.remote_offset,
+                seg.len,
+            )?,
+            Op::Read => crate::gpu::staging::copy_between(
+                &r.region,
+                seg.remote_offset,
+                l,
+                seg.local_offset,
+                seg.len,
+            )?,
+        }
+    }
+    Ok(())
+}
+
+fn remote_rights(access: Access) -> bool {
+    access.contains(Access::REMOTE_READ) || access.contains(Access::REMOTE_WRITE)
+}
+
+impl Backend for ShmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Shm
+    }
+
+    fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
+        self.register_as(region, None)
+    }
+
+    fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
+        let key = self.registry.deregister(region)?;
+        if lock(&self.target.shared.regions).remove(&key).is_some() {
+            self.target.send(Cmd::Revoke(key));
+        }
+        Ok(())
+    }
+
+    fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {
+        self.prepare_peer_as(None)
+    }
+
+    fn endpoint_per_peer(&self) -> bool {
+        // A credential per peer, as tcp.
+        true
+    }
+
+    fn connect_peer(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        regions: &[RemoteRegion],
+    ) -> Result<(), DataError> {
+        let connected = self.start_connect(peer, remote, regions)?.run()?;
+        self.finish_connect(peer, connected)
+    }
+
+    fn start_connect(
+        &mut self,
+        peer: PeerId,
+        remote: &Endpoint,
+        _regions: &[RemoteRegion],
+    ) -> Result<Connecting, DataError> {
+        if !self.peers.contains_key(&peer) {
+            return Err(DataError::UnknownPeer(peer));
+        }
+        let ep = ShmEndpoint::from_endpoint(remote)?;
+        if ep.boot_id != self.endpoint.boot_id {
+            return Err(DataError::BadEndpoint {
+                backend: "shm",
+                reason: format!(
+                    "the peer runs on another host (boot id {}, this host {}): use tcp",
+                    ep.boot_id, self.endpoint.boot_id
+                ),
+            });
+        }
+        let timeout = self.config.connect_timeout;
+        Ok(Connecting::new(move || {
+            let conn = Conn::connect(peer, &ep, timeout)?;
+            Ok(Box::new(conn) as Box<dyn std::any::Any + Send>)
+        }))
+    }
+
+    fn finish_connect(&mut self, peer: PeerId, connected: Connected) -> Result<(), DataError> {
+        let conn = connected.take::<Conn>().ok_or(DataError::BadEndpoint {
+            backend: "shm",
+            reason: "connect produced no connection".into(),
+        })?;
+        let slot = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(DataError::UnknownPeer(peer))?;
+        let sock = conn.sock.clone();
+        slot.conn = Some(*conn);
+        slot.lost = None;
+        self.target.send(Cmd::Watch(peer, sock));
+        Ok(())
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        self.lose(peer, "peer removed", None);
+        let Some(slot) = self.peers.remove(&peer) else {
+            return;
+        };
+        lock(&self.target.shared.creds).remove(&slot.token);
+        self.target.send(Cmd::Close(peer));
+        let (lost, kept): (VecDeque<_>, VecDeque<_>) =
+            self.queue.drain(..).partition(|t| t.peer == peer);
+        self.queue = kept;
+        self.failed.extend(lost.into_iter().map(|t| Completion {
+            id: t.id,
+            peer,
+            result: Err(DataError::PeerLost {
+                peer,
+                reason: "peer removed",
+                source: None,
+            }),
+        }));
+    }
+
+    fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
+        if !self.peers.contains_key(&transfer.peer) {
+            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
+        }
+        if let Err(e) = transfer.check_lengths() {
+            return Err(SubmitError::Rejected(e));
+        }
+        if let Some(n) = &transfer.notify {
+            if n.len() > MAX_NOTIFY {
+                return Err(SubmitError::Rejected(DataError::NotificationTooLarge {
+                    len: n.len(),
+                    max: MAX_NOTIFY,
+                }));
+            }
+        }
+        let in_flight = self.in_flight();
+        if in_flight >= self.config.queue_depth {
+            return Err(SubmitError::QueueFull {
+                transfer: Box::new(transfer),
+                in_flight,
+            });
+        }
+        self.queue.push_back(transfer);
+        Ok(())
+    }
+
+    fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
+        let before = completions.len();
+        let now = Instant::now();
+        // Answers (and losses) of targets with notifications outstanding.
+        let mut answering: Vec<PeerId> = self.waiting.values().map(|w| w.peer).collect();
+        answering.extend(
+            self.peers
+                .iter()
+                .filter(|(_, s)| s.conn.as_ref().is_some_and(Conn::has_unsent))
+                .map(|(p, _)| *p),
+        );
+        answering.sort_unstable();
+        answering.dedup();
+        for peer in answering {
+            self.drain(peer, now, completions);
+        }
+        let mut budget = self.config.poll_budget.max(1);
+        while budget > 0 && !self.queue.is_empty() {
+            self.run_peer(now, &mut budget, completions);
+        }
+        // Notifications whose answer did not come by the deadline and the
+        // grace: the target is alive (its socket is open) but not answering.
+        let grace = self.config.notify_grace;
+        let late: Vec<u64> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| now > w.deadline + grace)
+            .map(|(s, _)| *s)
+            .collect();
+        for seq in late {
+            let w = self.waiting.remove(&seq).expect("listed above");
+            completions.push(Completion {
+                id: w.id,
+                peer: w.peer,
+                result: Err(DataError::Timeout {
+                    id: w.id,
+                    peer: w.peer,
+                    overdue: now - w.deadline,
+                }),
+            });
+        }
+        completions.extend(self.failed.drain(..));
+        completions.len() - before
+    }
+
+    fn poll_notifications(&mut self, out: &mut Vec<Notification>) -> usize {
+        let mut q = lock(&self.target.shared.notes);
+        let n = q.len();
+        out.extend(q.drain(..));
+        n
+    }
+
+    fn in_flight(&self) -> usize {
+        self.queue.len() + self.waiting.len() + self.failed.len()
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        *lock(&self.target.shared.waker) = Some(waker);
+    }
+
+    fn poll_by(&self) -> Option<Instant> {
+        if !self.queue.is_empty() || !self.failed.is_empty() {
+            return Some(Instant::now());
+        }
+        // The I/O thread wakes the driver when an answer arrives; only a
+        // missing answer needs a timer.
+        self.waiting
+            .values()
+            .map(|w| w.deadline + self.config.notify_grace)
+            .min()
+    }
+}
+
+impl Drop for ShmBackend {
+    fn drop(&mut self) {
+        // Connections and mappings close with the slots; the target's I/O
+        // thread is stopped and joined by `Target`'s drop.
+        let peers: Vec<PeerId> = self.peers.keys().copied().collect();
+        for peer in peers {
+            if let Some(slot) = self.peers.get_mut(&peer) {
+                slot.conn = None;
+            }
+        }
+    }
+}
