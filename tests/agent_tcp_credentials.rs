@@ -142,6 +142,9 @@ async fn a_forged_data_connection_is_counted_as_an_auth_failure() {
     tokio::task::spawn_blocking(move || {
         let mut s = std::net::TcpStream::connect(&data2).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // The challenge every connection is sent first.
+        let mut challenge = [0u8; kvlane::data::tcp::wire::CHALLENGE_LEN];
+        s.read_exact(&mut challenge).unwrap();
         // A hello's length of garbage: no credential matches.
         let _ = s.write_all(&[0x5a; 64]);
         let mut buf = [0u8; 16];
