@@ -299,6 +299,43 @@ mod tests {
         }
     }
 
+    /// A keyed connection's endpoint crosses sealed: the frame shows none
+    /// of it, it opens only under the session's key and as what it was
+    /// sent as, and an endpoint in the clear (a downgrade, or an older
+    /// peer) is refused on a keyed connection.
+    #[test]
+    fn endpoints_cross_a_keyed_connection_only_sealed() {
+        let secret = b"0123456789abcdef-credential-like".to_vec();
+        let ep = Endpoint {
+            backend: kvlane_data::BackendKind::Tcp,
+            data: secret.clone(),
+        };
+        let key = SessionKey::from_bytes([7; kvlane_control::SESSION_KEY_LEN]);
+        let other = SessionKey::from_bytes([8; kvlane_control::SESSION_KEY_LEN]);
+        let frame = DpFrame::with_endpoint(1, ep.clone(), Some(&key), Exchange::Offer).unwrap();
+        let bytes = encode("an endpoint offer", &frame).unwrap();
+        assert!(!bytes.windows(8).any(|w| secret.windows(8).any(|s| s == w)));
+        let frame: DpFrame = decode("an endpoint offer", "p:1", &bytes).unwrap();
+        assert!(frame.endpoint.is_none());
+        assert_eq!(
+            frame.open(Some(&key), "p:1", Exchange::Offer).unwrap(),
+            Some(ep.clone())
+        );
+        for (session, exchange) in [
+            (Some(&other), Exchange::Offer),
+            (Some(&key), Exchange::Answer),
+            (None, Exchange::Offer),
+        ] {
+            let e = frame.open(session, "p:1", exchange).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Refused, "{e}");
+            assert!(e.to_string().contains("p:1"), "{e}");
+        }
+        let clear = DpFrame::with_endpoint(1, ep.clone(), None, Exchange::Offer).unwrap();
+        assert_eq!(clear.open(None, "p:1", Exchange::Offer).unwrap(), Some(ep));
+        let e = clear.open(Some(&key), "p:1", Exchange::Offer).unwrap_err();
+        assert!(e.to_string().contains("in the clear"), "{e}");
+    }
+
     #[test]
     fn a_frame_that_does_not_decode_is_refused_naming_the_peer() {
         let e = decode::<DpFrame>("an endpoint offer", "10.0.0.2:5555", b"\xc1").unwrap_err();

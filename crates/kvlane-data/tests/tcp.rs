@@ -281,7 +281,10 @@ mod raw {
             offset: 0,
             len: 64,
         };
-        let attempts: Vec<fn(&Challenge, &TcpEndpoint, &[u8]) -> Vec<u8>> = vec![
+        // What to send, given the connection's challenge, the endpoint and
+        // some requests.
+        type Attempt = fn(&Challenge, &TcpEndpoint, &[u8]) -> Vec<u8>;
+        let attempts: Vec<Attempt> = vec![
             // Wrong token, then requests.
             |c, ep, reqs| {
                 let mut wrong = ep.token;

@@ -72,6 +72,9 @@ impl From<io::Error> for End {
     }
 }
 
+/// Maps a hello and the challenge it answers to the peer it proves.
+pub(crate) type Authenticate<'a> = dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<PeerId, End> + 'a;
+
 /// What serving needs from the server.
 pub(crate) struct Ctx<'a> {
     pub(crate) regions: &'a RegionTable,
@@ -80,7 +83,7 @@ pub(crate) struct Ctx<'a> {
     /// Maps a hello to the peer whose credential it proves for the
     /// connection's challenge and admits the connection (counts it against
     /// the cap), or says why not.
-    pub(crate) authenticate: &'a dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<PeerId, End>,
+    pub(crate) authenticate: &'a Authenticate<'a>,
 }
 
 /// What the next input bytes are.
