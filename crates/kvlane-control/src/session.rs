@@ -1,24 +1,6 @@
 //! The per-session secret of a keyed handshake, and sealing with it.
 //!
-//! A handshake with a pre-shared key ends with a secret both sides derive
-//! and nobody else can: `S = H("kvlane-control/session", nonce_c, nonce_s,
-//! identity_c, blob_c, source_c, identity_s, blob_s)` (the `H` of the
-//! `wire` module docs, keyed with the pre-shared key). The nonces are fresh
-//! per handshake, so every session (every connection, every reconnect) has
-//! its own. An observer sees every field but not the key.
-//!
-//! [`SessionKey::seal`] encrypts and authenticates a message under `S` for
-//! one purpose (a label), so that what the peers exchange after the
-//! handshake over the control connection (the data-plane endpoints with
-//! their credentials) is of no use to an observer: an HMAC-SHA256 keystream
-//! (counter mode) over a random 16-byte nonce, then an HMAC-SHA256 tag over
-//! label, nonce and ciphertext (encrypt-then-MAC, with keys derived apart):
-//!
-//! ```text
-//! k_enc = HMAC(S, "kvlane-seal/enc"), k_mac = HMAC(S, "kvlane-seal/mac")
-//! block_i = HMAC(k_enc, len(label) || label || nonce || i_u64_be)
-//! sealed = nonce (16) || plaintext XOR block_0 || block_1 ... || HMAC(k_mac, len(label) || label || nonce || ciphertext) (32)
-//! ```
+//! See [`SessionKey`].
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -32,8 +14,28 @@ pub const SESSION_KEY_LEN: usize = 32;
 const NONCE: usize = 16;
 const TAG: usize = 32;
 
-/// The secret of one keyed session (see the [module docs](self)); only
-/// handshakes with a pre-shared key have one. Its `Debug` never shows it.
+/// The secret of one keyed session; only handshakes with a pre-shared key
+/// have one. Its `Debug` never shows it.
+///
+/// A handshake with a pre-shared key ends with a secret both sides derive
+/// and nobody else can: `S = H("kvlane-control/session-k", nonce_c, nonce_s,
+/// identity_c, blob_c, source_c, identity_s, blob_s)` (the `H` of the
+/// [`wire`](crate::wire) module docs, keyed with the pre-shared key). The nonces are fresh
+/// per handshake, so every session (every connection, every reconnect) has
+/// its own. An observer sees every field but not the key.
+///
+/// [`seal`](Self::seal) encrypts and authenticates a message under `S` for
+/// one purpose (a label), so that what the peers exchange after the
+/// handshake over the control connection (the data-plane endpoints with
+/// their credentials) is of no use to an observer: an HMAC-SHA256 keystream
+/// (counter mode) over a random 16-byte nonce, then an HMAC-SHA256 tag over
+/// label, nonce and ciphertext (encrypt-then-MAC, with keys derived apart):
+///
+/// ```text
+/// k_enc = HMAC(S, "kvlane-seal/enc"), k_mac = HMAC(S, "kvlane-seal/mac")
+/// block_i = HMAC(k_enc, len(label) || label || nonce || i_u64_be)
+/// sealed = nonce (16) || plaintext XOR block_0 || block_1 ... || HMAC(k_mac, len(label) || label || nonce || ciphertext) (32)
+/// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct SessionKey([u8; SESSION_KEY_LEN]);
 
@@ -49,8 +51,8 @@ fn hmac(key: &[u8]) -> HmacSha256 {
 }
 
 impl SessionKey {
-    /// The key with these bytes. A handshake derives them (see the
-    /// [module docs](self)); this is for tests and for channels that
+    /// The key with these bytes. A handshake derives them (see
+    /// [`SessionKey`]); this is for tests and for channels that
     /// establish a session secret of their own.
     pub fn from_bytes(bytes: [u8; SESSION_KEY_LEN]) -> Self {
         Self(bytes)
