@@ -14,7 +14,10 @@
 //! exchange endpoints over the control connection once it is ready: the
 //! side that dialed sends an offer (`DP_OFFER`), the other side connects to
 //! it and answers with its own endpoint (`DP_ANSWER`), and the dialer
-//! connects to that. Both steps are bounded by the handshake deadline. A
+//! connects to that. On a keyed connection the endpoints (which hold the
+//! tcp credential) cross only sealed under the control session's secret
+//! ([`DpFrame`]), so an observer of the control connection learns none.
+//! Both steps are bounded by the handshake deadline. A
 //! side that cannot reach the offered endpoint still answers, so the dialer
 //! can initiate. Backends with one endpoint for all peers (loopback)
 //! advertise it in the handshake instead, and each side connects on
@@ -29,7 +32,7 @@
 
 use crate::error::{Error, ErrorKind};
 use crate::events::PeerEventKind;
-use crate::frames::{self, DataPlaneInfo, DpFrame, KvAdvert, DP_ANSWER, DP_OFFER};
+use crate::frames::{self, DataPlaneInfo, DpFrame, Exchange, KvAdvert, DP_ANSWER, DP_OFFER};
 use crate::state::{lock, Attach, Inner, PeerEntry};
 use kvlane_control::{ConnectionId, RemoteInfo, Role};
 use kvlane_data::{DataError, Endpoint, PeerId, RemoteRegion, Transport};
@@ -68,6 +71,9 @@ struct Target {
     kv: Vec<KvAdvert>,
     regions: Vec<RemoteRegion>,
     peer_host: Option<std::net::IpAddr>,
+    /// The control session's secret (keyed connections): the endpoints
+    /// exchanged are sealed under it.
+    session: Option<kvlane_control::SessionKey>,
 }
 
 impl Target {
@@ -82,6 +88,7 @@ impl Target {
             kv: entry.kv.clone(),
             regions: entry.regions.clone(),
             peer_host: entry.peer_host,
+            session: entry.session.clone(),
         }
     }
 
@@ -142,6 +149,7 @@ impl Inner {
             entry.kv.clone_from(&dp.kv);
             entry.regions.clone_from(&dp.regions);
             entry.peer_host = info.peer_host;
+            entry.session.clone_from(&info.session);
             entry.attach.send_replace(Attach::Pending { incarnation });
             (Target::of(id, addr, entry), attached)
         };
@@ -254,11 +262,12 @@ impl Inner {
         let (tx, rx) = tokio::sync::oneshot::channel();
         lock(&self.offers).insert(t.id, tx);
         let result = async {
-            let offer = DpFrame {
-                incarnation: self.incarnation,
-                endpoint: Some(endpoint),
-                error: None,
-            };
+            let offer = DpFrame::with_endpoint(
+                self.incarnation,
+                endpoint,
+                t.session.as_ref(),
+                Exchange::Offer,
+            )?;
             let frame = frames::encode("an endpoint offer", &offer)?;
             self.control.notify(t.id, DP_OFFER, frame).await?;
             let answer = tokio::time::timeout(self.exchange_timeout, rx)
@@ -278,7 +287,8 @@ impl Inner {
                         format!("{}: connection ended during the endpoint exchange", t.addr),
                     )
                 })?;
-            let remote = match (answer.endpoint, answer.error) {
+            let endpoint = answer.open(t.session.as_ref(), &t.addr, Exchange::Answer)?;
+            let remote = match (endpoint, answer.error) {
                 (Some(ep), _) => ep,
                 (None, e) => {
                     return Err(refused(format!(
@@ -361,12 +371,20 @@ impl Inner {
         payload: Vec<u8>,
     ) {
         let result = self.accept(id, &addr, &payload).await;
-        let answer = DpFrame {
-            incarnation: self.incarnation,
-            endpoint: result.as_ref().ok().map(|(_, ep, _)| ep.clone()),
-            error: result.as_ref().err().map(ToString::to_string),
+        let answer = match &result {
+            Ok((t, ep, _)) => DpFrame::with_endpoint(
+                self.incarnation,
+                ep.clone(),
+                t.session.as_ref(),
+                Exchange::Answer,
+            ),
+            Err(e) => Ok(DpFrame {
+                incarnation: self.incarnation,
+                error: Some(e.to_string()),
+                ..DpFrame::default()
+            }),
         };
-        let sent = match frames::encode("an endpoint answer", &answer) {
+        let sent = match answer.and_then(|a| frames::encode("an endpoint answer", &a)) {
             Ok(frame) => self
                 .control
                 .notify(id, DP_ANSWER, frame)
@@ -407,9 +425,6 @@ impl Inner {
         payload: &[u8],
     ) -> Result<(Target, Endpoint, Result<(), Error>), Error> {
         let offer: DpFrame = frames::decode("an endpoint offer", addr, payload)?;
-        let remote = offer
-            .endpoint
-            .ok_or_else(|| refused(format!("{addr} offered no endpoint")))?;
         let t = {
             let peers = lock(&self.peers);
             let e = peers
@@ -423,6 +438,9 @@ impl Inner {
             }
             Target::of(id, addr.to_owned(), e)
         };
+        let remote = offer
+            .open(t.session.as_ref(), addr, Exchange::Offer)?
+            .ok_or_else(|| refused(format!("{addr} offered no endpoint")))?;
         let (peer, endpoint) = self
             .off_thread(|tr| tr.with_backend(|b| b.prepare_peer()))
             .await?;

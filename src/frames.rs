@@ -8,6 +8,7 @@
 use crate::error::{Error, ErrorKind};
 use crate::events::Notification;
 use bytes::Bytes;
+use kvlane_control::SessionKey;
 use kvlane_data::{Endpoint, KvLayout, RemoteRegion};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -65,14 +66,107 @@ impl DataPlaneInfo {
 }
 
 /// Offer or answer of a per-peer endpoint exchange.
-#[derive(Debug, Serialize, Deserialize)]
+///
+/// An endpoint holds what reaches the sender's memory (a tcp credential),
+/// so on a keyed connection it crosses only sealed under the session's
+/// secret ([`SessionKey::seal`], for [`Exchange::label`]), never in the
+/// clear: an observer of the control connection learns nothing usable.
+/// Without a key there is nothing to seal it with, and it crosses in the
+/// clear (`endpoint`).
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct DpFrame {
     /// Incarnation of the sender.
     pub(crate) incarnation: u64,
-    /// The sender's endpoint for this connection.
+    /// The sender's endpoint for this connection (unkeyed connections).
     pub(crate) endpoint: Option<Endpoint>,
     /// Why the sender could not connect (answers only).
     pub(crate) error: Option<String>,
+    /// The sender's endpoint, msgpack-encoded and sealed under the session
+    /// secret (keyed connections).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) sealed: Option<serde_bytes::ByteBuf>,
+}
+
+/// Which half of an endpoint exchange a [`DpFrame`] is.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Exchange {
+    Offer,
+    Answer,
+}
+
+impl Exchange {
+    /// The seal's label: an offer never opens as an answer.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Offer => "kvlane/dp-offer",
+            Self::Answer => "kvlane/dp-answer",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Self::Offer => "an endpoint offer",
+            Self::Answer => "an endpoint answer",
+        }
+    }
+}
+
+impl DpFrame {
+    /// A frame carrying `endpoint`: sealed under `session` when there is
+    /// one, in the clear otherwise.
+    pub(crate) fn with_endpoint(
+        incarnation: u64,
+        endpoint: Endpoint,
+        session: Option<&SessionKey>,
+        exchange: Exchange,
+    ) -> Result<Self, Error> {
+        Ok(match session {
+            Some(key) => {
+                let plain = encode(exchange.what(), &endpoint)?;
+                Self {
+                    incarnation,
+                    sealed: Some(serde_bytes::ByteBuf::from(
+                        key.seal(exchange.label(), &plain),
+                    )),
+                    ..Self::default()
+                }
+            }
+            None => Self {
+                incarnation,
+                endpoint: Some(endpoint),
+                ..Self::default()
+            },
+        })
+    }
+
+    /// The endpoint `peer` sent, opened under `session`. A keyed
+    /// connection takes only a sealed endpoint (one in the clear was
+    /// visible to anybody on the way), an unkeyed one only a clear one.
+    pub(crate) fn open(
+        &self,
+        session: Option<&SessionKey>,
+        peer: &str,
+        exchange: Exchange,
+    ) -> Result<Option<Endpoint>, Error> {
+        let refused = |msg: String| Error::msg(ErrorKind::Refused, msg);
+        let what = exchange.what();
+        match (session, &self.sealed, &self.endpoint) {
+            (Some(key), Some(sealed), _) => {
+                let plain = key
+                    .open(exchange.label(), sealed)
+                    .map_err(|e| refused(format!("{peer} sent {what} that does not open: {e}")))?;
+                decode(what, peer, &plain).map(Some)
+            }
+            (Some(_), None, Some(_)) => Err(refused(format!(
+                "{peer} sent {what} in the clear on a keyed connection (an older kvlane?): \
+                 refused, since anybody on the way could have read its credential"
+            ))),
+            (None, Some(_), _) => Err(refused(format!(
+                "{peer} sent a sealed {what} but this connection has no key to open it"
+            ))),
+            (_, None, endpoint) => Ok(endpoint.clone()),
+        }
+    }
 }
 
 /// A notification on the wire (data plane or control plane): who sent
@@ -203,6 +297,43 @@ mod tests {
             assert_eq!(e.kind(), ErrorKind::Refused, "{bad:?}");
             assert!(e.to_string().contains("invalid layout"), "{e}");
         }
+    }
+
+    /// A keyed connection's endpoint crosses sealed: the frame shows none
+    /// of it, it opens only under the session's key and as what it was
+    /// sent as, and an endpoint in the clear (a downgrade, or an older
+    /// peer) is refused on a keyed connection.
+    #[test]
+    fn endpoints_cross_a_keyed_connection_only_sealed() {
+        let secret = b"0123456789abcdef-credential-like".to_vec();
+        let ep = Endpoint {
+            backend: kvlane_data::BackendKind::Tcp,
+            data: secret.clone(),
+        };
+        let key = SessionKey::from_bytes([7; kvlane_control::SESSION_KEY_LEN]);
+        let other = SessionKey::from_bytes([8; kvlane_control::SESSION_KEY_LEN]);
+        let frame = DpFrame::with_endpoint(1, ep.clone(), Some(&key), Exchange::Offer).unwrap();
+        let bytes = encode("an endpoint offer", &frame).unwrap();
+        assert!(!bytes.windows(8).any(|w| secret.windows(8).any(|s| s == w)));
+        let frame: DpFrame = decode("an endpoint offer", "p:1", &bytes).unwrap();
+        assert!(frame.endpoint.is_none());
+        assert_eq!(
+            frame.open(Some(&key), "p:1", Exchange::Offer).unwrap(),
+            Some(ep.clone())
+        );
+        for (session, exchange) in [
+            (Some(&other), Exchange::Offer),
+            (Some(&key), Exchange::Answer),
+            (None, Exchange::Offer),
+        ] {
+            let e = frame.open(session, "p:1", exchange).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Refused, "{e}");
+            assert!(e.to_string().contains("p:1"), "{e}");
+        }
+        let clear = DpFrame::with_endpoint(1, ep.clone(), None, Exchange::Offer).unwrap();
+        assert_eq!(clear.open(None, "p:1", Exchange::Offer).unwrap(), Some(ep));
+        let e = clear.open(Some(&key), "p:1", Exchange::Offer).unwrap_err();
+        assert!(e.to_string().contains("in the clear"), "{e}");
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub(crate) struct PeerEntry {
     /// The host the control connection is with (the address dialed, or
     /// an inbound connection's source): data endpoints are dialed there.
     pub(crate) peer_host: Option<std::net::IpAddr>,
+    /// The control session's secret (keyed handshakes only): per-peer
+    /// endpoints are sealed under it.
+    pub(crate) session: Option<kvlane_control::SessionKey>,
     pub(crate) kv: Vec<KvAdvert>,
     /// Plain regions the peer advertised (span transfers).
     pub(crate) regions: Vec<RemoteRegion>,
@@ -97,6 +100,7 @@ impl PeerEntry {
             data_peer: None,
             served_peer: None,
             peer_host: None,
+            session: None,
             kv: Vec::new(),
             regions: Vec::new(),
             generation: 0,

@@ -142,6 +142,9 @@ async fn a_forged_data_connection_is_counted_as_an_auth_failure() {
     tokio::task::spawn_blocking(move || {
         let mut s = std::net::TcpStream::connect(&data2).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // The challenge every connection is sent first.
+        let mut challenge = [0u8; kvlane::data::tcp::wire::CHALLENGE_LEN];
+        s.read_exact(&mut challenge).unwrap();
         // A hello's length of garbage: no credential matches.
         let _ = s.write_all(&[0x5a; 64]);
         let mut buf = [0u8; 16];
@@ -292,6 +295,87 @@ async fn a_control_notification_naming_another_sender_is_refused() {
         "the forged notification was delivered"
     );
     assert_eq!(b.notifications_refused(), 1);
+    a.close().await;
+    b.close().await;
+}
+
+/// A TCP proxy to `target` that records every byte crossing it, both
+/// ways, as an observer of the link would see them.
+fn recording_proxy(target: String) -> (String, Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            for (mut from, mut to) in [(client, server), (s2, c2)] {
+                let log = log.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16 << 10];
+                    while let Ok(n @ 1..) = from.read(&mut buf) {
+                        log.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Write);
+                });
+            }
+        }
+    });
+    (addr, seen)
+}
+
+/// A tcp backend that records the credential of every endpoint it issues.
+fn recording_tokens(tokens: Arc<std::sync::Mutex<Vec<[u8; 16]>>>) -> Intercept {
+    Intercept::new(TcpBackend::new(TcpConfig::default()).unwrap()).on_endpoint(move |ep| {
+        let tcp = kvlane::data::TcpEndpoint::from_endpoint(ep).unwrap();
+        tokens.lock().unwrap().push(tcp.token);
+    })
+}
+
+/// With a pre-shared key, the endpoint offer and answer that cross the
+/// control connection carry no usable credential: an observer who
+/// records the whole control link finds neither side's tcp credential in
+/// it (raw or hex), while the peers attach and move data as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_key_the_endpoint_exchange_shows_an_observer_no_credential() {
+    let len = layout().required_len().unwrap() as usize;
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keyed = |name: &str| {
+        Agent::builder()
+            .engine_id(name)
+            .backend_instance(recording_tokens(tokens.clone()))
+            .psk(b"the key".to_vec())
+            .register_kv(layout(), Region::alloc(len, Access::ALL).unwrap())
+    };
+    let b = keyed("b").build().await.unwrap();
+    let a = keyed("a").build().await.unwrap();
+    let (proxy, seen) = recording_proxy(b.local_addr().to_owned());
+    let pa = a.connect(&proxy).await.unwrap();
+    pa.write_blocks(0..2, &[1], &[1], None)
+        .unwrap()
+        .await
+        .unwrap();
+    let tokens = tokens.lock().unwrap().clone();
+    assert_eq!(tokens.len(), 2, "an offer and an answer were issued");
+    let seen = seen.lock().unwrap().clone();
+    assert!(!seen.is_empty(), "the control link went through the proxy");
+    for token in &tokens {
+        let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
+        let found_hex = seen.windows(hex.len()).any(|w| w == hex.as_bytes());
+        let found_raw = seen.windows(token.len()).any(|w| w == token);
+        assert!(
+            !found_hex && !found_raw,
+            "an observer of the control link reads a tcp credential in the clear"
+        );
+    }
     a.close().await;
     b.close().await;
 }

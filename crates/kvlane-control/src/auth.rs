@@ -21,6 +21,9 @@ pub(crate) enum Proof {
     AcceptorFinal,
     /// The tag in the second half of a nonce: who made it (see [`own_nonce`]).
     NonceTag,
+    /// Not a proof: the session secret both sides derive from the whole
+    /// transcript (see [`session_key`]).
+    Session,
 }
 
 impl Proof {
@@ -30,6 +33,7 @@ impl Proof {
             Self::Initiator => b"kvlane-control/initiator",
             Self::AcceptorFinal => b"kvlane-control/acceptor2",
             Self::NonceTag => b"kvlane-control/nonce-tag",
+            Self::Session => b"kvlane-control/session-k",
         }
     }
 }
@@ -60,6 +64,15 @@ pub(crate) fn mac(key: &[u8], proof: Proof, fields: &[&[u8]]) -> Vec<u8> {
 /// Constant-time check of a proof; an empty key never verifies.
 pub(crate) fn verify(key: &[u8], proof: Proof, fields: &[&[u8]], tag: &[u8]) -> bool {
     keyed(key, proof, fields).is_some_and(|m| m.verify_slice(tag).is_ok())
+}
+
+/// The session secret of a keyed handshake over `transcript` (the fields
+/// of the acceptor's final proof); `None` for an empty key.
+pub(crate) fn session_key(key: &[u8], transcript: &[&[u8]]) -> Option<crate::SessionKey> {
+    let m = keyed(key, Proof::Session, transcript)?;
+    Some(crate::SessionKey::from_bytes(
+        m.finalize().into_bytes().into(),
+    ))
 }
 
 /// A fresh random nonce.

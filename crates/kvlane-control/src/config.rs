@@ -278,6 +278,10 @@ pub struct RemoteInfo {
     /// unknown (a name that did not resolve, an old peer). A data plane
     /// advertised on a wildcard address is dialed at this host.
     pub peer_host: Option<std::net::IpAddr>,
+    /// The secret of this session, derived by both sides of a handshake
+    /// with a pre-shared key and by nobody else (see [`SessionKey`](crate::SessionKey));
+    /// `None` without a key.
+    pub session: Option<crate::SessionKey>,
 }
 
 /// How a dialed connection reaches its peer, found by the driver before it

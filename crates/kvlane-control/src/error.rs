@@ -46,6 +46,28 @@ pub enum WireError {
     },
 }
 
+/// Why a sealed message did not open
+/// ([`SessionKey::open`](crate::SessionKey::open)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SealError {
+    /// Shorter than a nonce and a tag: not a sealed message.
+    #[error("sealed message of {len} bytes is shorter than the {min} bytes of its nonce and tag")]
+    TooShort {
+        /// Its length.
+        len: usize,
+        /// The least a sealed message has.
+        min: usize,
+    },
+    /// The tag does not verify: altered on the way, or sealed under
+    /// another session's key or for another purpose.
+    #[error("sealed message does not open as {label:?} under this session's key (altered, or sealed for another session or purpose)")]
+    Mismatch {
+        /// The purpose it was opened for.
+        label: String,
+    },
+}
+
 /// Why a handshake was refused (by us or by the remote side).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

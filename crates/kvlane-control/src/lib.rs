@@ -113,6 +113,7 @@ mod keepalive;
 mod peer;
 mod probe;
 mod registry;
+mod session;
 mod timer;
 pub mod wire;
 
@@ -121,12 +122,14 @@ pub use config::{
     Route, MAX_ENGINE_ID_LEN,
 };
 pub use error::{
-    ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, WireError,
+    ControlError, GroupError, PeerError, PlanError, ProbeError, RankFailure, Refusal, SealError,
+    WireError,
 };
 pub use ids::{ConnectionId, Ranks};
 pub use keepalive::Backoff;
 pub use peer::{Event, Peer, Role, State, Stats, Transmit};
 pub use registry::{ConnectRefused, Link, PeerEvent, Registry};
+pub use session::{SessionKey, SESSION_KEY_LEN};
 
 pub use channel::{Channel, ChannelEvent, MemChannel, MemNetwork, ZmqChannel};
 pub use driver::{ControlNode, EventStream, PeerSnapshot};

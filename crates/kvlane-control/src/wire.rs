@@ -21,11 +21,19 @@
 //!
 //! With `H(label, fields…) = HMAC-SHA256(key, label || (len_u64_be || field)…)`:
 //! `mac_s = H("kvlane-control/acceptor!", nonce_c, nonce_s)`,
-//! `mac_c = H("kvlane-control/initiator", nonce_c, nonce_s, identity_c, blob_c)`,
-//! `mac_a = H("kvlane-control/acceptor2", nonce_c, nonce_s, identity_c, blob_c, identity_s, blob_s)`,
-//! where an identity is its msgpack encoding (an array, see [`Identity`]);
+//! `mac_c = H("kvlane-control/initiator", nonce_c, nonce_s, identity_c, blob_c, source_c)`,
+//! `mac_a = H("kvlane-control/acceptor2", nonce_c, nonce_s, identity_c, blob_c, source_c, identity_s, blob_s)`,
+//! where an identity is its msgpack encoding (an array, see [`Identity`])
+//! and `source_c` the UTF-8 of `auth.source` (empty when absent);
 //! nonces are exactly 32 bytes (any other length is refused); an
 //! empty key is refused by [`Config::validate`](crate::Config::validate).
+//!
+//! Both sides then derive the session secret
+//! `S = H("kvlane-control/session-k", <the fields of mac_a>)`
+//! ([`RemoteInfo::session`](crate::RemoteInfo::session)): fresh per
+//! handshake, and computable only with the key. The facade seals what it
+//! exchanges after the handshake under it (the data-plane endpoints, see
+//! [`SessionKey`](crate::SessionKey)).
 //!
 //! Reflection: every key holder can compute every proof, so a proof says
 //! "some key holder", not "not me". A node dialing a keyless attacker
@@ -65,8 +73,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::WireError;
 use crate::ids::Ranks;
 
-/// Protocol version spoken by this crate.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version spoken by this crate (2: the MACs cover `auth.source`,
+/// and a keyed session derives a secret; 1 left `source` outside them).
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// `hello`: the initiator's half of the handshake.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -403,7 +412,7 @@ mod tests {
         }
         let odd = Odd {
             kind: "ping",
-            version: 1,
+            version: PROTOCOL_VERSION,
             seq: 1,
             incarnation: 2,
             extra: "x",

@@ -379,6 +379,56 @@ fn the_mac_binds_both_identities_and_both_blobs() {
     let _ = PROTOCOL_VERSION;
 }
 
+/// `auth.source` (where the acceptor dials back a data plane advertised on
+/// a wildcard address) is part of what the initiator's MAC covers: a relay
+/// that rewrites it, to have the acceptor dial a host of its choosing, is
+/// refused like any other altered handshake field.
+#[test]
+fn the_mac_covers_the_initiators_source_address() {
+    for forged in [Some("10.6.6.6".to_owned()), None] {
+        let mut p = Pair::new(keyed(KEY), keyed(KEY));
+        let route = kvlane_control::Route {
+            peer: Some("10.0.0.2".parse().expect("ip")),
+            source: Some("10.0.0.1".parse().expect("ip")),
+        };
+        p.a.connect_via(p.now, "b:1", route).expect("connect");
+        let f = forged.clone();
+        p.pump(move |from_a, m| match m {
+            Message::Auth(a) if from_a => {
+                assert_eq!(a.source.as_deref(), Some("10.0.0.1"), "the sent source");
+                Some(Message::Auth(Auth {
+                    source: f.clone(),
+                    ..a
+                }))
+            }
+            m => Some(m),
+        });
+        assert!(
+            !ready(&p.events_b),
+            "source {forged:?}: altered auth.source accepted: {:?}",
+            p.events_b
+        );
+        assert!(
+            matches!(refused(&p.events_b), Some(Refusal::Auth { .. })),
+            "source {forged:?}: {:?}",
+            p.events_b
+        );
+    }
+    // Unaltered, the acceptor takes the source it was sent.
+    let mut p = Pair::new(keyed(KEY), keyed(KEY));
+    let route = kvlane_control::Route {
+        peer: Some("10.0.0.2".parse().expect("ip")),
+        source: Some("10.0.0.1".parse().expect("ip")),
+    };
+    p.a.connect_via(p.now, "b:1", route).expect("connect");
+    p.pump(|_, m| Some(m));
+    let host = p.events_b.iter().find_map(|e| match &e.event {
+        Event::Ready(info) => Some(info.peer_host),
+        _ => None,
+    });
+    assert_eq!(host, Some(Some("10.0.0.1".parse().expect("ip"))));
+}
+
 #[derive(Clone, Default)]
 struct Lines(Arc<Mutex<Vec<u8>>>);
 

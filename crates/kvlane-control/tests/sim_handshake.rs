@@ -155,7 +155,9 @@ fn version_mismatch_refused_naming_both_values() {
     let err = err.expect("error frame");
     assert_eq!(err.code, "version_mismatch");
     assert!(
-        err.reason.contains("local 1") && err.reason.contains("remote 99"),
+        err.reason
+            .contains(&format!("local {}", kvlane_control::wire::PROTOCOL_VERSION))
+            && err.reason.contains("remote 99"),
         "{}",
         err.reason
     );

@@ -191,9 +191,7 @@ fn mock_cuda_copied_out(base: u64) -> u64 {
 /// answer still arrives intact when the peer reads it.
 #[test]
 fn a_large_gpu_read_is_staged_as_the_socket_takes_it() {
-    use kvlane_data::tcp::wire::{
-        Hello, Request, RequestKind, Response, Status, HELLO_ACK, MAX_CHUNK, RESPONSE_LEN,
-    };
+    use kvlane_data::tcp::wire::{Request, RequestKind, Response, Status, MAX_CHUNK, RESPONSE_LEN};
     use kvlane_data::{Backend, RemoteKey, TcpBackend, TcpConfig, TcpEndpoint};
     use std::io::{Read, Write};
     use std::time::{Duration, Instant};
@@ -211,10 +209,7 @@ fn a_large_gpu_read_is_staged_as_the_socket_takes_it() {
     let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
     let mut s = std::net::TcpStream::connect(ep.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    s.write_all(&Hello { token: ep.token }.encode()).unwrap();
-    let mut ack = [0u8; 8];
-    s.read_exact(&mut ack).unwrap();
-    assert_eq!(ack, HELLO_ACK);
+    kvlane_data::tcp::wire::authenticate(&s, &ep.token).unwrap();
     let before = mock_cuda_copied_out(r.addr());
     let req = Request {
         kind: RequestKind::Read,

@@ -5,7 +5,8 @@ kvlane_data::conformance_tests!(kvlane_data::conformance::TcpFixture(|| None));
 /// Tests that speak the wire protocol by hand, bypassing the initiator.
 mod raw {
     use kvlane_data::tcp::wire::{
-        Hello, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, RESPONSE_LEN,
+        authenticate, Challenge, Hello, Request, RequestKind, Response, Status, CHALLENGE_LEN,
+        HELLO_ACK, HELLO_LEN, RESPONSE_LEN,
     };
     use kvlane_data::{
         Access, Backend, Region, RemoteKey, RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint,
@@ -56,12 +57,16 @@ mod raw {
     }
 
     fn authed(ep: &TcpEndpoint) -> TcpStream {
-        let mut s = connect(ep);
-        s.write_all(&Hello { token: ep.token }.encode()).unwrap();
-        let mut ack = [0u8; 8];
-        s.read_exact(&mut ack).unwrap();
-        assert_eq!(ack, HELLO_ACK);
+        let s = connect(ep);
+        authenticate(&s, &ep.token).unwrap();
         s
+    }
+
+    /// The challenge a fresh connection is sent first.
+    fn challenge(s: &mut TcpStream) -> Challenge {
+        let mut c = [0u8; CHALLENGE_LEN];
+        s.read_exact(&mut c).unwrap();
+        Challenge::decode(&c).unwrap()
     }
 
     fn request(
@@ -156,6 +161,107 @@ mod raw {
         assert_eq!((c.writes_served, c.reads_served), (1, 1), "{c:?}");
     }
 
+    /// A TCP proxy in front of `target` that forwards both ways and
+    /// records what each connection's client sent, as an observer on the
+    /// link would.
+    fn recording_proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Recorded) {
+        use std::net::{Shutdown, TcpListener};
+        use std::sync::{Arc, Mutex};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let recorded: Recorded = Arc::default();
+        let rec = recorded.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(target) else {
+                    continue;
+                };
+                let sent = Arc::new(Mutex::new(Vec::new()));
+                rec.lock().unwrap().push(sent.clone());
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let pump = move |mut from: TcpStream,
+                                 mut to: TcpStream,
+                                 log: Option<Arc<Mutex<Vec<u8>>>>| {
+                    let mut buf = [0u8; 16 << 10];
+                    loop {
+                        match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => {
+                                if let Some(log) = &log {
+                                    log.lock().unwrap().extend_from_slice(&buf[..n]);
+                                }
+                                if to.write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Write);
+                };
+                std::thread::spawn(move || pump(client, server, Some(sent)));
+                std::thread::spawn(move || pump(s2, c2, None));
+            }
+        });
+        (addr, recorded)
+    }
+
+    type Recorded =
+        std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<std::sync::Mutex<Vec<u8>>>>>>;
+
+    /// An observer that recorded a legitimate peer's data connection (its
+    /// hello included) and replays the hello on a connection of its own
+    /// gets nothing: every connection proves the credential afresh, and
+    /// the replay is refused and counted as a failed authentication.
+    #[test]
+    fn a_captured_hello_replayed_on_a_new_connection_is_refused() {
+        let t = target();
+        let (proxy, recorded) = recording_proxy(t.ep.addr);
+        let via_proxy = TcpEndpoint {
+            addr: proxy,
+            ..t.ep
+        };
+        let mut init = TcpBackend::new(TcpConfig {
+            streams: 1,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let (peer, _) = init.prepare_peer().unwrap();
+        // The legitimate peer connects (and so authenticates) through the proxy.
+        init.connect_peer(peer, &via_proxy.to_endpoint(), &[t.all.1])
+            .unwrap();
+        assert_eq!(t.backend.counters().auth_failures, 0);
+        let captured: Vec<u8> = {
+            let conns = recorded.lock().unwrap();
+            assert_eq!(conns.len(), 1, "one stream");
+            let sent = conns[0].lock().unwrap();
+            assert!(sent.len() >= HELLO_LEN, "the hello went through the proxy");
+            sent[..HELLO_LEN].to_vec()
+        };
+        // The observer replays it, then asks for memory.
+        let before = t.backend.counters();
+        let mut s = connect(&t.ep);
+        let read = Request {
+            kind: RequestKind::Read,
+            key: t.all.1.key,
+            tag: 9,
+            offset: 0,
+            len: 4096,
+        };
+        let _ = s.write_all(&[&captured[..], &read.encode()].concat());
+        let got = drain(s);
+        assert!(
+            !got.windows(HELLO_ACK.len()).any(|w| w == HELLO_ACK),
+            "the replayed hello was accepted ({} bytes came back)",
+            got.len()
+        );
+        assert!(got.len() < RESPONSE_LEN + 4096, "memory was read");
+        let c = t.backend.counters();
+        assert_eq!(c.auth_failures, before.auth_failures + 1, "{c:?}");
+        assert_eq!(c.reads_served, before.reads_served, "{c:?}");
+        drop(init);
+    }
+
     #[test]
     fn unauthenticated_connections_get_nothing() {
         let t = target();
@@ -175,28 +281,34 @@ mod raw {
             offset: 0,
             len: 64,
         };
-        let mut wrong = t.ep.token;
-        wrong[15] ^= 1;
-        let attempts: Vec<Vec<u8>> = vec![
+        // What to send, given the connection's challenge, the endpoint and
+        // some requests.
+        type Attempt = fn(&Challenge, &TcpEndpoint, &[u8]) -> Vec<u8>;
+        let attempts: Vec<Attempt> = vec![
             // Wrong token, then requests.
-            [
-                &Hello { token: wrong }.encode()[..],
-                &read.encode(),
-                &write.encode(),
-                &[0xee; 64],
-            ]
-            .concat(),
+            |c, ep, reqs| {
+                let mut wrong = ep.token;
+                wrong[15] ^= 1;
+                [&Hello::answer(c, &wrong).encode()[..], reqs].concat()
+            },
+            // The right token proven for another challenge.
+            |_, ep, reqs| {
+                let other = Challenge::fresh();
+                [&Hello::answer(&other, &ep.token).encode()[..], reqs].concat()
+            },
             // No hello at all: requests straight away.
-            [&read.encode()[..], &write.encode(), &[0xee; 64]].concat(),
+            |_, _, reqs| reqs.to_vec(),
             // Garbage.
-            (0..200u32).map(|i| (i * 7) as u8).collect(),
+            |_, _, _| (0..200u32).map(|i| (i * 7) as u8).collect(),
             // A truncated hello.
-            Hello { token: t.ep.token }.encode()[..HELLO_LEN - 1].to_vec(),
+            |c, ep, _| Hello::answer(c, &ep.token).encode()[..HELLO_LEN - 1].to_vec(),
         ];
-        for (i, bytes) in attempts.iter().enumerate() {
+        let reqs = [&read.encode()[..], &write.encode(), &[0xee; 64]].concat();
+        for (i, attempt) in attempts.iter().enumerate() {
             let mut s = connect(&t.ep);
-            let _ = s.write_all(bytes);
-            if i == 3 {
+            let c = challenge(&mut s);
+            let _ = s.write_all(&attempt(&c, &t.ep, &reqs));
+            if i == 4 {
                 let _ = s.shutdown(std::net::Shutdown::Write);
             }
             let got = drain(s);
@@ -207,7 +319,7 @@ mod raw {
             "an unauthenticated connection changed memory"
         );
         let c = t.backend.counters();
-        assert_eq!(c.auth_failures, 4, "{c:?}");
+        assert_eq!(c.auth_failures, 5, "{c:?}");
         assert_eq!((c.reads_served, c.writes_served), (0, 0), "{c:?}");
     }
 
@@ -396,7 +508,7 @@ mod raw {
 /// Stalled and broken targets, faked with plain sockets.
 mod faults {
     use kvlane_data::conformance::collect;
-    use kvlane_data::tcp::wire::{HELLO_ACK, HELLO_LEN};
+    use kvlane_data::tcp::wire::{Challenge, HELLO_ACK, HELLO_LEN};
     use kvlane_data::{
         connect_pair, Access, Backend, Descriptor, Op, Region, RemoteDescriptor, RemoteKey,
         RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
@@ -422,7 +534,10 @@ mod faults {
             for s in listener.incoming() {
                 let Ok(mut s) = s else { return };
                 let mut hello = [0u8; HELLO_LEN];
-                if s.read_exact(&mut hello).is_ok() && s.write_all(&HELLO_ACK).is_ok() {
+                if s.write_all(&Challenge::fresh().encode()).is_ok()
+                    && s.read_exact(&mut hello).is_ok()
+                    && s.write_all(&HELLO_ACK).is_ok()
+                {
                     std::thread::spawn(move || behave(s));
                 }
             }
@@ -1400,7 +1515,7 @@ mod attach_off_lock {
 /// Hostile and stale peers on the target side: per-peer credentials, one
 /// auth deadline per connection, caps counted after authentication.
 mod hostile {
-    use kvlane_data::tcp::wire::{Hello, HELLO_ACK};
+    use kvlane_data::tcp::wire::{Challenge, Hello, CHALLENGE_LEN, HELLO_ACK};
     use kvlane_data::{Access, Backend, Region, TcpBackend, TcpConfig, TcpEndpoint};
     use std::io::{ErrorKind, Read, Write};
     use std::net::TcpStream;
@@ -1415,12 +1530,21 @@ mod hostile {
         (peer, TcpEndpoint::from_endpoint(&ep).unwrap())
     }
 
-    /// Presents `token`; `Some(stream)` when acknowledged, `None` when the
+    /// The challenge a fresh connection is sent first (`None`: closed
+    /// before it came).
+    fn challenge(s: &mut TcpStream) -> Option<Challenge> {
+        let mut c = [0u8; CHALLENGE_LEN];
+        s.read_exact(&mut c).ok()?;
+        Challenge::decode(&c).ok()
+    }
+
+    /// Proves `token`; `Some(stream)` when acknowledged, `None` when the
     /// target closed the connection instead.
     fn hello(ep: &TcpEndpoint, token: [u8; 16]) -> Option<TcpStream> {
         let mut s = TcpStream::connect(ep.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&Hello { token }.encode()).ok()?;
+        let c = challenge(&mut s)?;
+        s.write_all(&Hello::answer(&c, &token).encode()).ok()?;
         let mut ack = [0u8; HELLO_ACK.len()];
         match s.read_exact(&mut ack) {
             Ok(()) => {
@@ -1511,10 +1635,12 @@ mod hostile {
         });
         let (_, ep) = endpoint(&mut b);
         let mut s = TcpStream::connect(ep.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let start = Instant::now();
+        let c = challenge(&mut s).expect("a challenge");
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         let mut closed = false;
-        let bytes = Hello { token: ep.token }.encode();
+        let bytes = Hello::answer(&c, &ep.token).encode();
         for byte in bytes {
             if s.write_all(&[byte]).is_err() {
                 closed = true;

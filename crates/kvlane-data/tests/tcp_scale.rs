@@ -5,7 +5,8 @@
 #[cfg(target_os = "linux")]
 mod scale {
     use kvlane_data::tcp::wire::{
-        Hello, Request, RequestKind, Response, Status, HELLO_ACK, RESPONSE_LEN,
+        Challenge, Hello, Request, RequestKind, Response, Status, CHALLENGE_LEN, HELLO_ACK,
+        RESPONSE_LEN,
     };
     use kvlane_data::{Access, Backend, Region, TcpBackend, TcpConfig, TcpEndpoint};
     use std::io::{Read, Write};
@@ -220,7 +221,10 @@ mod scale {
             for _ in 0..4 {
                 let mut s = TcpStream::connect(ep.addr).unwrap();
                 s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-                s.write_all(&Hello { token: ep.token }.encode()).unwrap();
+                let mut c = [0u8; CHALLENGE_LEN];
+                s.read_exact(&mut c).unwrap();
+                let c = Challenge::decode(&c).unwrap();
+                s.write_all(&Hello::answer(&c, &ep.token).encode()).unwrap();
                 authed.push(s);
             }
         }

@@ -89,7 +89,9 @@ fn silent_target() -> (TcpEndpoint, RemoteRegion, Arc<Mutex<Vec<TcpStream>>>) {
         for s in listener.incoming() {
             let Ok(mut s) = s else { return };
             let mut hello = [0u8; HELLO_LEN];
-            if s.read_exact(&mut hello).is_ok()
+            let challenge = kvlane_data::tcp::wire::Challenge::fresh().encode();
+            if std::io::Write::write_all(&mut s, &challenge).is_ok()
+                && s.read_exact(&mut hello).is_ok()
                 && std::io::Write::write_all(&mut s, &HELLO_ACK).is_ok()
             {
                 streams.lock().unwrap().push(s);

@@ -14,6 +14,12 @@ use crate::error::Refusal;
 use crate::timer::Timer;
 use crate::wire::{Auth, AuthAck, Hello, HelloAck, Identity, Message, PROTOCOL_VERSION};
 
+/// The bytes of an `auth`'s `source` in the transcript the MACs cover
+/// (absent: empty; no address is empty).
+fn source_bytes(source: Option<&str>) -> &[u8] {
+    source.unwrap_or("").as_bytes()
+}
+
 impl Peer {
     /// What the peer's identity (as its handshake states it) makes us
     /// refuse: another protocol version, another config fingerprint, or an
@@ -63,6 +69,7 @@ impl Peer {
                         identity,
                         data_plane,
                         peer_host,
+                        session: None,
                     },
                 );
             }
@@ -143,6 +150,7 @@ impl Peer {
                         identity,
                         data_plane: blob.into_vec(),
                         peer_host: self.route.peer,
+                        session: None,
                     },
                 );
             }
@@ -172,17 +180,24 @@ impl Peer {
                     return self.refuse_reflected(now);
                 }
                 let blob = &self.local.data_plane;
+                let source = self.route.source.map(|ip| ip.to_string());
                 let mac = auth::mac(
                     &key,
                     Proof::Initiator,
-                    &[&nonce_i, &ack.nonce, &identity, blob],
+                    &[
+                        &nonce_i,
+                        &ack.nonce,
+                        &identity,
+                        blob,
+                        source_bytes(source.as_deref()),
+                    ],
                 );
                 let msg = Message::Auth(Auth {
                     version: PROTOCOL_VERSION,
                     mac,
                     data_plane: blob.clone(),
                     identity: self.local.identity.clone(),
-                    source: self.route.source.map(|ip| ip.to_string()),
+                    source,
                 });
                 self.transmits.push_back(Transmit::Frame(encode(&msg)));
                 self.hs = Some(Hs::Auth {
@@ -203,10 +218,11 @@ impl Peer {
             return;
         };
         let ident_i = a.identity.transcript_bytes();
+        let source_i = source_bytes(a.source.as_deref());
         if !auth::verify(
             &key,
             Proof::Initiator,
-            &[&nonce_i, &nonce_a, &ident_i, &a.data_plane],
+            &[&nonce_i, &nonce_a, &ident_i, &a.data_plane, source_i],
             &a.mac,
         ) {
             let reason = format!("{} failed to prove the pre-shared key", self.addr);
@@ -222,18 +238,17 @@ impl Peer {
         let local = self.local.identity.clone();
         let ident_a = local.transcript_bytes();
         let blob_a = &self.local.data_plane;
-        let mac = auth::mac(
-            &key,
-            Proof::AcceptorFinal,
-            &[
-                &nonce_i,
-                &nonce_a,
-                &ident_i,
-                &a.data_plane,
-                &ident_a,
-                blob_a,
-            ],
-        );
+        let transcript: [&[u8]; 7] = [
+            &nonce_i,
+            &nonce_a,
+            &ident_i,
+            &a.data_plane,
+            source_i,
+            &ident_a,
+            blob_a,
+        ];
+        let mac = auth::mac(&key, Proof::AcceptorFinal, &transcript);
+        let session = auth::session_key(&key, &transcript);
         let ack = AuthAck {
             version: PROTOCOL_VERSION,
             mac,
@@ -249,6 +264,7 @@ impl Peer {
                 identity: a.identity,
                 data_plane: a.data_plane,
                 peer_host,
+                session,
             },
         );
     }
@@ -264,19 +280,17 @@ impl Peer {
         };
         let ident_i = self.local.identity.transcript_bytes();
         let ident_a = a.identity.transcript_bytes();
-        if !auth::verify(
-            &key,
-            Proof::AcceptorFinal,
-            &[
-                &nonce_i,
-                &nonce_a,
-                &ident_i,
-                &self.local.data_plane,
-                &ident_a,
-                &a.data_plane,
-            ],
-            &a.mac,
-        ) {
+        let source = self.route.source.map(|ip| ip.to_string());
+        let transcript: [&[u8]; 7] = [
+            &nonce_i,
+            &nonce_a,
+            &ident_i,
+            &self.local.data_plane,
+            source_bytes(source.as_deref()),
+            &ident_a,
+            &a.data_plane,
+        ];
+        if !auth::verify(&key, Proof::AcceptorFinal, &transcript, &a.mac) {
             let reason = format!("{} sent an auth_ack that does not prove the key", self.addr);
             return self.refuse(now, Refusal::Auth { reason }, true);
         }
@@ -286,12 +300,14 @@ impl Peer {
         if let Some(r) = self.check_compat(a.version, &a.identity) {
             return self.refuse(now, r, true);
         }
+        let session = auth::session_key(&key, &transcript);
         self.become_ready(
             now,
             RemoteInfo {
                 identity: a.identity,
                 data_plane: a.data_plane,
                 peer_host: self.route.peer,
+                session,
             },
         );
     }

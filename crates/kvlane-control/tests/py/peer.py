@@ -15,7 +15,7 @@ except ImportError as e:  # fail loudly, never skip
     print(f"missing python module ({e}); run: pip install pyzmq msgpack", file=sys.stderr)
     sys.exit(3)
 
-VERSION = 1
+VERSION = 2
 
 
 def hello(engine):

@@ -24,7 +24,7 @@ use super::pool::{Inbox, PoolShared, StreamLease};
 use super::serve::Drove;
 use super::shared::{lock, IdMap, Shared};
 use super::stream::Stream;
-use super::wire::{Hello, RequestKind, Status, HELLO_ACK};
+use super::wire::{self, RequestKind, Status};
 use super::TcpEndpoint;
 use crate::error::DataError;
 use crate::ids::{PeerId, RemoteKey, TransferId};
@@ -32,7 +32,7 @@ use crate::memory::{Access, Region};
 use crate::transfer::{Completion, Op};
 use bytes::Bytes;
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -246,18 +246,12 @@ fn open_stream(
     };
     let s = TcpStream::connect_timeout(&addr, cfg.timeout).map_err(|e| io_err(what(), e))?;
     tune_socket(socket2::SockRef::from(&s), cfg.socket);
-    let mut ack = [0u8; HELLO_ACK.len()];
+    // Challenge, proof, ack (see `wire`): one HMAC per connection, none
+    // per transfer.
     s.set_read_timeout(Some(cfg.timeout))
-        .and_then(|()| (&s).write_all(&Hello { token: *token }.encode()))
-        .and_then(|()| (&s).read_exact(&mut ack))
+        .and_then(|()| wire::authenticate(&s, token))
         .and_then(|()| s.set_read_timeout(None))
         .map_err(|e| io_err(format!("{} (authentication)", what()), e))?;
-    if ack != HELLO_ACK {
-        return Err(io_err(
-            what(),
-            io::Error::new(io::ErrorKind::InvalidData, "unexpected hello answer"),
-        ));
-    }
     Ok(s)
 }
 

@@ -5,12 +5,17 @@
 //! - **Target.** A listener (bound to [`TcpConfig::listen`]) serves READ,
 //!   WRITE and NOTIFY requests on the regions registered with the backend,
 //!   on [`TcpConfig::io_threads`] event-driven I/O threads whatever the
-//!   number of connections. A connection must first present a random
+//!   number of connections. A connection must first prove a random
 //!   128-bit credential issued for one peer by
 //!   [`prepare_peer`](Backend::prepare_peer) (carried in that peer's
 //!   [`Endpoint`], which the control plane only hands to peers that
 //!   completed the handshake), within [`TcpConfig::auth_timeout`] of
-//!   connecting; anything else is dropped before a request is read.
+//!   connecting: the target sends a fresh random challenge, the initiator
+//!   answers with an HMAC of it keyed with the credential, which itself
+//!   never crosses a data connection, so a recorded hello replayed on
+//!   another connection is refused ([`wire`] has the format). Anything
+//!   else is dropped before a request is read and counted
+//!   ([`TcpCounters::auth_failures`]).
 //!   [`remove_peer`](Backend::remove_peer) revokes the credential and closes
 //!   the peer's connections. Unauthenticated connections are capped apart
 //!   ([`TcpConfig::max_unauthenticated`]) from authenticated ones

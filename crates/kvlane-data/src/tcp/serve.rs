@@ -18,7 +18,8 @@ use super::outq::{Outq, Sock};
 use super::server::{bump, check_request, Counters, RegionTable};
 use super::shared::Shared;
 use super::wire::{
-    FrameError, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN, REQUEST_LEN,
+    Challenge, FrameError, Request, RequestKind, Response, Status, HELLO_ACK, HELLO_LEN,
+    REQUEST_LEN,
 };
 use crate::ids::PeerId;
 use crate::memory::Region;
@@ -71,19 +72,25 @@ impl From<io::Error> for End {
     }
 }
 
+/// Maps a hello and the challenge it answers to the peer it proves.
+pub(crate) type Authenticate<'a> = dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<PeerId, End> + 'a;
+
 /// What serving needs from the server.
 pub(crate) struct Ctx<'a> {
     pub(crate) regions: &'a RegionTable,
     pub(crate) shared: &'a Shared,
     pub(crate) counters: &'a Counters,
-    /// Maps a hello to the peer whose credential it carries and admits the
-    /// connection (counts it against the cap), or says why not.
-    pub(crate) authenticate: &'a dyn Fn(&[u8; HELLO_LEN]) -> Result<PeerId, End>,
+    /// Maps a hello to the peer whose credential it proves for the
+    /// connection's challenge and admits the connection (counts it against
+    /// the cap), or says why not.
+    pub(crate) authenticate: &'a Authenticate<'a>,
 }
 
 /// What the next input bytes are.
 enum Incoming {
-    Hello,
+    /// The hello answering this challenge (sent when the connection was
+    /// accepted).
+    Hello(Challenge),
     Header,
     Write {
         region: Region,
@@ -134,12 +141,16 @@ pub(crate) struct ServeConn {
 }
 
 impl ServeConn {
-    /// A connection that must present a hello first.
+    /// A connection that must answer a fresh challenge first: the
+    /// challenge is queued at once (the first drive sends it).
     pub(crate) fn new() -> Self {
+        let challenge = Challenge::fresh();
+        let mut out = Outq::default();
+        out.put(&challenge.encode());
         Self {
             carry: Vec::new(),
-            incoming: Incoming::Hello,
-            out: Outq::default(),
+            incoming: Incoming::Hello(challenge),
+            out,
             peer: None,
             acked: 0,
             direct: false,
@@ -149,9 +160,12 @@ impl ServeConn {
     /// A connection past its hello (for the fuzz target).
     pub(crate) fn authenticated(peer: PeerId) -> Self {
         Self {
+            carry: Vec::new(),
             incoming: Incoming::Header,
+            out: Outq::default(),
             peer: Some(peer),
-            ..Self::new()
+            acked: 0,
+            direct: false,
         }
     }
 
@@ -161,7 +175,7 @@ impl ServeConn {
     }
 
     /// Serves until the socket would block; `Err` ends the connection.
-    /// `scratch` (at least [`REQUEST_LEN`] bytes; [`IO_BUF`] is good) is
+    /// `scratch` (at least [`HELLO_LEN`] bytes; [`IO_BUF`] is good) is
     /// the read buffer, shared by the connections of one thread.
     pub(crate) fn drive<S: Sock>(
         &mut self,
@@ -213,7 +227,13 @@ impl ServeConn {
                 // here while the socket is full would spin.)
                 self.out.flush(s)?;
             }
-            if input.end - input.start >= REQUEST_LEN {
+            // What `consume` leaves is less than the hello or header it
+            // waits for, unless it stopped at the output cap.
+            let need = match self.incoming {
+                Incoming::Hello(_) => HELLO_LEN,
+                _ => REQUEST_LEN,
+            };
+            if input.end - input.start >= need {
                 // `consume` stopped at the cap with requests buffered: the
                 // check above returns while the cap holds, or the flush
                 // made room and they are served now. (Reading on instead
@@ -295,14 +315,14 @@ impl ServeConn {
             let avail = input.end - input.start;
             let rbuf = &input.buf[input.start..input.end];
             match &mut self.incoming {
-                Incoming::Hello => {
+                Incoming::Hello(challenge) => {
                     if avail < HELLO_LEN {
                         return Ok(());
                     }
                     let mut h = [0u8; HELLO_LEN];
                     h.copy_from_slice(&rbuf[..HELLO_LEN]);
                     input.start += HELLO_LEN;
-                    self.peer = Some((ctx.authenticate)(&h)?);
+                    self.peer = Some((ctx.authenticate)(&h, challenge)?);
                     self.incoming = Incoming::Header;
                     self.out.put(&HELLO_ACK);
                 }
@@ -479,6 +499,43 @@ mod tests {
         }
     }
 
+    /// A hello that arrives in part (more than a request header's worth,
+    /// less than a hello) waits for the rest: the drive returns, it does
+    /// not spin on the I/O thread. The challenge went out first.
+    #[test]
+    fn a_partial_hello_waits_for_the_rest() {
+        let regions = RegionTable::default();
+        let (shared, counters) = (Shared::default(), Counters::default());
+        let mut s = Slow {
+            input: vec![0x5a; HELLO_LEN - 1],
+            piece: 1 << 20,
+            wrote: false,
+            output: 0,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ctx = Ctx {
+                regions: &regions,
+                shared: &shared,
+                counters: &counters,
+                authenticate: &|_, _| Err(End::Auth),
+            };
+            let mut conn = ServeConn::new();
+            let mut scratch = vec![0u8; IO_BUF];
+            let r = conn.drive(&mut s, &ctx, &mut scratch);
+            let _ = tx.send((r.is_ok_and(|d| d == Drove::Blocked), s.output));
+        });
+        let (blocked, sent) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the drive returned");
+        assert!(blocked, "a partial hello is waited for");
+        assert_eq!(
+            sent,
+            super::super::wire::CHALLENGE_LEN as u64,
+            "the challenge"
+        );
+    }
+
     /// Requests whose answers exceed the output cap are all answered once
     /// the peer takes its answers (none is lost in the carried input).
     #[test]
@@ -494,7 +551,7 @@ mod tests {
             regions: &regions,
             shared: &shared,
             counters: &counters,
-            authenticate: &|_| Err(End::Auth),
+            authenticate: &|_, _| Err(End::Auth),
         };
         let n = 384u64;
         let mut input = Vec::new();

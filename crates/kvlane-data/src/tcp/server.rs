@@ -29,7 +29,10 @@
 use super::io::{tune_socket, SocketOptions};
 use super::serve::{Ctx, Drove, End, ServeConn};
 use super::shared::{lock, Shared};
-use super::wire::{Hello, Request, RequestKind, Status, HELLO_LEN, REQUEST_LEN, TOKEN_LEN};
+use super::wire::{
+    credential_id, Challenge, Hello, Request, RequestKind, Status, HELLO_LEN, ID_LEN, REQUEST_LEN,
+    TOKEN_LEN,
+};
 use crate::error::DataError;
 use crate::ids::{FastMap, PeerId, RemoteKey};
 use crate::memory::Region;
@@ -319,7 +322,7 @@ pub fn fuzz_serve(data: &[u8]) {
         regions: &regions,
         shared: &shared,
         counters: &counters,
-        authenticate: &|_| Err(End::Auth),
+        authenticate: &|_, _| Err(End::Auth),
     };
     let mut stream = FuzzStream {
         input,
@@ -405,7 +408,9 @@ impl super::outq::Sock for FuzzStream<'_> {
 }
 
 /// Per-peer credentials the server accepts: a random 128-bit token each
-/// (from `rand`'s thread-local CSPRNG, seeded by the OS).
+/// (from `rand`'s thread-local CSPRNG, seeded by the OS), named on the
+/// wire by its public [`credential_id`] and proven per connection (see
+/// [`wire`](super::wire)).
 #[derive(Default)]
 pub(crate) struct Credentials {
     table: RwLock<CredTable>,
@@ -413,43 +418,43 @@ pub(crate) struct Credentials {
 
 #[derive(Default)]
 struct CredTable {
-    by_token: HashMap<[u8; TOKEN_LEN], PeerId>,
-    by_peer: FastMap<PeerId, [u8; TOKEN_LEN]>,
+    by_id: HashMap<[u8; ID_LEN], (PeerId, [u8; TOKEN_LEN])>,
+    by_peer: FastMap<PeerId, [u8; ID_LEN]>,
 }
 
 impl Credentials {
     /// Issues (or re-issues, revoking the old one) the credential of `peer`.
     pub(crate) fn issue(&self, peer: PeerId) -> [u8; TOKEN_LEN] {
         let token: [u8; TOKEN_LEN] = rand::random();
+        let id = credential_id(&token);
         let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(old) = t.by_peer.insert(peer, token) {
+        if let Some(old) = t.by_peer.insert(peer, id) {
             // A peer's live connections keep their admission; callers
             // issue once per peer and revoke through the server.
-            t.by_token.remove(&old);
+            t.by_id.remove(&old);
         }
-        t.by_token.insert(token, peer);
+        t.by_id.insert(id, (peer, token));
         token
     }
 
     /// Revokes `peer`'s credential; true if it had one.
     fn revoke(&self, peer: PeerId) -> bool {
         let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
-        let Some(token) = t.by_peer.remove(&peer) else {
+        let Some(id) = t.by_peer.remove(&peer) else {
             return false;
         };
-        t.by_token.remove(&token);
+        t.by_id.remove(&id);
         true
     }
 
-    /// The peer whose credential `hello` carries.
-    fn authenticate(&self, hello: &[u8; HELLO_LEN]) -> Option<PeerId> {
-        let mut token = [0u8; TOKEN_LEN];
-        token.copy_from_slice(&hello[HELLO_LEN - TOKEN_LEN..]);
+    /// The peer whose credential `hello` proves for `challenge` (the one
+    /// this connection was sent). The id is public, so looking it up
+    /// leaks nothing; the proof is checked in constant time.
+    fn authenticate(&self, hello: &[u8; HELLO_LEN], challenge: &Challenge) -> Option<PeerId> {
+        let hello = Hello::decode(hello).ok()?;
         let t = self.table.read().unwrap_or_else(|e| e.into_inner());
-        let (stored, peer) = t.by_token.get_key_value(&token)?;
-        // The lookup found the token; the comparison also checks the
-        // header and takes the same time whatever the bytes are.
-        Hello::verify(hello, stored).then_some(*peer)
+        let (peer, token) = t.by_id.get(&hello.id)?;
+        hello.verify(challenge, token).then_some(*peer)
     }
 
     fn is_valid(&self, peer: PeerId) -> bool {
@@ -957,7 +962,7 @@ impl Worker {
                 regions: &state.regions,
                 shared: &state.shared,
                 counters: &state.counters,
-                authenticate: &|hello| admit(&state, hello),
+                authenticate: &|hello, challenge| admit(&state, hello, challenge),
             };
             let r = conn.serve.drive(&mut conn.stream, &ctx, scratch);
             #[cfg(test)]
@@ -1071,8 +1076,15 @@ impl Worker {
 }
 
 /// Authenticates a hello and admits its connection under the cap.
-fn admit(state: &ServerState, hello: &[u8; HELLO_LEN]) -> Result<PeerId, End> {
-    let peer = state.creds.authenticate(hello).ok_or(End::Auth)?;
+fn admit(
+    state: &ServerState,
+    hello: &[u8; HELLO_LEN],
+    challenge: &Challenge,
+) -> Result<PeerId, End> {
+    let peer = state
+        .creds
+        .authenticate(hello, challenge)
+        .ok_or(End::Auth)?;
     {
         let mut per_peer = lock(&state.per_peer);
         let n = per_peer.entry(peer).or_insert(0);
@@ -1194,10 +1206,15 @@ mod tests {
     /// Connects and presents `peer`'s credential; the ack, or what the
     /// server sent before closing (nothing) when it refused.
     fn hello(server: &Server, token: [u8; TOKEN_LEN]) -> (std::net::TcpStream, Vec<u8>) {
+        use super::super::wire::{CHALLENGE_LEN, HELLO_LEN};
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(&Hello { token }.encode()).unwrap();
+        let mut c = [0u8; CHALLENGE_LEN];
+        s.read_exact(&mut c).unwrap();
+        let challenge = Challenge::decode(&c).unwrap();
+        let h: [u8; HELLO_LEN] = Hello::answer(&challenge, &token).encode();
+        s.write_all(&h).unwrap();
         let mut ack = vec![0u8; super::super::wire::HELLO_ACK.len()];
         let n = s.read(&mut ack).unwrap_or(0);
         ack.truncate(n);

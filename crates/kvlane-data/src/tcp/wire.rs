@@ -1,11 +1,18 @@
 //! The tcp backend's wire format.
 //!
-//! Every connection starts with a [`Hello`] from the initiator (magic,
-//! version, the target's 128-bit token); the target answers with
-//! [`HELLO_ACK`] or closes the connection. Then the initiator sends
-//! requests and the target answers each one, in order:
+//! Every connection starts with a challenge-response: the target sends a
+//! [`Challenge`] (magic, version, 32 fresh random bytes) as soon as it
+//! accepts the connection; the initiator answers with a [`Hello`] that
+//! proves the credential it was issued without revealing it; the target
+//! answers with [`HELLO_ACK`] or closes the connection. Then the initiator
+//! sends requests and the target answers each one, in order:
 //!
 //! ```text
+//! challenge (40 bytes)  "KVLT" | version u8 | zero [u8; 3] | nonce [u8; 32]
+//! hello     (56 bytes)  "KVLT" | version u8 | zero [u8; 3] | id [u8; 16] | proof [u8; 32]
+//!   id    = HMAC-SHA256(token, "kvlane-tcp/credential-id")[..16]
+//!   proof = HMAC-SHA256(token, "kvlane-tcp/hello" || nonce || id)
+//! hello ack (8 bytes)   "KVLT" | version u8 | zero [u8; 3]
 //! request  (32 bytes, little endian)
 //!   0  op      u8   1 = READ, 2 = WRITE, 3 = NOTIFY
 //!   1  zero    [u8; 3]
@@ -27,18 +34,37 @@
 //! stream cannot be resynchronised. A request that decodes but is refused
 //! by the target's checks is answered with a status and the connection
 //! stays up (a refused WRITE's payload is read and discarded).
+//!
+//! The token (the credential, issued per peer by the target) never crosses
+//! a data connection: the `id` names it (a one-way function of it), the
+//! `proof` holds only for this connection's nonce. A hello recorded on one
+//! connection and replayed on another is refused, since the target's
+//! nonce differs. This protects the credential from an observer of the
+//! data connections; what an observer of the endpoint exchange sees is
+//! the control plane's business (the facade seals endpoints under the
+//! key-derived session secret when a pre-shared key is configured).
+//! Nothing here encrypts or authenticates the requests and payloads that
+//! follow the hello.
 
 use crate::ids::RemoteKey;
 use crate::transfer::Op;
 
 /// First bytes of a [`Hello`] and of [`HELLO_ACK`].
 pub const MAGIC: [u8; 4] = *b"KVLT";
-/// Protocol version.
-pub const VERSION: u8 = 1;
-/// Length of the auth token.
+/// Protocol version (2: challenge-response hello; 1 sent the token).
+pub const VERSION: u8 = 2;
+/// Length of the auth token (the secret credential).
 pub const TOKEN_LEN: usize = 16;
+/// Length of the public id that names a credential in a [`Hello`].
+pub const ID_LEN: usize = 16;
+/// Length of a [`Challenge`]'s nonce.
+pub const NONCE_LEN: usize = 32;
+/// Length of a [`Hello`]'s proof.
+pub const PROOF_LEN: usize = 32;
+/// Length of an encoded [`Challenge`].
+pub const CHALLENGE_LEN: usize = 8 + NONCE_LEN;
 /// Length of an encoded [`Hello`].
-pub const HELLO_LEN: usize = 24;
+pub const HELLO_LEN: usize = 8 + ID_LEN + PROOF_LEN;
 /// The target's answer to an accepted [`Hello`].
 pub const HELLO_ACK: [u8; 8] = [b'K', b'V', b'L', b'T', VERSION, 0, 0, 0];
 /// Length of an encoded [`Request`] header.
@@ -51,35 +77,186 @@ pub const MAX_CHUNK: u64 = 64 << 20;
 /// Largest notification payload.
 pub const MAX_NOTIFY: u64 = 64 << 10;
 
-/// The first message on every connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Hello {
-    /// The target's token, learned from its endpoint.
-    pub token: [u8; TOKEN_LEN],
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// HMAC-SHA256 keyed with `token` over `label` and `parts`.
+fn keyed(token: &[u8; TOKEN_LEN], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    use hmac::Mac;
+    // HMAC takes keys of any length: this cannot fail.
+    let mut m = <HmacSha256 as Mac>::new_from_slice(token).expect("hmac takes any key length");
+    m.update(label);
+    for p in parts {
+        m.update(p);
+    }
+    m
 }
 
-impl Hello {
-    /// Encodes the hello.
-    pub fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        b[..4].copy_from_slice(&MAGIC);
-        b[4] = VERSION;
-        b[8..].copy_from_slice(&self.token);
+const ID_LABEL: &[u8] = b"kvlane-tcp/credential-id";
+const PROOF_LABEL: &[u8] = b"kvlane-tcp/hello";
+
+/// The public id of the credential `token`: what a [`Hello`] names it by.
+/// A one-way function of the token (learning the id teaches nothing of
+/// the token).
+pub fn credential_id(token: &[u8; TOKEN_LEN]) -> [u8; ID_LEN] {
+    use hmac::Mac;
+    let mut id = [0u8; ID_LEN];
+    id.copy_from_slice(&keyed(token, ID_LABEL, &[]).finalize().into_bytes()[..ID_LEN]);
+    id
+}
+
+/// The 8-byte header of a challenge, a hello and the ack.
+fn header() -> [u8; 8] {
+    HELLO_ACK
+}
+
+/// Whether `b` starts with this version's header.
+fn header_ok(b: &[u8]) -> bool {
+    b.len() >= 8 && b[..8] == HELLO_ACK
+}
+
+/// The first message on every connection, from the target: a fresh nonce
+/// the initiator's [`Hello`] must prove its credential over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// Random bytes, fresh per connection.
+    pub nonce: [u8; NONCE_LEN],
+}
+
+impl Challenge {
+    /// A challenge with a fresh random nonce (`rand`'s thread-local CSPRNG,
+    /// seeded by the OS).
+    pub fn fresh() -> Self {
+        Self {
+            nonce: rand::random(),
+        }
+    }
+
+    /// Encodes the challenge.
+    pub fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[..8].copy_from_slice(&header());
+        b[8..].copy_from_slice(&self.nonce);
         b
     }
 
-    /// Whether `bytes` is a hello carrying `token`. The token comparison
-    /// takes the same time whatever the bytes are.
-    pub fn verify(bytes: &[u8; HELLO_LEN], token: &[u8; TOKEN_LEN]) -> bool {
-        let mut diff = 0u8;
-        for (a, b) in bytes[8..].iter().zip(token) {
-            diff |= a ^ b;
-        }
-        let header_ok = bytes[..4] == MAGIC && bytes[4] == VERSION && bytes[5..8] == [0; 3];
-        // Both parts are always computed; `black_box` keeps the compiler
-        // from turning the token loop into an early exit.
-        std::hint::black_box(diff) == 0 && header_ok
+    /// Decodes a challenge; another magic or version is a [`FrameError`]
+    /// (a target of another version: [`FrameError::Version`]).
+    pub fn decode(b: &[u8; CHALLENGE_LEN]) -> Result<Self, FrameError> {
+        check_header(b)?;
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(&b[8..]);
+        Ok(Self { nonce })
     }
+}
+
+/// The header check shared by challenges and hellos.
+fn check_header(b: &[u8]) -> Result<(), FrameError> {
+    if b[..4] != MAGIC {
+        return Err(FrameError::Magic);
+    }
+    if b[4] != VERSION {
+        return Err(FrameError::Version {
+            ours: VERSION,
+            theirs: b[4],
+        });
+    }
+    if b[5..8] != [0; 3] {
+        return Err(FrameError::Reserved);
+    }
+    Ok(())
+}
+
+/// The initiator's answer to a [`Challenge`]: which credential, and a
+/// proof of it over the challenge's nonce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// [`credential_id`] of the token.
+    pub id: [u8; ID_LEN],
+    /// HMAC-SHA256 keyed with the token over the nonce and the id.
+    pub proof: [u8; PROOF_LEN],
+}
+
+impl Hello {
+    /// The hello proving `token` for `challenge`.
+    pub fn answer(challenge: &Challenge, token: &[u8; TOKEN_LEN]) -> Self {
+        use hmac::Mac;
+        let id = credential_id(token);
+        let mut proof = [0u8; PROOF_LEN];
+        proof.copy_from_slice(
+            &keyed(token, PROOF_LABEL, &[&challenge.nonce, &id])
+                .finalize()
+                .into_bytes(),
+        );
+        Self { id, proof }
+    }
+
+    /// Encodes the hello.
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..8].copy_from_slice(&header());
+        b[8..8 + ID_LEN].copy_from_slice(&self.id);
+        b[8 + ID_LEN..].copy_from_slice(&self.proof);
+        b
+    }
+
+    /// Decodes a hello; a wrong header is a [`FrameError`].
+    pub fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, FrameError> {
+        check_header(b)?;
+        let mut id = [0u8; ID_LEN];
+        id.copy_from_slice(&b[8..8 + ID_LEN]);
+        let mut proof = [0u8; PROOF_LEN];
+        proof.copy_from_slice(&b[8 + ID_LEN..]);
+        Ok(Self { id, proof })
+    }
+
+    /// Whether this hello proves `token` for `challenge`: its id is the
+    /// token's and its proof is over this very nonce. The proof comparison
+    /// takes the same time whatever the bytes are.
+    pub fn verify(&self, challenge: &Challenge, token: &[u8; TOKEN_LEN]) -> bool {
+        use hmac::Mac;
+        let id_ok = self.id == credential_id(token);
+        let proof_ok = keyed(token, PROOF_LABEL, &[&challenge.nonce, &self.id])
+            .verify_slice(&self.proof)
+            .is_ok();
+        id_ok & proof_ok
+    }
+}
+
+/// The initiator's side of a connection's authentication, blocking: reads
+/// the target's [`Challenge`], sends the [`Hello`] proving `token`, and
+/// reads [`HELLO_ACK`]. A target of another version, or one that answers
+/// anything else, is an [`io::ErrorKind::InvalidData`](std::io::ErrorKind::InvalidData)
+/// error saying so.
+pub fn authenticate<S: std::io::Read + std::io::Write>(
+    mut s: S,
+    token: &[u8; TOKEN_LEN],
+) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let mut c = [0u8; CHALLENGE_LEN];
+    s.read_exact(&mut c[..8])?;
+    if c[..8] != header() {
+        let why = if c[..4] == MAGIC && c[4] != VERSION {
+            format!(
+                "the target speaks tcp wire version {}, this side {VERSION}",
+                c[4]
+            )
+        } else {
+            "the target did not send a challenge".to_owned()
+        };
+        return Err(Error::new(ErrorKind::InvalidData, why));
+    }
+    s.read_exact(&mut c[8..])?;
+    let challenge = Challenge::decode(&c).map_err(|e| Error::new(ErrorKind::InvalidData, e))?;
+    s.write_all(&Hello::answer(&challenge, token).encode())?;
+    let mut ack = [0u8; HELLO_ACK.len()];
+    s.read_exact(&mut ack)?;
+    if !header_ok(&ack) {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            "unexpected answer to the hello",
+        ));
+    }
+    Ok(())
 }
 
 /// What a request asks for.
@@ -140,6 +317,17 @@ pub enum FrameError {
     /// A notification carried a key or offset.
     #[error("notification with a key or offset")]
     BadNotify,
+    /// A challenge or hello that does not start with the magic bytes.
+    #[error("not a kvlane tcp handshake (wrong magic)")]
+    Magic,
+    /// A challenge or hello of another protocol version.
+    #[error("tcp wire version {theirs}, this side speaks {ours}")]
+    Version {
+        /// This side's version.
+        ours: u8,
+        /// The other side's.
+        theirs: u8,
+    },
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -331,14 +519,79 @@ mod tests {
     }
 
     #[test]
-    fn hello_checks_every_token_byte() {
+    fn hello_checks_every_byte_and_the_nonce() {
         let token = [9u8; TOKEN_LEN];
-        let hello = Hello { token }.encode();
-        assert!(Hello::verify(&hello, &token));
+        let challenge = Challenge::fresh();
+        assert_eq!(Challenge::decode(&challenge.encode()), Ok(challenge));
+        let hello = Hello::answer(&challenge, &token);
+        let bytes = hello.encode();
+        assert_eq!(Hello::decode(&bytes), Ok(hello));
+        assert!(hello.verify(&challenge, &token));
+        // Neither the id nor the proof reveals the token.
+        assert!(!bytes.windows(TOKEN_LEN).any(|w| w == token));
         for i in 0..HELLO_LEN {
-            let mut bad = hello;
+            let mut bad = bytes;
             bad[i] ^= 0x40;
-            assert!(!Hello::verify(&bad, &token), "byte {i} not checked");
+            let ok = Hello::decode(&bad).is_ok_and(|h| h.verify(&challenge, &token));
+            assert!(!ok, "byte {i} not checked");
         }
+        // Proven for one nonce, refused for another (a replay).
+        assert!(!hello.verify(&Challenge::fresh(), &token));
+        let mut other = token;
+        other[0] ^= 1;
+        assert!(!hello.verify(&challenge, &other));
+        let mut old = bytes;
+        old[4] = 1;
+        assert_eq!(
+            Hello::decode(&old),
+            Err(FrameError::Version {
+                ours: VERSION,
+                theirs: 1
+            })
+        );
+    }
+
+    #[test]
+    fn authenticate_answers_the_challenge_and_names_an_old_target() {
+        use std::io::Cursor;
+        struct Duplex {
+            input: Cursor<Vec<u8>>,
+            output: Vec<u8>,
+        }
+        impl std::io::Read for Duplex {
+            fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+                self.input.read(b)
+            }
+        }
+        impl std::io::Write for Duplex {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.output.extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let token = [3u8; TOKEN_LEN];
+        let challenge = Challenge::fresh();
+        let mut d = Duplex {
+            input: Cursor::new([&challenge.encode()[..], &HELLO_ACK].concat()),
+            output: Vec::new(),
+        };
+        authenticate(&mut d, &token).unwrap();
+        let mut sent = [0u8; HELLO_LEN];
+        sent.copy_from_slice(&d.output);
+        assert!(Hello::decode(&sent).unwrap().verify(&challenge, &token));
+        // A version-1 target answers nothing before a hello; one that
+        // sends a challenge of another version is named.
+        let mut c = challenge.encode();
+        c[4] = 1;
+        let mut d = Duplex {
+            input: Cursor::new(c.to_vec()),
+            output: Vec::new(),
+        };
+        let e = authenticate(&mut d, &token).unwrap_err();
+        assert!(e.to_string().contains("version 1"), "{e}");
+        assert!(d.output.is_empty(), "nothing was sent to it");
     }
 }
