@@ -2,6 +2,8 @@
 //!
 //! See [`SessionKey`].
 
+use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -11,8 +13,8 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// Length of a [`SessionKey`] in bytes.
 pub const SESSION_KEY_LEN: usize = 32;
-const NONCE: usize = 16;
-const TAG: usize = 32;
+const NONCE: usize = 24;
+const TAG: usize = 16;
 
 /// The secret of one keyed session; only handshakes with a pre-shared key
 /// have one. Its `Debug` never shows it.
@@ -27,14 +29,12 @@ const TAG: usize = 32;
 /// [`seal`](Self::seal) encrypts and authenticates a message under `S` for
 /// one purpose (a label), so that what the peers exchange after the
 /// handshake over the control connection (the data-plane endpoints with
-/// their credentials) is of no use to an observer: an HMAC-SHA256 keystream
-/// (counter mode) over a random 16-byte nonce, then an HMAC-SHA256 tag over
-/// label, nonce and ciphertext (encrypt-then-MAC, with keys derived apart):
+/// their credentials) is of no use to an observer: XChaCha20-Poly1305 (the
+/// RustCrypto `chacha20poly1305` crate) under `HMAC(S, "kvlane-seal/aead")`,
+/// a random 24-byte nonce per message, the label as associated data:
 ///
 /// ```text
-/// k_enc = HMAC(S, "kvlane-seal/enc"), k_mac = HMAC(S, "kvlane-seal/mac")
-/// block_i = HMAC(k_enc, len(label) || label || nonce || i_u64_be)
-/// sealed = nonce (16) || plaintext XOR block_0 || block_1 ... || HMAC(k_mac, len(label) || label || nonce || ciphertext) (32)
+/// sealed = nonce (24) || XChaCha20-Poly1305(key, nonce, aad = label, plaintext) (len + 16)
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct SessionKey([u8; SESSION_KEY_LEN]);
@@ -45,11 +45,6 @@ impl std::fmt::Debug for SessionKey {
     }
 }
 
-fn hmac(key: &[u8]) -> HmacSha256 {
-    // HMAC takes keys of any length.
-    <HmacSha256 as Mac>::new_from_slice(key).expect("hmac takes any key length")
-}
-
 impl SessionKey {
     /// The key with these bytes. A handshake derives them (see
     /// [`SessionKey`]); this is for tests and for channels that
@@ -58,57 +53,39 @@ impl SessionKey {
         Self(bytes)
     }
 
-    fn derive(&self, label: &[u8]) -> HmacSha256 {
-        let mut m = hmac(&self.0);
-        m.update(label);
-        hmac(&m.finalize().into_bytes())
-    }
-
-    fn labelled(mut m: HmacSha256, label: &str, nonce: &[u8]) -> HmacSha256 {
-        m.update(&(label.len() as u64).to_be_bytes());
-        m.update(label.as_bytes());
-        m.update(nonce);
-        m
-    }
-
-    /// XORs `data` with the keystream of `label` and `nonce`.
-    fn apply(&self, label: &str, nonce: &[u8], data: &mut [u8]) {
-        let enc = Self::labelled(self.derive(b"kvlane-seal/enc"), label, nonce);
-        for (i, chunk) in data.chunks_mut(32).enumerate() {
-            let mut m = enc.clone();
-            m.update(&(i as u64).to_be_bytes());
-            let block = m.finalize().into_bytes();
-            for (b, k) in chunk.iter_mut().zip(block.iter()) {
-                *b ^= k;
-            }
-        }
-    }
-
-    fn tag(&self, label: &str, nonce: &[u8], ciphertext: &[u8]) -> HmacSha256 {
-        let mut m = Self::labelled(self.derive(b"kvlane-seal/mac"), label, nonce);
-        m.update(ciphertext);
-        m
+    /// The AEAD keyed for sealing, apart from every other use of `S`.
+    fn aead(&self) -> XChaCha20Poly1305 {
+        // HMAC takes keys of any length.
+        let mut m =
+            <HmacSha256 as Mac>::new_from_slice(&self.0).expect("hmac takes any key length");
+        m.update(b"kvlane-seal/aead");
+        XChaCha20Poly1305::new(&m.finalize().into_bytes())
     }
 
     /// `plaintext` encrypted and authenticated for `label` (what it is
     /// for: a message sealed for one label never opens for another).
     pub fn seal(&self, label: &str, plaintext: &[u8]) -> Vec<u8> {
         let nonce: [u8; NONCE] = rand::random();
-        let mut out = Vec::with_capacity(NONCE + plaintext.len() + TAG);
+        let body = self
+            .aead()
+            .encrypt(
+                XNonce::from_slice(&nonce),
+                Payload {
+                    msg: plaintext,
+                    aad: label.as_bytes(),
+                },
+            )
+            // Only a plaintext beyond the cipher's 256 GiB limit fails.
+            .expect("a control message is far below XChaCha20's length limit");
+        let mut out = Vec::with_capacity(NONCE + body.len());
         out.extend_from_slice(&nonce);
-        out.extend_from_slice(plaintext);
-        self.apply(label, &nonce, &mut out[NONCE..]);
-        let tag = self
-            .tag(label, &nonce, &out[NONCE..])
-            .finalize()
-            .into_bytes();
-        out.extend_from_slice(&tag);
+        out.extend_from_slice(&body);
         out
     }
 
     /// The plaintext of `sealed`, if it was sealed under this key for
-    /// `label` and not altered since (the tag is checked, in constant
-    /// time, before anything is decrypted).
+    /// `label` and not altered since (the tag is checked before anything
+    /// is returned).
     pub fn open(&self, label: &str, sealed: &[u8]) -> Result<Vec<u8>, SealError> {
         if sealed.len() < NONCE + TAG {
             return Err(SealError::TooShort {
@@ -116,16 +93,18 @@ impl SessionKey {
                 min: NONCE + TAG,
             });
         }
-        let (nonce, rest) = sealed.split_at(NONCE);
-        let (ciphertext, tag) = rest.split_at(rest.len() - TAG);
-        self.tag(label, nonce, ciphertext)
-            .verify_slice(tag)
+        let (nonce, body) = sealed.split_at(NONCE);
+        self.aead()
+            .decrypt(
+                XNonce::from_slice(nonce),
+                Payload {
+                    msg: body,
+                    aad: label.as_bytes(),
+                },
+            )
             .map_err(|_| SealError::Mismatch {
                 label: label.to_owned(),
-            })?;
-        let mut plain = ciphertext.to_vec();
-        self.apply(label, nonce, &mut plain);
-        Ok(plain)
+            })
     }
 }
 
