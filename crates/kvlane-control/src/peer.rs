@@ -122,6 +122,11 @@ pub struct Stats {
     pub handshakes_evicted: u64,
     /// Remembered incarnations forgotten because the map was full.
     pub incarnations_evicted: u64,
+    /// Hellos that arrived on the routing id of a live (handshaken, not
+    /// closing) accepted connection: dropped, the live connection keeps its
+    /// link and state (a kvlane dialer sends its hello on a fresh routing
+    /// id; see [`Registry::handle_frame`](crate::Registry::handle_frame)).
+    pub hellos_on_live_links: u64,
     /// Events dropped from the owner's event stream
     /// ([`ControlNode::take_events`](crate::ControlNode::take_events)):
     /// notifications past [`Config::event_capacity`](crate::Config::event_capacity)
@@ -130,9 +135,13 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Sum of all counters.
+    /// Sum of the counters of dropped frames.
     pub fn total(&self) -> u64 {
-        self.oversized + self.malformed + self.unknown_type + self.unexpected
+        self.oversized
+            + self.malformed
+            + self.unknown_type
+            + self.unexpected
+            + self.hellos_on_live_links
     }
 
     /// Adds the counters a peer keeps (the others are node-level).
@@ -547,6 +556,11 @@ impl Peer {
     /// Whether the connection is up (`Ready` or `Suspect`).
     pub(crate) fn is_up(&self) -> bool {
         matches!(self.state, State::Ready | State::Suspect)
+    }
+
+    /// An orderly close is under way (`bye` sent, waiting for the remote's).
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing
     }
 
     fn finish_close(&mut self) {
