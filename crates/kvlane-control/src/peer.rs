@@ -127,6 +127,13 @@ pub struct Stats {
     /// link and state (a kvlane dialer sends its hello on a fresh routing
     /// id; see [`Registry::handle_frame`](crate::Registry::handle_frame)).
     pub hellos_on_live_links: u64,
+    /// Explicit pings ([`ControlNode::ping`](crate::ControlNode::ping))
+    /// waiting for their pong now, all peers together: a gauge, not a
+    /// counter. Each peer holds at most 64 (the oldest is answered with
+    /// [`ControlError::PingDropped`](crate::ControlError::PingDropped) to
+    /// make room); a peer's go when it is dead or closed. Zero from a bare
+    /// [`Registry`](crate::Registry).
+    pub pings_waiting: u64,
     /// Events dropped from the owner's event stream
     /// ([`ControlNode::take_events`](crate::ControlNode::take_events)):
     /// notifications past [`Config::event_capacity`](crate::Config::event_capacity)
@@ -231,8 +238,9 @@ pub struct Peer {
 /// Probe sequence numbers live in the upper half so they never collide with
 /// keep-alive pings.
 const PROBE_BIT: u64 = 1 << 63;
-/// Outstanding probes remembered per peer.
-const MAX_PROBES: usize = 64;
+/// Outstanding probes remembered per peer: the pong of an older one is
+/// not recognized (the driver forgets its waiter at the same count).
+pub(crate) const MAX_PROBES: usize = 64;
 
 impl Peer {
     fn new(
