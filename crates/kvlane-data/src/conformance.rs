@@ -903,7 +903,8 @@ pub fn queue_full_hands_back<F: Fixture>(f: &F) {
 /// reads the region's memory (the application may free it), so a pattern
 /// written there afterwards survives every transfer; and every transfer
 /// completes, done or refused (unknown key, region revoked) or with its
-/// connection lost, never hanging. Not in [`conformance_tests!`]: run by
+/// connection lost, never hanging. Not in
+/// [`conformance_tests!`](crate::conformance_tests): run by
 /// the tcp and loopback tests.
 pub fn deregister_stops_target_access<F: Fixture>(f: &F) {
     const PIECE: u64 = 1 << 20;
