@@ -27,9 +27,9 @@
 //! | `kvlane_rail_down_peers` | gauge | `rail` (peers it is set aside for) |
 //!
 //! | `kvlane_control_refused_total` | counter | `reason`: `unauthenticated` (inbound peers refused before they proved the key: peer cap, failed or incompatible handshake), `handshake_evicted` (handshakes dropped for newer ones at the handshake cap) |
-//! | `kvlane_control_frames_dropped_total` | counter | `reason`: `oversized`, `malformed`, `unknown_type`, `unexpected` |
+//! | `kvlane_control_frames_dropped_total` | counter | `reason`: `oversized`, `malformed`, `unknown_type`, `unexpected`, `hello_on_live_link` (a hello on a live connection's routing id, refused) |
 //! | `kvlane_data_connections_refused_total` | counter | `reason`: `auth_failed` (wrong or revoked credential), `auth_timeout`, `unauthenticated_evicted`, `cap` (connection cap), `revoked` (open connections closed when their peer was removed), `framing`, `panic` (tcp target) |
-//! | `kvlane_data_requests_refused_total` | counter | `reason`: `unknown_key`, `out_of_bounds`, `access` (tcp target) |
+//! | `kvlane_data_requests_refused_total` | counter | `reason`: `unknown_key`, `out_of_bounds`, `access`, `notify_queue_full`, `region_deregistered` (accepted requests cut by a deregistration) (tcp target) |
 //! | `kvlane_data_served_requests_total` | counter | `op` (`read`, `write`): requests the tcp target served for peers |
 //! | `kvlane_data_served_bytes_total` | counter | `op`: bytes peers read from or wrote into this side's memory (tcp target) |
 //!
@@ -226,6 +226,7 @@ impl prometheus_client::collector::Collector for RailsCollector {
                     ("malformed", c.malformed),
                     ("unknown_type", c.unknown_type),
                     ("unexpected", c.unexpected),
+                    ("hello_on_live_link", c.hellos_on_live_links),
                 ],
             ),
         ];
@@ -245,12 +246,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
             ));
             families.push((
                 "data_requests_refused",
-                "Data-plane requests the tcp target refused",
+                "Data-plane requests the tcp target refused, or cut (their region deregistered)",
                 vec![
                     ("unknown_key", t.refused_unknown_key),
                     ("out_of_bounds", t.refused_out_of_bounds),
                     ("access", t.refused_access),
                     ("notify_queue_full", t.refused_notify_queue_full),
+                    ("region_deregistered", t.requests_cut),
                 ],
             ));
         }

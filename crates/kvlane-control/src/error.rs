@@ -301,6 +301,19 @@ pub enum ControlError {
     /// No such peer.
     #[error("unknown peer {0}")]
     UnknownPeer(ConnectionId),
+    /// An explicit ping was given up before its pong came: newer pings
+    /// of the same peer took its place (at most `waiting` wait per peer;
+    /// the peer machine no longer recognizes an older one's pong). The
+    /// peer is up but does not answer explicit pings.
+    #[error("ping of peer {peer} ({addr}) dropped unanswered: {waiting} newer pings are waiting")]
+    PingDropped {
+        /// Peer id.
+        peer: ConnectionId,
+        /// Peer address.
+        addr: String,
+        /// Pings that wait per peer at most.
+        waiting: usize,
+    },
     /// The peer is not ready to carry messages.
     #[error("peer {peer} ({addr}) is not ready: {state:?}")]
     NotReady {

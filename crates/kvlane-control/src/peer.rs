@@ -122,6 +122,18 @@ pub struct Stats {
     pub handshakes_evicted: u64,
     /// Remembered incarnations forgotten because the map was full.
     pub incarnations_evicted: u64,
+    /// Hellos that arrived on the routing id of a live (handshaken, not
+    /// closing) accepted connection: dropped, the live connection keeps its
+    /// link and state (a kvlane dialer sends its hello on a fresh routing
+    /// id; see [`Registry::handle_frame`](crate::Registry::handle_frame)).
+    pub hellos_on_live_links: u64,
+    /// Explicit pings ([`ControlNode::ping`](crate::ControlNode::ping))
+    /// waiting for their pong now, all peers together: a gauge, not a
+    /// counter. Each peer holds at most 64 (the oldest is answered with
+    /// [`ControlError::PingDropped`](crate::ControlError::PingDropped) to
+    /// make room); a peer's go when it is dead or closed. Zero from a bare
+    /// [`Registry`](crate::Registry).
+    pub pings_waiting: u64,
     /// Events dropped from the owner's event stream
     /// ([`ControlNode::take_events`](crate::ControlNode::take_events)):
     /// notifications past [`Config::event_capacity`](crate::Config::event_capacity)
@@ -130,9 +142,13 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Sum of all counters.
+    /// Sum of the counters of dropped frames.
     pub fn total(&self) -> u64 {
-        self.oversized + self.malformed + self.unknown_type + self.unexpected
+        self.oversized
+            + self.malformed
+            + self.unknown_type
+            + self.unexpected
+            + self.hellos_on_live_links
     }
 
     /// Adds the counters a peer keeps (the others are node-level).
@@ -222,8 +238,9 @@ pub struct Peer {
 /// Probe sequence numbers live in the upper half so they never collide with
 /// keep-alive pings.
 const PROBE_BIT: u64 = 1 << 63;
-/// Outstanding probes remembered per peer.
-const MAX_PROBES: usize = 64;
+/// Outstanding probes remembered per peer: the pong of an older one is
+/// not recognized (the driver forgets its waiter at the same count).
+pub(crate) const MAX_PROBES: usize = 64;
 
 impl Peer {
     fn new(
@@ -547,6 +564,11 @@ impl Peer {
     /// Whether the connection is up (`Ready` or `Suspect`).
     pub(crate) fn is_up(&self) -> bool {
         matches!(self.state, State::Ready | State::Suspect)
+    }
+
+    /// An orderly close is under way (`bye` sent, waiting for the remote's).
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing
     }
 
     fn finish_close(&mut self) {

@@ -278,6 +278,11 @@ impl Registry {
 
     /// Routes one inbound frame. Dead accepted connections are reaped first,
     /// so a reconnecting peer's first frame always finds a fresh entry.
+    ///
+    /// A `hello` on an accepted link starts a new connection, except on the
+    /// link of a live (ready or suspect) connection: there it is dropped
+    /// and counted ([`Stats::hellos_on_live_links`]), and the live
+    /// connection keeps the link and its state.
     pub fn handle_frame(&mut self, now: Instant, link: Link, bytes: &[u8]) {
         self.reap_dead();
         let rid = match link {
@@ -297,12 +302,29 @@ impl Registry {
         let decoded = Message::decode(bytes, self.config.frame_cap);
         let known = self.by_link.get(&rid).copied();
         match (decoded, known) {
-            // A hello on a routing id we know starts a new connection (a
-            // restarted peer reusing its identity; its frames go to the new
-            // one). A connection still handshaking is dropped for it, but a
-            // hello, which anybody can send, never retires a live one: that
-            // happens only once the new connection is ready (authenticated,
-            // with a key) as the same engine rank, or by keep-alive.
+            // A hello on the routing id of a live (handshaken, not dead)
+            // connection is refused and counted: the live connection keeps
+            // its routing id and its state. Routing the link to a new
+            // handshake instead would starve the live connection of its
+            // peer's frames (it would die by keep-alive, replaced by
+            // whatever sent the hello), and a reply would go to the live
+            // peer's socket, so nothing is sent. A kvlane dialer never
+            // does this (every dial gets a fresh routing id); a peer that
+            // reuses its routing id after a restart is accepted once the
+            // old connection is dead (keep-alive, within the death bound).
+            (Ok(Message::Hello(_)), Some(old))
+                if self
+                    .peers
+                    .get(&old)
+                    .is_some_and(|e| e.peer.is_up() && !e.peer.is_closing()) =>
+            {
+                self.stats.hellos_on_live_links += 1;
+                debug!(id = %old, "hello on a live connection's routing id; dropped");
+            }
+            // A hello on a routing id we know whose connection is still
+            // handshaking or dead starts a new connection (a restarted peer
+            // reusing its identity; its frames go to the new one) and
+            // releases the old one; one that is closing lingers apart.
             (Ok(Message::Hello(hello)), known) => {
                 if let Some(old) = known {
                     if !self.peers.get(&old).is_some_and(|e| e.peer.is_up()) {

@@ -255,6 +255,71 @@ fn unauthenticated_hello_never_retires_a_live_connection() {
     assert_eq!(p.b.peer(live).map(|x| x.state()), Some(State::Ready));
 }
 
+/// A hello on the routing id of a live connection (forged, or the real
+/// peer's own hello sent again) is refused and counted: the live
+/// connection keeps its link, so its peer's keep-alive keeps reaching it
+/// for many death bounds, nothing is sent back on the link, and no
+/// connection starts. (Before, the link was routed to a new handshake: the
+/// live connection heard nothing more and died by keep-alive.)
+#[test]
+fn a_hello_on_a_live_links_routing_id_is_refused_and_counted() {
+    for keyed_pair in [true, false] {
+        let config = || {
+            if keyed_pair {
+                keyed(KEY)
+            } else {
+                Config::default()
+            }
+        };
+        let mut p = Pair::new(config(), config());
+        let dial = p.connect();
+        assert!(ready(&p.events_b), "{:?}", p.events_b);
+        let live = p.b.ids()[0];
+        p.events_b.clear();
+        let now = p.now;
+        // A forged hello, and `a`'s own hello (a valid one) sent again.
+        let again = Message::Hello(Hello::new(local("a").identity, None, Vec::new(), None))
+            .encode()
+            .expect("encode");
+        for hello in [forged_hello("a", 32), again] {
+            p.b.handle_frame(now, Link::Accepted(p.rid.clone()), &hello);
+        }
+        assert_eq!(p.b.stats().hellos_on_live_links, 2);
+        assert_eq!(p.b.len(), 1, "a connection started on the live link");
+        assert!(
+            std::iter::from_fn(|| p.b.poll_transmit()).next().is_none(),
+            "something was sent back on the live link"
+        );
+        // Keep-alive runs for five death bounds: the live connection hears
+        // its peer all along and stays up, on both sides.
+        let cfg = config();
+        let step = cfg.keepalive_interval / 2;
+        let end = now + cfg.death_bound() * 5;
+        while p.now < end {
+            p.now += step;
+            let t = p.now;
+            p.a.handle_timeout(t);
+            p.b.handle_timeout(t);
+            p.pump(|_, m| Some(m));
+        }
+        for (side, reg, id) in [("acceptor", &p.b, live), ("dialer", &p.a, dial)] {
+            let state = reg.peer(id).map(|x| x.state());
+            assert!(
+                matches!(state, Some(State::Ready | State::Suspect)),
+                "keyed {keyed_pair}: the {side}'s live connection is {state:?}"
+            );
+        }
+        assert!(
+            !p.events_b
+                .iter()
+                .any(|e| e.id == live && matches!(e.event, Event::Dead { .. })),
+            "keyed {keyed_pair}: {:?}",
+            p.events_b
+        );
+        assert_eq!(p.b.ids(), vec![live]);
+    }
+}
+
 /// A flood of unauthenticated hellos cycles through the handshake slots:
 /// it never takes a peer slot, the authenticated peer stays up, the
 /// registry stays bounded, and a new keyed peer still gets in.

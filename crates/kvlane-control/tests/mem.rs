@@ -162,3 +162,107 @@ async fn a_connect_given_up_before_ready_leaves_no_connection() {
     a.close().await;
     b.close().await;
 }
+
+/// Node `b`'s channel, less the pongs of explicit pings: `b` answers
+/// keep-alive (it stays up) but never answers [`ControlNode::ping`].
+struct NoProbePongs(kvlane_control::MemChannel);
+
+impl kvlane_control::Channel for NoProbePongs {
+    fn local_addr(&self) -> String {
+        self.0.local_addr()
+    }
+    fn open(&mut self, id: kvlane_control::ConnectionId, addr: &str) {
+        self.0.open(id, addr);
+    }
+    fn send(&mut self, link: &kvlane_control::Link, frame: bytes::Bytes) {
+        use kvlane_control::wire::Message;
+        // Probe pings carry the top bit in their sequence number.
+        if let Ok(Message::Pong(p)) = Message::decode(&frame, 1 << 20) {
+            if p.seq >> 63 == 1 {
+                return;
+            }
+        }
+        self.0.send(link, frame);
+    }
+    fn disconnect(&mut self, id: kvlane_control::ConnectionId) {
+        self.0.disconnect(id);
+    }
+    fn adopt_accepted(&mut self, rid: &bytes::Bytes) {
+        self.0.adopt_accepted(rid);
+    }
+    fn protect_accepted(&mut self, rid: &bytes::Bytes) {
+        self.0.protect_accepted(rid);
+    }
+    fn close_accepted(&mut self, rid: &bytes::Bytes) {
+        self.0.close_accepted(rid);
+    }
+    async fn recv(&mut self) -> Option<kvlane_control::ChannelEvent> {
+        self.0.recv().await
+    }
+    async fn close(&mut self) {
+        self.0.close().await;
+    }
+}
+
+/// A peer that stays up (answers keep-alive) but never answers explicit
+/// pings, pinged every 10 ms for over 12 death bounds by callers that give
+/// up: the driver does not keep one ping per ping ever sent (500 before,
+/// until the peer's death); and of 65 callers that all wait, the first
+/// learns that its ping was dropped for the 64 newer ones (the peer
+/// machine no longer recognizes its pong).
+#[tokio::test(start_paused = true)]
+async fn pings_a_live_peer_never_answers_stay_bounded() {
+    use kvlane_control::ControlError;
+    let net = MemNetwork::new();
+    let cfg = fast_config();
+    let a = std::sync::Arc::new(ControlNode::with_channel(
+        cfg.clone(),
+        local("a"),
+        net.bind("a:1"),
+    ));
+    let b = ControlNode::with_channel(cfg.clone(), local("b"), NoProbePongs(net.bind("b:1")));
+    let (id, _) = a.connect("b:1").await.expect("connect");
+    let rounds = 500;
+    for _ in 0..rounds {
+        let r = tokio::time::timeout(Duration::from_millis(5), a.ping(id)).await;
+        assert!(r.is_err(), "{r:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        cfg.death_bound() * 12 < Duration::from_millis(10) * rounds,
+        "the peer was pinged for a dozen death bounds"
+    );
+    let peers = a.peers().await.expect("peers");
+    assert!(
+        matches!(peers[0].state, State::Ready | State::Suspect),
+        "{peers:?}"
+    );
+    let waiting = a.stats().await.expect("stats").pings_waiting;
+    assert!(waiting <= 64, "{waiting} pings waiting for one peer");
+    // 65 callers that wait: the oldest ping makes room for the newest.
+    let callers: Vec<_> = (0..65)
+        .map(|_| {
+            let a = a.clone();
+            tokio::spawn(async move { a.ping(id).await })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for c in callers {
+        results.push(c.await.expect("join"));
+    }
+    assert!(
+        matches!(results[0], Err(ControlError::PingDropped { peer, waiting: 64, .. }) if peer == id),
+        "{:?}",
+        results[0]
+    );
+    let dropped = results
+        .iter()
+        .filter(|r| matches!(r, Err(ControlError::PingDropped { .. })))
+        .count();
+    assert_eq!(dropped, 1, "{results:?}");
+    let err = results[0].as_ref().expect_err("dropped").to_string();
+    assert!(err.contains("b:1"), "{err}");
+    assert!(a.stats().await.expect("stats").pings_waiting <= 64);
+    a.close().await;
+    b.close().await;
+}

@@ -939,6 +939,70 @@ pub fn queue_full_hands_back<F: Fixture>(f: &F) {
     }
 }
 
+/// Deregistering the target's region while WRITEs into it are in flight
+/// (32 x 1 MiB): once `deregister` returns the backend neither writes nor
+/// reads the region's memory (the application may free it), so a pattern
+/// written there afterwards survives every transfer; and every transfer
+/// completes, done or refused (unknown key, region revoked) or with its
+/// connection lost, never hanging. Not in
+/// [`conformance_tests!`](crate::conformance_tests): run by
+/// the tcp and loopback tests.
+pub fn deregister_stops_target_access<F: Fixture>(f: &F) {
+    const PIECE: u64 = 1 << 20;
+    const N: u64 = 32;
+    let mut s = setup(
+        f,
+        (N * PIECE) as usize,
+        (N * PIECE) as usize,
+        Access::ALL,
+        13,
+    );
+    let mut ids = Vec::new();
+    for i in 0..N {
+        let t = transfer(&s, Op::Write, &[(i * PIECE, i * PIECE, PIECE)]);
+        ids.push(t.id);
+        s.init.submit(t).expect("submit");
+    }
+    let mut done = Vec::new();
+    let mut results = HashMap::new();
+    // Some of it moves (a loopback poll copies up to its budget).
+    s.init.poll(&mut done);
+    s.target.deregister(s.remote.id()).expect("deregister");
+    // What an application does with memory it got back.
+    let pattern = vec![0x5a; (N * PIECE) as usize];
+    s.remote.copy_in(0, &pattern).expect("fill");
+    let end = Instant::now() + CASE_TIMEOUT;
+    while results.len() < ids.len() {
+        s.init.poll(&mut done);
+        s.target.poll(&mut Vec::new());
+        for c in done.drain(..) {
+            assert!(results.insert(c.id, c.result).is_none(), "{} twice", c.id);
+        }
+        assert!(
+            Instant::now() < end,
+            "transfers hang after a deregistration"
+        );
+        std::thread::yield_now();
+    }
+    for (id, r) in &results {
+        assert!(
+            r.is_ok()
+                || r.as_ref()
+                    .is_err_and(|e| e.is_refused() || e.is_peer_lost()),
+            "{id}: {r:?}"
+        );
+    }
+    // Late bytes would have landed by now.
+    std::thread::sleep(Duration::from_millis(50));
+    s.init.poll(&mut done);
+    let after = contents(&s.remote);
+    let changed = after.iter().zip(&pattern).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        changed, 0,
+        "{changed} bytes of a deregistered region changed after deregister returned"
+    );
+}
+
 /// Removing a peer fails its in-flight transfers (or they had finished);
 /// none is lost and none hangs, and with 64 MiB in flight at least one
 /// did not finish and fails as `PeerLost`.

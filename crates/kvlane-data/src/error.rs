@@ -191,6 +191,36 @@ pub enum DataError {
         /// Why it was refused.
         reason: String,
     },
+    /// The target deregistered the region under `key` while this WRITE's
+    /// payload was arriving: part of it may have landed, the rest was
+    /// dropped. Requests for the key fail with
+    /// [`UnknownKey`](Self::UnknownKey) from now on.
+    #[error(
+        "{peer} at {addr} deregistered the region under {key} while this write was in progress; the bytes may have partly landed"
+    )]
+    RemoteRegionRevoked {
+        /// The target.
+        peer: PeerId,
+        /// The remote key.
+        key: RemoteKey,
+        /// The target's `host:port`.
+        addr: std::net::SocketAddr,
+    },
+    /// Deregistering a region could not confirm that the backend stopped
+    /// touching its memory (an I/O thread did not answer): the region is no
+    /// longer served, but its memory must not be freed or reused; keep it
+    /// alive (a bug: please report it with the log).
+    #[error(
+        "{region} was deregistered but {in_flight} accesses to it did not end within {waited:?}; do not free its memory"
+    )]
+    DeregisterStuck {
+        /// The region.
+        region: RegionId,
+        /// Accesses still in flight.
+        in_flight: usize,
+        /// How long deregistration waited.
+        waited: Duration,
+    },
     /// A peer's advertised data-plane address cannot be reached from where
     /// this side reached the peer.
     #[error(
@@ -279,6 +309,7 @@ impl DataError {
         matches!(
             self,
             Self::UnknownKey { .. }
+                | Self::RemoteRegionRevoked { .. }
                 | Self::RemoteOutOfBounds { .. }
                 | Self::OutOfBounds { .. }
                 | Self::AccessDenied { .. }

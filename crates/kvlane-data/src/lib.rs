@@ -65,6 +65,9 @@
 //!
 //! A region's memory is freed when its last clone is dropped; backends hold
 //! clones of the regions registered with them until `deregister` or drop.
+//! Once the tcp or loopback backend's `deregister` returns, it no longer
+//! touches the region for peers' requests (accepted ones included: tcp
+//! cuts those still running after [`TcpConfig::deregister_grace`]).
 //! Dropping a [`Transport`] stops its thread and fails transfers still in
 //! flight with [`DataError::Shutdown`]; nothing is left waiting forever.
 //! Dropping a [`TcpBackend`] closes its listener and every connection,

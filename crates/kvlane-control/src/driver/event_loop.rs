@@ -2,7 +2,7 @@
 //! task that touches either; [`ControlNode`](super::ControlNode) (the handle,
 //! `mod.rs`) talks to it through [`Command`]s.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use tracing::{debug, error};
 use crate::channel::{Channel, ChannelEvent};
 use crate::error::{ControlError, PeerError};
 use crate::ids::ConnectionId;
-use crate::peer::{Event, Role, State, Transmit};
+use crate::peer::{Event, Role, State, Transmit, MAX_PROBES};
 use crate::registry::{ConnectRefused, Link, PeerEvent, Registry};
 
 use super::{now, Command, ConnectReply, EventQueue, PeerSnapshot};
@@ -23,13 +23,19 @@ struct Waiter {
     reply: ConnectReply,
 }
 
+type PingReply = oneshot::Sender<Result<Duration, ControlError>>;
+
 struct Driver<C> {
     reg: Registry,
     chan: C,
     events: broadcast::Sender<PeerEvent>,
     owner: EventQueue,
     waiters: HashMap<ConnectionId, Vec<Waiter>>,
-    pings: HashMap<(ConnectionId, u64), oneshot::Sender<Result<Duration, ControlError>>>,
+    /// Explicit pings waiting for their pong, per connection, oldest
+    /// first: at most [`MAX_PROBES`] each (the peer machine recognizes no
+    /// older pong), so a peer that stays up but never answers them holds
+    /// a bounded number, however often it is pinged.
+    pings: HashMap<ConnectionId, VecDeque<(u64, PingReply)>>,
 }
 
 pub(super) async fn run<C: Channel>(
@@ -194,9 +200,7 @@ impl<C: Channel> Driver<C> {
                 let _ = reply.send(r);
             }
             Command::Ping { id, reply } => match self.reg.ping(t, id) {
-                Some(seq) => {
-                    self.pings.insert((id, seq), reply);
-                }
+                Some(seq) => self.wait_pong(id, seq, reply),
                 None => {
                     let err = match self.reg.peer(id) {
                         None => ControlError::UnknownPeer(id),
@@ -267,6 +271,7 @@ impl<C: Channel> Driver<C> {
             Command::Stats { reply } => {
                 let mut stats = self.reg.stats();
                 stats.events_dropped += self.owner.dropped();
+                stats.pings_waiting = self.pings.values().map(|w| w.len() as u64).sum();
                 let _ = reply.send(stats);
             }
             Command::Close { reply } => {
@@ -329,6 +334,31 @@ impl<C: Channel> Driver<C> {
         self.owner.prune(reg.len(), |id| reg.peer(id).is_some());
     }
 
+    /// Remembers a ping until its pong. Callers that gave up (their
+    /// `ping` timed out, past the death bound, or was dropped) are
+    /// forgotten; past [`MAX_PROBES`] waiting, the oldest is answered with
+    /// [`ControlError::PingDropped`] (the peer machine just forgot it too).
+    fn wait_pong(&mut self, id: ConnectionId, seq: u64, reply: PingReply) {
+        let waiting = self.pings.entry(id).or_default();
+        waiting.retain(|(_, r)| !r.is_closed());
+        while waiting.len() >= MAX_PROBES {
+            let Some((_, oldest)) = waiting.pop_front() else {
+                break;
+            };
+            let addr = self
+                .reg
+                .peer(id)
+                .map(|p| p.addr().to_owned())
+                .unwrap_or_default();
+            let _ = oldest.send(Err(ControlError::PingDropped {
+                peer: id,
+                addr,
+                waiting: MAX_PROBES,
+            }));
+        }
+        waiting.push_back((seq, reply));
+    }
+
     fn resolve(&mut self, ev: &PeerEvent) {
         let failure = match &ev.event {
             Event::Ready(info) => {
@@ -348,8 +378,15 @@ impl<C: Channel> Driver<C> {
                 return;
             }
             Event::Pong { seq, rtt } => {
-                if let Some(reply) = self.pings.remove(&(ev.id, *seq)) {
-                    let _ = reply.send(Ok(*rtt));
+                if let Some(waiting) = self.pings.get_mut(&ev.id) {
+                    if let Some(i) = waiting.iter().position(|(s, _)| s == seq) {
+                        if let Some((_, reply)) = waiting.remove(i) {
+                            let _ = reply.send(Ok(*rtt));
+                        }
+                    }
+                    if waiting.is_empty() {
+                        self.pings.remove(&ev.id);
+                    }
                 }
                 return;
             }
@@ -365,7 +402,7 @@ impl<C: Channel> Driver<C> {
             ),
             _ => return,
         };
-        self.pings.retain(|(id, _), _| *id != ev.id);
+        self.pings.remove(&ev.id);
         let Some(ws) = self.waiters.remove(&ev.id) else {
             return;
         };

@@ -62,6 +62,10 @@ pub(crate) struct Cluster {
     dials: HashMap<(usize, u64), (usize, Vec<u8>)>,
     /// (target node, routing id) -> (origin node, conn id)
     routes: HashMap<(usize, Vec<u8>), (usize, u64)>,
+    /// Dials so far: every dial gets a fresh routing id, as with the ZMQ
+    /// channel (a node restarted, or a connection dialing again, never
+    /// reuses one; a hello on a live connection's routing id is refused).
+    opened: u64,
     pub(crate) sent: Vec<Sent>,
 }
 
@@ -95,6 +99,7 @@ impl Cluster {
             partitions: HashSet::new(),
             wire: BinaryHeap::new(),
             seq: 0,
+            opened: 0,
             rng: 0x1234_5678,
             dials: HashMap::new(),
             routes: HashMap::new(),
@@ -204,7 +209,8 @@ impl Cluster {
                         let target = addr.as_deref().and_then(|a| self.find(a));
                         match target.filter(|&t| self.nodes[t].up) {
                             Some(t) => {
-                                let rid = format!("sim-{i}-{}", id.0).into_bytes();
+                                self.opened += 1;
+                                let rid = format!("sim-{i}-{}-{}", id.0, self.opened).into_bytes();
                                 self.dials.insert((i, id.0), (t, rid.clone()));
                                 self.routes.insert((t, rid), (i, id.0));
                             }

@@ -751,6 +751,11 @@ impl PeerConn {
         Some(match status {
             Status::Ok => return None,
             Status::UnknownKey => DataError::UnknownKey { peer, key },
+            Status::Revoked => DataError::RemoteRegionRevoked {
+                peer,
+                key,
+                addr: self.addr,
+            },
             Status::NotifyQueueFull => DataError::NotificationQueueFull {
                 peer,
                 addr: self.addr,

@@ -105,6 +105,7 @@
 
 mod initiator;
 mod io;
+mod lease;
 mod outq;
 mod pool;
 mod serve;
@@ -125,6 +126,7 @@ use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
 use initiator::{ConnectConfig, Job, PeerConn, XferState};
+use lease::Served;
 use pool::IoPool;
 use serde::{Deserialize, Serialize};
 use server::{Counters, Credentials, RegionTable, Server, ServerConfig};
@@ -253,6 +255,12 @@ pub struct TcpConfig {
     /// Payload bytes of the notifications held (see `max_notifications`).
     /// Default 64 MiB.
     pub max_notification_bytes: usize,
+    /// How long [`deregister`](Backend::deregister) lets requests the
+    /// target already accepted on the region finish before it cuts them
+    /// (see [`TcpBackend`]'s *Deregistration*). Default 100 ms: a request
+    /// is at most [`chunk_bytes`](Self::chunk_bytes) long, which a live
+    /// peer moves in far less; one that stalls is cut.
+    pub deregister_grace: Duration,
 }
 
 impl Default for TcpConfig {
@@ -274,6 +282,7 @@ impl Default for TcpConfig {
             io_threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
             max_notifications: MAX_NOTIFICATIONS,
             max_notification_bytes: MAX_NOTIFICATION_BYTES,
+            deregister_grace: Duration::from_millis(100),
         }
     }
 }
@@ -429,6 +438,22 @@ struct PeerSlot {
 }
 
 /// Software one-sided RDMA over TCP (see the [module docs](self)).
+///
+/// # Deregistration
+///
+/// [`deregister`](Backend::deregister) returns once the target side no
+/// longer reads or writes the region, so its memory may be freed right
+/// after (what `Region::from_raw`'s contract needs). Requests for its key
+/// that arrive later are refused ([`DataError::UnknownKey`] at the
+/// initiator). Requests already accepted get
+/// [`TcpConfig::deregister_grace`] to finish; those still in progress
+/// then are cut: a WRITE fails with [`DataError::RemoteRegionRevoked`]
+/// (part of it may have landed), a READ whose answer is being sent ends
+/// its connection, failing the initiator's transfers on it with
+/// [`DataError::PeerLost`]. Cut requests are counted
+/// ([`TcpCounters::requests_cut`]). In the rare case an I/O thread does
+/// not confirm, the error is [`DataError::DeregisterStuck`] and the memory
+/// must be kept.
 pub struct TcpBackend {
     config: TcpConfig,
     endpoint: TcpEndpoint,
@@ -832,20 +857,25 @@ impl Backend for TcpBackend {
 
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
         let key = self.registry.register("tcp", region)?;
+        // Registered again: the accesses in flight stay counted on the
+        // entry they leased.
         self.regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, region.clone());
+            .entry(key)
+            .or_insert_with(|| Served::new(region.clone()));
         Ok(region.advert(key))
     }
 
+    /// Stops serving the region, and returns once the target side touches
+    /// its memory no more (see *Deregistration* in [`TcpBackend`]'s docs):
+    /// the caller may then free it. Blocks for up to
+    /// [`TcpConfig::deregister_grace`] (plus one turn of the I/O threads)
+    /// while peers' requests on the region are in flight.
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
         let key = self.registry.deregister(region)?;
-        self.regions
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&key);
-        Ok(())
+        self.server
+            .deregister(key, region, self.config.deregister_grace)
     }
 
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {

@@ -10,11 +10,13 @@
 //! piece of staged memory per connection, whatever length it asked for.
 
 use super::io::{DIRECT_MIN, IO_BUF};
+use super::lease::{Lease, Served};
 use crate::memory::{send_vectored, IoPart, Region};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::os::fd::AsFd;
+use std::sync::Arc;
 
 /// Output buffers that grew to this and more are kept for reuse when
 /// written ([`SPARE`]).
@@ -104,10 +106,11 @@ impl<T: Read + AsFd> Sock for T {
 /// Most bytes of a GPU payload staged into host memory at once.
 const STAGE: u64 = 1 << 20;
 
-/// One queued piece of output.
+/// One queued piece of output. A target's answer from region memory holds
+/// a lease on it ([`Outq::leased`]) until it has left.
 enum Out {
     Buf(Vec<u8>),
-    Mem(Region, u64, u64),
+    Mem(Region, u64, u64, Option<Lease>),
     /// `len` bytes of GPU `region` from `offset`; `piece` holds the bytes
     /// from `at` (relative to `offset`) that are staged now.
     Staged {
@@ -116,6 +119,7 @@ enum Out {
         len: u64,
         at: u64,
         piece: Vec<u8>,
+        lease: Option<Lease>,
     },
 }
 
@@ -123,7 +127,7 @@ impl Out {
     fn len(&self) -> usize {
         match self {
             Self::Buf(v) => v.len(),
-            Self::Mem(_, _, len) | Self::Staged { len, .. } => {
+            Self::Mem(_, _, len, _) | Self::Staged { len, .. } => {
                 usize::try_from(*len).unwrap_or(usize::MAX)
             }
         }
@@ -198,6 +202,37 @@ impl Outq {
 
     /// Queues `len` bytes of `region` from `offset`.
     pub(crate) fn region(&mut self, region: &Region, offset: u64, len: u64) -> io::Result<()> {
+        self.queue_region(region, offset, len, None)
+    }
+
+    /// Queues `len` bytes of the region `lease` is on, from `offset`; the
+    /// lease is held until they have left (dropped at once when they are
+    /// copied here).
+    pub(crate) fn leased(&mut self, lease: Lease, offset: u64, len: u64) -> io::Result<()> {
+        let region = lease.region().clone();
+        self.queue_region(&region, offset, len, Some(lease))
+    }
+
+    /// Queued segments that hold a lease on `served`.
+    pub(crate) fn leases_on(&self, served: &Arc<Served>) -> usize {
+        self.segs
+            .iter()
+            .filter(|seg| match seg {
+                Out::Mem(_, _, _, lease) | Out::Staged { lease, .. } => {
+                    lease.as_ref().is_some_and(|l| l.is_on(served))
+                }
+                Out::Buf(_) => false,
+            })
+            .count()
+    }
+
+    fn queue_region(
+        &mut self,
+        region: &Region,
+        offset: u64,
+        len: u64,
+        lease: Option<Lease>,
+    ) -> io::Result<()> {
         if region.device().is_some() {
             // GPU memory: staged out a piece at a time when written (no
             // socket I/O straight from device memory).
@@ -216,6 +251,7 @@ impl Outq {
                 len,
                 at: 0,
                 piece: Vec::new(),
+                lease,
             });
             return Ok(());
         }
@@ -234,7 +270,8 @@ impl Outq {
         self.bytes = self
             .bytes
             .saturating_add(usize::try_from(len).unwrap_or(usize::MAX));
-        self.segs.push_back(Out::Mem(region.clone(), offset, len));
+        self.segs
+            .push_back(Out::Mem(region.clone(), offset, len, lease));
         Ok(())
     }
 
@@ -264,6 +301,7 @@ impl Outq {
             len,
             at,
             piece,
+            ..
         }) = self.segs.front_mut()
         else {
             return Ok(());
@@ -289,7 +327,7 @@ impl Outq {
         for (i, seg) in self.segs.iter().take(self.slices).enumerate() {
             parts.push(match seg {
                 Out::Buf(v) => IoPart::Bytes(&v[skip..]),
-                Out::Mem(region, off, len) => {
+                Out::Mem(region, off, len, _) => {
                     IoPart::Region(region, off + skip as u64, len - skip as u64)
                 }
                 Out::Staged { .. } if i > 0 => break,

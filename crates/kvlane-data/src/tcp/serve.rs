@@ -14,6 +14,7 @@
 //! connection stops reading until the peer has taken them.
 
 use super::io::{DIRECT_MIN, IO_BUF};
+use super::lease::{Lease, Served};
 use super::outq::{Outq, Sock};
 use super::server::{bump, check_request, Counters, RegionTable};
 use super::shared::Shared;
@@ -22,9 +23,9 @@ use super::wire::{
     REQUEST_LEN,
 };
 use crate::ids::PeerId;
-use crate::memory::Region;
 use bytes::Bytes;
 use std::io;
+use std::sync::Arc;
 
 /// Answers queued (headers and READ payloads) before the connection stops
 /// reading requests: bounds the memory one peer can make us hold and keeps
@@ -93,7 +94,7 @@ enum Incoming {
     Hello(Challenge),
     Header,
     Write {
-        region: Region,
+        lease: Lease,
         offset: u64,
         len: u64,
         done: u64,
@@ -109,6 +110,15 @@ enum Incoming {
         tag: u64,
         status: Status,
     },
+}
+
+/// What [`ServeConn::cut`] cut.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Cut {
+    /// Requests cut.
+    pub(crate) requests: usize,
+    /// The connection must be closed (a READ answer was cut).
+    pub(crate) close: bool,
 }
 
 /// The read buffer of one drive: a per-thread scratch buffer, of which
@@ -172,6 +182,39 @@ impl ServeConn {
     /// The peer whose credential the connection presented, once it has.
     pub(crate) fn peer(&self) -> Option<PeerId> {
         self.peer
+    }
+
+    /// Drops every lease this connection holds on `served` (its region
+    /// was deregistered), so that it touches the region no more. A WRITE
+    /// being received is refused with [`Status::Revoked`] once the rest of
+    /// its payload has been read and dropped (what landed before stays);
+    /// the initiator's transfer fails. A READ answer queued or being sent
+    /// from the region cannot be refused any more (its header went ahead
+    /// of it): the connection must be closed (`close`), which fails the
+    /// initiator's transfers on it.
+    pub(crate) fn cut(&mut self, served: &Arc<Served>) -> Cut {
+        let mut cut = Cut::default();
+        if let Incoming::Write {
+            lease,
+            len,
+            done,
+            tag,
+            ..
+        } = &self.incoming
+        {
+            if lease.is_on(served) {
+                self.incoming = Incoming::Skip {
+                    left: *len - *done,
+                    tag: *tag,
+                    status: Status::Revoked,
+                };
+                cut.requests += 1;
+            }
+        }
+        let reads = self.out.leases_on(served);
+        cut.requests += reads;
+        cut.close = reads > 0;
+        cut
     }
 
     /// Serves until the socket would block; `Err` ends the connection.
@@ -272,7 +315,7 @@ impl ServeConn {
             input.start = 0;
             input.end = 0;
             if let Incoming::Write {
-                region,
+                lease,
                 offset,
                 len,
                 done,
@@ -280,6 +323,7 @@ impl ServeConn {
             } = &mut self.incoming
             {
                 let left = *len - *done;
+                let region = lease.region();
                 // GPU memory takes the buffered path (staged by `copy_in`).
                 if left >= DIRECT_MIN as u64 && region.device().is_none() {
                     let n = s.read_into(region, *offset + *done, left)?;
@@ -338,7 +382,7 @@ impl ServeConn {
                     self.request(&req, ctx)?;
                 }
                 Incoming::Write {
-                    region,
+                    lease,
                     offset,
                     len,
                     done,
@@ -349,7 +393,8 @@ impl ServeConn {
                         let src = &rbuf[..n as usize];
                         // Host memory: a copy; GPU memory: staged onto the
                         // device before the ack.
-                        region
+                        lease
+                            .region()
                             .copy_in(*offset + *done, src)
                             .map_err(|e| End::Io(io::Error::other(e)))?;
                         input.start += n as usize;
@@ -416,16 +461,16 @@ impl ServeConn {
         };
         let c = ctx.counters;
         match checked {
-            Ok(Some(region)) if req.kind == RequestKind::Write => {
+            Ok(Some(lease)) if req.kind == RequestKind::Write => {
                 self.incoming = Incoming::Write {
-                    region,
+                    lease,
                     offset: req.offset,
                     len: req.len,
                     done: 0,
                     tag: req.tag,
                 };
             }
-            Ok(Some(region)) => {
+            Ok(Some(lease)) => {
                 self.out.put(
                     &Response {
                         status: Status::Ok,
@@ -433,7 +478,9 @@ impl ServeConn {
                     }
                     .encode(),
                 );
-                self.out.region(&region, req.offset, req.len)?;
+                // Sent from region memory as the socket takes it: the
+                // lease stays with the queued answer until it has left.
+                self.out.leased(lease, req.offset, req.len)?;
                 bump(&c.reads_served, 1);
                 bump(&c.bytes_read, req.len);
             }
@@ -463,7 +510,7 @@ impl ServeConn {
 mod tests {
     use super::*;
     use crate::ids::RemoteKey;
-    use crate::memory::{Access, IoPart};
+    use crate::memory::{Access, IoPart, Region};
     use crate::tcp::server::RegionTable;
 
     /// Input all at once, output taken `piece` bytes per round.
@@ -545,7 +592,7 @@ mod tests {
         regions
             .write()
             .unwrap()
-            .insert(RemoteKey(1), region.clone());
+            .insert(RemoteKey(1), Served::new(region.clone()));
         let (shared, counters) = (Shared::default(), Counters::default());
         let ctx = Ctx {
             regions: &regions,

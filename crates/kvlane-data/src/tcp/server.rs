@@ -25,8 +25,14 @@
 //! - A connection whose serving **panics** is closed, its slot freed and
 //!   the panic counted; a panic of an I/O thread's loop is logged and
 //!   closes that thread's connections (their peers see the connection end).
+//!
+//! Deregistration: a request that passed the checks holds a lease on its
+//! region until it is done with the memory (`lease.rs`);
+//! [`Server::deregister`] waits for the leases, then cuts those left on
+//! every thread, so that no byte of the region is touched once it returns.
 
 use super::io::{tune_socket, SocketOptions};
+use super::lease::{Lease, Served};
 use super::serve::{Ctx, Drove, End, ServeConn};
 use super::shared::{lock, Shared};
 use super::wire::{
@@ -34,7 +40,7 @@ use super::wire::{
     TOKEN_LEN,
 };
 use crate::error::DataError;
-use crate::ids::{FastMap, PeerId, RemoteKey};
+use crate::ids::{FastMap, PeerId, RegionId, RemoteKey};
 use crate::memory::Region;
 use crate::progress::process_pool;
 use mio::net::{TcpListener, TcpStream};
@@ -59,8 +65,8 @@ const WAKE: Token = Token(0);
 /// thread.
 const FIRST_TOKEN: usize = 1;
 
-/// Regions served, by key.
-pub(crate) type RegionTable = RwLock<HashMap<RemoteKey, Region>>;
+/// Regions served, by key, with the accesses to each in flight.
+pub(crate) type RegionTable = RwLock<HashMap<RemoteKey, Arc<Served>>>;
 
 /// Counters of the target side, for monitoring and tests
 /// (see [`TcpBackend::counters`](super::TcpBackend::counters)).
@@ -99,6 +105,12 @@ pub struct TcpCounters {
     /// application has not taken yet was full (see
     /// [`TcpConfig::max_notifications`](super::TcpConfig::max_notifications)).
     pub refused_notify_queue_full: u64,
+    /// Requests cut because their region was deregistered while they were
+    /// in progress (past [`TcpConfig::deregister_grace`](super::TcpConfig::deregister_grace)):
+    /// a WRITE is answered with a refusal
+    /// ([`DataError::RemoteRegionRevoked`]) and the rest of its payload
+    /// dropped; a READ whose answer is being sent ends its connection.
+    pub requests_cut: u64,
     /// READ requests served.
     pub reads_served: u64,
     /// WRITE requests served.
@@ -127,6 +139,7 @@ impl TcpCounters {
             refused_out_of_bounds,
             refused_access,
             refused_notify_queue_full,
+            requests_cut,
             reads_served,
             writes_served,
             notifications,
@@ -145,6 +158,7 @@ impl TcpCounters {
         self.refused_out_of_bounds += refused_out_of_bounds;
         self.refused_access += refused_access;
         self.refused_notify_queue_full += refused_notify_queue_full;
+        self.requests_cut += requests_cut;
         self.reads_served += reads_served;
         self.writes_served += writes_served;
         self.notifications += notifications;
@@ -167,6 +181,7 @@ pub(crate) struct Counters {
     pub(crate) refused_out_of_bounds: AtomicU64,
     pub(crate) refused_access: AtomicU64,
     pub(crate) refused_notify_queue_full: AtomicU64,
+    pub(crate) requests_cut: AtomicU64,
     pub(crate) reads_served: AtomicU64,
     pub(crate) writes_served: AtomicU64,
     pub(crate) notifications: AtomicU64,
@@ -194,6 +209,7 @@ impl Counters {
             refused_out_of_bounds: g(&self.refused_out_of_bounds),
             refused_access: g(&self.refused_access),
             refused_notify_queue_full: g(&self.refused_notify_queue_full),
+            requests_cut: g(&self.requests_cut),
             reads_served: g(&self.reads_served),
             writes_served: g(&self.writes_served),
             notifications: g(&self.notifications),
@@ -209,28 +225,32 @@ impl Counters {
             Status::OutOfBounds(_) => bump(&self.refused_out_of_bounds, 1),
             Status::AccessDenied(_) => bump(&self.refused_access, 1),
             Status::NotifyQueueFull => bump(&self.refused_notify_queue_full, 1),
+            Status::Revoked => bump(&self.requests_cut, 1),
         }
     }
 }
 
 /// The target's checks for one request: key known, right present, range
 /// inside the region (overflow-safe). `Ok(None)` for notifications, which
-/// touch no region. Nothing is read or written before this returns `Ok`.
+/// touch no region. Nothing is read or written before this returns `Ok`,
+/// and then only under the returned lease (called under the table's read
+/// lock, so that a deregistration waits for or cuts the access).
 pub(crate) fn check_request(
-    regions: &HashMap<RemoteKey, Region>,
+    regions: &HashMap<RemoteKey, Arc<Served>>,
     req: &Request,
-) -> Result<Option<Region>, Status> {
+) -> Result<Option<Lease>, Status> {
     let Some(op) = req.kind.op() else {
         return Ok(None);
     };
-    let region = regions.get(&req.key).ok_or(Status::UnknownKey)?;
+    let served = regions.get(&req.key).ok_or(Status::UnknownKey)?;
+    let region = served.region();
     // The peer id only names the peer in the error, which the target does
     // not report; the status carries what the initiator needs.
     match region
         .advert(req.key)
         .check(PeerId(0), op, req.offset, req.len)
     {
-        Ok(()) => Ok(Some(region.clone())),
+        Ok(()) => Ok(Some(served.lease())),
         Err(DataError::AccessDenied { granted, .. }) => Err(Status::AccessDenied(granted.bits())),
         Err(DataError::RemoteOutOfBounds { region_len, .. }) => {
             Err(Status::OutOfBounds(region_len))
@@ -246,7 +266,7 @@ pub(crate) fn check_request(
 pub fn fuzz_request(data: &[u8]) {
     use crate::memory::Access;
     use std::sync::OnceLock;
-    static TABLE: OnceLock<HashMap<RemoteKey, Region>> = OnceLock::new();
+    static TABLE: OnceLock<HashMap<RemoteKey, Arc<Served>>> = OnceLock::new();
     let table = TABLE.get_or_init(|| {
         let mut t = HashMap::new();
         for (key, len, access) in [
@@ -256,7 +276,7 @@ pub fn fuzz_request(data: &[u8]) {
             (u32::MAX, 65_536, Access::NONE),
         ] {
             if let Ok(region) = Region::alloc(len, access) {
-                t.insert(RemoteKey(key), region);
+                t.insert(RemoteKey(key), Served::new(region));
             }
         }
         t
@@ -269,7 +289,8 @@ pub fn fuzz_request(data: &[u8]) {
         };
         assert_eq!(Request::decode(&req.encode()), Ok(req));
         match check_request(table, &req) {
-            Ok(Some(region)) => {
+            Ok(Some(lease)) => {
+                let region = lease.region();
                 let end = req.offset.checked_add(req.len);
                 assert!(end.is_some_and(|e| e <= region.len()), "{req:?} accepted");
                 let needed = req.kind.op().map(crate::transfer::Op::remote_access);
@@ -313,7 +334,7 @@ pub fn fuzz_serve(data: &[u8]) {
         regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(RemoteKey(key), region.clone());
+            .insert(RemoteKey(key), Served::new(region.clone()));
         guards.push(region);
     }
     let shared = Shared::default();
@@ -520,6 +541,9 @@ enum Cmd {
     /// The server is going away: drop its listener and connections, then
     /// answer.
     Detach(u64, mpsc::Sender<()>),
+    /// A region of this server was deregistered: cut the accesses to it
+    /// its connections here still hold, then answer.
+    Cut(u64, Arc<Served>, mpsc::Sender<()>),
 }
 
 /// How other threads reach one I/O thread.
@@ -691,6 +715,59 @@ impl Server {
         }
     }
 
+    /// Stops serving the region under `key` (`region` names it in errors).
+    /// Requests that arrive from now on are refused (unknown key).
+    /// Requests already accepted may finish within `grace`; past it,
+    /// every I/O thread cuts those left ([`ServeConn::cut`]: a WRITE is
+    /// refused, the rest of its payload dropped; a READ being answered
+    /// ends its connection). Returns once no access to the region is in
+    /// flight: from then on its memory is neither read nor written. An
+    /// I/O thread that does not answer within [`DETACH_WAIT`] (it would
+    /// be stuck inside one copy) makes this an error, and the memory must
+    /// then be kept.
+    pub(crate) fn deregister(
+        &self,
+        key: RemoteKey,
+        region: RegionId,
+        grace: Duration,
+    ) -> Result<(), DataError> {
+        let served = self
+            .state
+            .regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+        let Some(served) = served else {
+            return Ok(());
+        };
+        if served.wait_idle(grace) {
+            return Ok(());
+        }
+        let (tx, rx) = mpsc::channel();
+        for h in &self.pool.homes {
+            h.send(Cmd::Cut(self.state.id, served.clone(), tx.clone()));
+        }
+        drop(tx);
+        let started = Instant::now();
+        for _ in &self.pool.homes {
+            // A thread that is gone answered when it left (see `run`).
+            if rx.recv_timeout(DETACH_WAIT).is_err() {
+                break;
+            }
+        }
+        // Every lease was dropped by the threads that held it; none can be
+        // taken since the entry left the table.
+        if served.wait_idle(Duration::ZERO) {
+            return Ok(());
+        }
+        tracing::error!(%region, addr = %self.addr, "a tcp I/O thread did not let a deregistered region go");
+        Err(DataError::DeregisterStuck {
+            region,
+            in_flight: served.leases(),
+            waited: grace + started.elapsed(),
+        })
+    }
+
     /// Authenticated connections served now.
     #[cfg(test)]
     fn authenticated(&self) -> usize {
@@ -776,7 +853,8 @@ impl Worker {
         }
         // Detaching servers must not wait on a thread that is gone.
         for cmd in lock(&self.home.inbox).drain(..) {
-            if let Cmd::Detach(_, done) = cmd {
+            // This thread serves nothing any more: it touches no region.
+            if let Cmd::Detach(_, done) | Cmd::Cut(_, _, done) = cmd {
                 let _ = done.send(());
             }
         }
@@ -851,6 +929,10 @@ impl Worker {
                 self.adopt(server, stream, from);
             }
             Cmd::Revoked(id) => self.close_revoked(id),
+            Cmd::Cut(id, served, done) => {
+                self.cut(id, &served);
+                let _ = done.send(());
+            }
             Cmd::Detach(id, done) => {
                 self.listeners.retain(|_, (s, _)| s.id != id);
                 let gone: Vec<usize> = self
@@ -1044,6 +1126,29 @@ impl Worker {
         }
     }
 
+    /// Cuts the accesses to `served` that the connections of server `id`
+    /// here hold (see [`ServeConn::cut`]); a connection that was sending a
+    /// READ answer from it is closed.
+    fn cut(&mut self, id: u64, served: &Arc<Served>) {
+        let mut closing = Vec::new();
+        for (token, c) in &mut self.conns {
+            if c.server.id != id {
+                continue;
+            }
+            let cut = c.serve.cut(served);
+            if cut.requests > 0 {
+                bump(&c.server.counters.requests_cut, cut.requests as u64);
+                tracing::debug!(from = %c.from, peer = ?c.peer, requests = cut.requests, close = cut.close, "requests cut: their region was deregistered");
+            }
+            if cut.close {
+                closing.push(*token);
+            }
+        }
+        for token in closing {
+            self.close(token);
+        }
+    }
+
     fn close_revoked(&mut self, id: u64) {
         let revoked: Vec<usize> = self
             .conns
@@ -1126,17 +1231,18 @@ mod tests {
     use crate::memory::Access;
     use proptest::prelude::*;
 
-    fn table() -> HashMap<RemoteKey, Region> {
+    fn table() -> HashMap<RemoteKey, Arc<Served>> {
         let mut t = HashMap::new();
-        t.insert(RemoteKey(1), Region::alloc(4096, Access::ALL).unwrap());
-        t.insert(
-            RemoteKey(2),
-            Region::alloc(100, Access::REMOTE_READ).unwrap(),
-        );
-        t.insert(
-            RemoteKey(3),
-            Region::alloc(10, Access::REMOTE_WRITE).unwrap(),
-        );
+        for (key, len, access) in [
+            (1, 4096, Access::ALL),
+            (2, 100, Access::REMOTE_READ),
+            (3, 10, Access::REMOTE_WRITE),
+        ] {
+            t.insert(
+                RemoteKey(key),
+                Served::new(Region::alloc(len, access).unwrap()),
+            );
+        }
         t
     }
 
@@ -1156,13 +1262,14 @@ mod tests {
             let r = check_request(&t, &req);
             match t.get(&RemoteKey(key)) {
                 None => prop_assert_eq!(r.err(), Some(Status::UnknownKey)),
-                Some(region) => {
+                Some(served) => {
+                    let region = served.region();
                     let needed = if write { Access::REMOTE_WRITE } else { Access::REMOTE_READ };
                     let fits = offset.checked_add(len).is_some_and(|e| e <= region.len());
                     match r {
                         Ok(Some(got)) => {
                             prop_assert!(fits && region.access().contains(needed));
-                            prop_assert_eq!(got.id(), region.id());
+                            prop_assert_eq!(got.region().id(), region.id());
                         }
                         Err(Status::AccessDenied(bits)) => {
                             prop_assert!(!region.access().contains(needed));
@@ -1172,7 +1279,7 @@ mod tests {
                             prop_assert!(!fits && region.access().contains(needed));
                             prop_assert_eq!(n, region.len());
                         }
-                        other => prop_assert!(false, "unexpected {:?}", other.map(|r| r.map(|r| r.id()))),
+                        other => prop_assert!(false, "unexpected {:?}", other.map(|r| r.map(|r| r.region().id()))),
                     }
                 }
             }

@@ -415,6 +415,10 @@ pub enum Status {
     /// application has not taken yet is full. The payload was read and
     /// dropped; the data of the transfer it belongs to has landed.
     NotifyQueueFull,
+    /// A WRITE was cut: its region was deregistered while its payload
+    /// was arriving. Part of the payload may have landed; the rest was
+    /// read and dropped.
+    Revoked,
 }
 
 /// A response header.
@@ -436,6 +440,7 @@ impl Response {
             Status::OutOfBounds(len) => (2, len),
             Status::AccessDenied(bits) => (3, u64::from(bits)),
             Status::NotifyQueueFull => (4, 0),
+            Status::Revoked => (5, 0),
         };
         b[0] = code;
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
@@ -456,6 +461,7 @@ impl Response {
             // Only the low byte carries access bits.
             3 => Status::AccessDenied(aux.to_le_bytes()[0]),
             4 => Status::NotifyQueueFull,
+            5 => Status::Revoked,
             other => return Err(FrameError::BadCode(other)),
         };
         Ok(Self {
@@ -487,6 +493,7 @@ mod tests {
             Status::OutOfBounds(12345),
             Status::AccessDenied(2),
             Status::NotifyQueueFull,
+            Status::Revoked,
         ] {
             let r = Response { status, tag: 5 };
             assert_eq!(Response::decode(&r.encode()), Ok(r));
@@ -512,7 +519,7 @@ mod tests {
         assert_eq!(Request::decode(&b), Err(FrameError::BadNotify));
         // Status codes past the last one are framing errors.
         let mut r = [0u8; RESPONSE_LEN];
-        for code in [5u8, 0x80, 0xff] {
+        for code in [6u8, 0x80, 0xff] {
             r[0] = code;
             assert_eq!(Response::decode(&r), Err(FrameError::BadCode(code)));
         }
