@@ -238,9 +238,13 @@ mod raw {
             assert!(sent.len() >= HELLO_LEN, "the hello went through the proxy");
             sent[..HELLO_LEN].to_vec()
         };
-        // The observer replays it, then asks for memory.
+        // The observer takes its own fresh challenge, replays the hello,
+        // then asks for memory.
         let before = t.backend.counters();
         let mut s = connect(&t.ep);
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        s.read_exact(&mut challenge).unwrap();
+        assert_eq!(challenge[..HELLO_ACK.len()], HELLO_ACK, "the challenge's header");
         let read = Request {
             kind: RequestKind::Read,
             key: t.all.1.key,
@@ -249,10 +253,11 @@ mod raw {
             len: 4096,
         };
         let _ = s.write_all(&[&captured[..], &read.encode()].concat());
+        // After the challenge (whose header is the ack's), nothing: no ack.
         let got = drain(s);
         assert!(
             !got.windows(HELLO_ACK.len()).any(|w| w == HELLO_ACK),
-            "the replayed hello was accepted ({} bytes came back)",
+            "the replayed hello was accepted ({} bytes came back after the challenge)",
             got.len()
         );
         assert!(got.len() < RESPONSE_LEN + 4096, "memory was read");
