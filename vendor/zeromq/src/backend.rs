@@ -187,11 +187,19 @@ impl GenericSocketBackend {
     /// `remove_sync` blocked every worker thread of the runtime: nothing
     /// drove I/O any more, so the queue never drained (`kvlane serve`
     /// hung after SIGTERM under a hello flood).
+    ///
+    /// Every access to `peers` on the send, connect and disconnect paths
+    /// is a blocking one (`read_sync`, `upsert_sync`, `remove_sync`), each
+    /// held only for the map operation. Mixing in the async ones
+    /// (`get_async`, `upsert_async`) deadlocked: a bucket lock released
+    /// while an async waiter was queued is handed to that waiter's task,
+    /// which holds it until a worker polls it, while the workers were
+    /// parked in `remove_sync` on that very lock (seen in
+    /// `zmq_lifecycle` under a hello flood: both tokio workers in
+    /// `remove_sync`, no thread holding the lock).
     async fn queue_of(&self, peer_id: &PeerIdentity) -> Option<mpsc::Sender<Message>> {
         self.peers
-            .get_async(peer_id)
-            .await
-            .map(|peer| peer.send_queue.clone())
+            .read_sync(peer_id, |_, peer| peer.send_queue.clone())
     }
 
     fn try_send_cached_single_peer(
@@ -322,14 +330,14 @@ impl MultiPeerBackend for GenericSocketBackend {
         }
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
-        self.peers
-            .upsert_async(
-                peer_id.clone(),
-                Peer {
-                    send_queue: queue_sender,
-                },
-            )
-            .await;
+        // kvlane patch: the blocking `upsert_sync`, as every access to
+        // `peers` on this path (see `queue_of`).
+        self.peers.upsert_sync(
+            peer_id.clone(),
+            Peer {
+                send_queue: queue_sender,
+            },
+        );
         self.refresh_single_peer_cache();
         let writer_backend = self.clone();
         let writer_peer_id = peer_id.clone();
