@@ -187,11 +187,19 @@ impl GenericSocketBackend {
     /// `remove_sync` blocked every worker thread of the runtime: nothing
     /// drove I/O any more, so the queue never drained (`kvlane serve`
     /// hung after SIGTERM under a hello flood).
+    ///
+    /// kvlane patch: every access to `peers` is synchronous and holds the
+    /// bucket lock only for the access itself. With `get_async` and
+    /// `upsert_async` beside the blocking `remove_sync` (a disconnect), the
+    /// lock could be handed to an async waiter whose task then had no
+    /// worker thread to run on, because every worker was blocked in
+    /// `remove_sync` on that bucket: the runtime stopped for good (gdb on
+    /// the flood test, 2 workers: one in `disconnect_peer`, one in the
+    /// router's receive, both in `peer_disconnected` -> `lock_sync`; the
+    /// node judged no hello and accepted no connection from then on).
     async fn queue_of(&self, peer_id: &PeerIdentity) -> Option<mpsc::Sender<Message>> {
         self.peers
-            .get_async(peer_id)
-            .await
-            .map(|peer| peer.send_queue.clone())
+            .read_sync(peer_id, |_, peer| peer.send_queue.clone())
     }
 
     fn try_send_cached_single_peer(
@@ -322,14 +330,13 @@ impl MultiPeerBackend for GenericSocketBackend {
         }
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
-        self.peers
-            .upsert_async(
-                peer_id.clone(),
-                Peer {
-                    send_queue: queue_sender,
-                },
-            )
-            .await;
+        // kvlane patch: synchronous, see `queue_of`.
+        self.peers.upsert_sync(
+            peer_id.clone(),
+            Peer {
+                send_queue: queue_sender,
+            },
+        );
         self.refresh_single_peer_cache();
         let writer_backend = self.clone();
         let writer_peer_id = peer_id.clone();
