@@ -107,6 +107,7 @@ mod channel;
 mod config;
 mod driver;
 mod error;
+mod eviction;
 mod group;
 mod ids;
 mod keepalive;

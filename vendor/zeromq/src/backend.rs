@@ -188,15 +188,15 @@ impl GenericSocketBackend {
     /// drove I/O any more, so the queue never drained (`kvlane serve`
     /// hung after SIGTERM under a hello flood).
     ///
-    /// Every access to `peers` on the send, connect and disconnect paths
-    /// is a blocking one (`read_sync`, `upsert_sync`, `remove_sync`), each
-    /// held only for the map operation. Mixing in the async ones
-    /// (`get_async`, `upsert_async`) deadlocked: a bucket lock released
-    /// while an async waiter was queued is handed to that waiter's task,
-    /// which holds it until a worker polls it, while the workers were
-    /// parked in `remove_sync` on that very lock (seen in
-    /// `zmq_lifecycle` under a hello flood: both tokio workers in
-    /// `remove_sync`, no thread holding the lock).
+    /// kvlane patch: every access to `peers` is synchronous and holds the
+    /// bucket lock only for the access itself. With `get_async` and
+    /// `upsert_async` beside the blocking `remove_sync` (a disconnect), the
+    /// lock could be handed to an async waiter whose task then had no
+    /// worker thread to run on, because every worker was blocked in
+    /// `remove_sync` on that bucket: the runtime stopped for good (gdb on
+    /// the flood test, 2 workers: one in `disconnect_peer`, one in the
+    /// router's receive, both in `peer_disconnected` -> `lock_sync`; the
+    /// node judged no hello and accepted no connection from then on).
     async fn queue_of(&self, peer_id: &PeerIdentity) -> Option<mpsc::Sender<Message>> {
         self.peers
             .read_sync(peer_id, |_, peer| peer.send_queue.clone())
@@ -330,8 +330,7 @@ impl MultiPeerBackend for GenericSocketBackend {
         }
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
-        // kvlane patch: the blocking `upsert_sync`, as every access to
-        // `peers` on this path (see `queue_of`).
+        // kvlane patch: synchronous, see `queue_of`.
         self.peers.upsert_sync(
             peer_id.clone(),
             Peer {

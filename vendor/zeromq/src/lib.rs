@@ -357,7 +357,35 @@ pub struct SocketOptions {
     pub(crate) max_message_size: Option<usize>,
     pub(crate) handshake_timeout: Option<Duration>,
     pub(crate) max_connections: Option<usize>,
+    pub(crate) eviction_policy: Option<EvictionPolicy>,
 }
+
+/// kvlane patch. What the accept loop knows of one open accepted connection
+/// that its owner has not protected (see [`SocketOptions::eviction_policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcceptedSlot {
+    /// When the connection was accepted.
+    pub accepted: std::time::Instant,
+    /// When it reached its last new handshake stage (greeting, READY,
+    /// first data message), or `accepted` before the first.
+    pub last_step: std::time::Instant,
+    /// Since when it has waited on its peer: its read half found no more
+    /// input after the last handshake stage it reached (greeting, READY,
+    /// first data message). `None` while this side owes it work (accepted
+    /// but not read yet, or a new stage decoded and not yet answered).
+    pub waiting_since: Option<std::time::Instant>,
+    /// When it decoded its first data message (after the ZMTP handshake).
+    pub first_message: Option<std::time::Instant>,
+}
+
+/// kvlane patch. Picks the connection to evict for a new one at
+/// `max_connections`: called with the open unprotected connections (oldest
+/// accept first) and the current time; returns an index into them, or
+/// `None` when none may go yet: the accept loop then holds the new
+/// connection and accepts no other until a slot frees or the policy names
+/// one (it asks again every millisecond).
+pub type EvictionPolicy =
+    Arc<dyn Fn(&[AcceptedSlot], std::time::Instant) -> Option<usize> + Send + Sync>;
 
 impl Default for SocketOptions {
     fn default() -> Self {
@@ -370,6 +398,7 @@ impl Default for SocketOptions {
             max_message_size: None,
             handshake_timeout: None,
             max_connections: None,
+            eviction_policy: None,
         }
     }
 }
@@ -462,6 +491,13 @@ impl SocketOptions {
     /// closed as soon as it is accepted.
     pub fn max_connections(&mut self, max: usize) -> &mut Self {
         self.max_connections = Some(max);
+        self
+    }
+
+    /// kvlane patch. Which unprotected connection a new one evicts at
+    /// `max_connections` (default: the oldest accepted).
+    pub fn eviction_policy(&mut self, policy: EvictionPolicy) -> &mut Self {
+        self.eviction_policy = Some(policy);
         self
     }
 }

@@ -42,6 +42,7 @@ use super::lane::{DealerTx, Lane, Report, QUEUE, SEND_TIMEOUT};
 use super::{Channel, ChannelEvent};
 use crate::config::Config;
 use crate::error::ControlError;
+use crate::eviction::{Eviction, Unproven};
 use crate::ids::ConnectionId;
 use crate::registry::Link;
 
@@ -57,6 +58,8 @@ enum Side {
         epoch: u64,
         id: ConnectionId,
         sock: DealerSocket,
+        /// The DEALER's monitor, opened before its connect.
+        monitor: fmpsc::Receiver<SocketEvent>,
     },
 }
 
@@ -236,16 +239,21 @@ impl ZmqChannel {
     /// [`Config::frame_cap`] ends its connection before anything is reserved
     /// for it; at most [`Config::peer_cap`] + [`Config::handshake_cap`]
     /// accepted connections are open at once: past that a new connection
-    /// evicts the oldest one that has not proven itself (still in its ZMTP
-    /// or kvlane handshake, refused, silent or slow; see
-    /// [`Channel::protect_accepted`]), and is closed on accept only when
-    /// every open one has.
+    /// evicts one that has not proven itself (see
+    /// [`Channel::protect_accepted`]): the one that has waited on its peer
+    /// the longest (silent, slow or stuck), never one this side has not
+    /// served yet, while one whose first message arrived (a hello, being
+    /// judged or in a keyed handshake) is spared, within bounds (the
+    /// `eviction` module). While none may go, the new connection waits
+    /// and no other is accepted; it is closed on accept only when every
+    /// open one has proven itself.
     pub async fn bind(addr: &str, config: &Config) -> Result<Self, ControlError> {
         let max_message = zmq_message_cap(config.frame_cap);
         let mut opts = SocketOptions::default();
         opts.max_message_size(max_message)
             .handshake_timeout(config.handshake_timeout)
-            .max_connections(config.peer_cap.saturating_add(config.handshake_cap));
+            .max_connections(config.peer_cap.saturating_add(config.handshake_cap))
+            .eviction_policy(eviction_policy(config));
         let mut router = RouterSocket::with_options(opts);
         let endpoint =
             router
@@ -315,7 +323,13 @@ impl ZmqChannel {
 
     /// A dial finished connecting: split the DEALER, start receiving, send
     /// what was queued meanwhile.
-    fn connected(&mut self, epoch: u64, id: ConnectionId, sock: DealerSocket) {
+    fn connected(
+        &mut self,
+        epoch: u64,
+        id: ConnectionId,
+        sock: DealerSocket,
+        monitor: fmpsc::Receiver<SocketEvent>,
+    ) {
         let Some(dial) = self.dials.get_mut(&id).filter(|d| d.epoch == epoch) else {
             debug!(%id, epoch, "dropped a DEALER that connected after it was replaced");
             return;
@@ -326,7 +340,7 @@ impl ZmqChannel {
         let queued = std::mem::take(queued);
         let (tx, rx) = sock.split();
         self.inbound
-            .insert(epoch, receive(id, epoch, dial.addr.clone(), rx));
+            .insert(epoch, receive(id, epoch, dial.addr.clone(), rx, monitor));
         let side = self.side_tx.clone();
         let addr = dial.addr.clone();
         let report: Report = Arc::new(move |reason| {
@@ -470,7 +484,12 @@ impl Channel for ZmqChannel {
                         }
                         debug!(%id, epoch, "dropped a failure of a replaced DEALER");
                     }
-                    Some(Side::Connected { epoch, id, sock }) => self.connected(epoch, id, sock),
+                    Some(Side::Connected {
+                        epoch,
+                        id,
+                        sock,
+                        monitor,
+                    }) => self.connected(epoch, id, sock, monitor),
                     // The channel holds a sender itself.
                     None => return None,
                 },
@@ -542,6 +561,24 @@ fn zmq_message_cap(frame_cap: usize) -> usize {
     frame_cap.saturating_add(4 * MESSAGE_PART_OVERHEAD)
 }
 
+/// The accept cap's choice of a connection to evict (the `eviction`
+/// module), on what the zeromq accept loop knows of each.
+fn eviction_policy(config: &Config) -> zeromq::EvictionPolicy {
+    let policy = Eviction::from_config(config);
+    Arc::new(move |open: &[zeromq::AcceptedSlot], now| {
+        let open: Vec<Unproven> = open
+            .iter()
+            .map(|s| Unproven {
+                accepted: s.accepted,
+                last_step: s.last_step,
+                waiting_since: s.waiting_since,
+                first_message: s.first_message,
+            })
+            .collect();
+        policy.choose(&open, now)
+    })
+}
+
 /// What the ROUTER receives. A receive error is not expected (the ROUTER
 /// waits while it has no peers); the stream pauses after one so it never spins.
 fn listen(half: RouterRecvHalf) -> BoxStream<'static, ZmqResult<ZmqMessage>> {
@@ -572,10 +609,16 @@ async fn dial(
         opts.peer_identity(pid);
     }
     let mut sock = DealerSocket::with_options(opts);
+    let monitor = sock.monitor();
     let endpoint = format!("tcp://{addr}");
     let reason = match tokio::time::timeout(connect_timeout, sock.connect(&endpoint)).await {
         Ok(Ok(())) => {
-            let _ = side.send(Side::Connected { epoch, id, sock });
+            let _ = side.send(Side::Connected {
+                epoch,
+                id,
+                sock,
+                monitor,
+            });
             return;
         }
         Ok(Err(e)) => format!("connect to {addr} failed: {e}"),
@@ -595,15 +638,26 @@ async fn dial(
     let _ = side.send(Side::Event(epoch, ChannelEvent::Failed { id, reason }));
 }
 
-/// The frames a DEALER receives, ending after the first receive error. The
-/// pending receive lives in the stream, so it stays in flight between polls.
+/// The frames a DEALER receives, ending after the first receive error or
+/// the end of its connection. The pending receive lives in the stream, so
+/// it stays in flight between polls.
+///
+/// A connection the listener closed (an EOF, as when its accept cap evicts
+/// it) ends without a receive error: zeromq drops the peer and its receive
+/// waits for another, reporting the loss only on the monitor. Without
+/// watching it, a dial whose connection was closed after the ZMTP
+/// handshake waited out the whole handshake timeout instead of failing
+/// (and being retried) at once. The monitor reports the loss only after
+/// the frames that came before it were received.
 fn receive(
     id: ConnectionId,
     epoch: u64,
     addr: String,
     half: DealerRecvHalf,
+    monitor: fmpsc::Receiver<SocketEvent>,
 ) -> BoxStream<'static, Received> {
-    stream::unfold(Some((half, addr)), move |state| async move {
+    let lost_addr = addr.clone();
+    let frames = stream::unfold(Some((half, addr)), move |state| async move {
         let (mut half, addr) = state?;
         match half.recv().await {
             Ok(msg) => {
@@ -615,6 +669,20 @@ fn receive(
                 Some(((id, epoch, Err(reason)), None))
             }
         }
-    })
-    .boxed()
+    });
+    let lost = monitor
+        .filter(|ev| std::future::ready(matches!(ev, SocketEvent::Disconnected(_))))
+        .map(move |_| {
+            let reason = format!("connection to {lost_addr} closed by the peer");
+            (id, epoch, Err(reason))
+        });
+    stream::select(frames, lost)
+        .scan(false, |ended, item: Received| {
+            if *ended {
+                return std::future::ready(None);
+            }
+            *ended = item.2.is_err();
+            std::future::ready(Some(item))
+        })
+        .boxed()
 }

@@ -50,15 +50,102 @@ pub(crate) struct ConnectionSlot {
 /// accepted connection: whether its owner vouched for it (`protect`), and
 /// whether the accept loop evicted it for a newer connection (its read
 /// half then ends at its next poll, which frees the slot).
-#[derive(Default)]
 pub(crate) struct SlotState {
     evicted: std::sync::atomic::AtomicBool,
     protected: std::sync::atomic::AtomicBool,
     released: std::sync::atomic::AtomicBool,
     waker: futures::task::AtomicWaker,
+    /// When the accept loop took the connection.
+    accepted: std::time::Instant,
+    /// How far through its handshake the connection got: 0 accepted,
+    /// 1 greeting, 2 a command (READY), 3 a data message.
+    stage: std::sync::atomic::AtomicU8,
+    /// Nanoseconds after `accepted` of the last new stage decoded; 0
+    /// before the first. Repeated steps do not move it.
+    last_step: std::sync::atomic::AtomicU64,
+    /// Nanoseconds after `accepted` since which the connection has waited
+    /// on its peer: its read half found no more input after the last stage
+    /// it reached. `NONE` while this side owes it work: just accepted (its
+    /// handshake task has not read yet), or a new stage decoded and not
+    /// yet followed by an empty read. Bytes that complete no new stage
+    /// (a trickle, a repeated command) do not move it.
+    waiting_since: std::sync::atomic::AtomicU64,
+    /// Nanoseconds after `accepted` of the first data message decoded;
+    /// `NONE` before it.
+    first_message: std::sync::atomic::AtomicU64,
+}
+
+impl Default for SlotState {
+    fn default() -> Self {
+        Self {
+            evicted: Default::default(),
+            protected: Default::default(),
+            released: Default::default(),
+            waker: Default::default(),
+            accepted: std::time::Instant::now(),
+            stage: Default::default(),
+            last_step: Default::default(),
+            waiting_since: std::sync::atomic::AtomicU64::new(Self::NONE),
+            first_message: std::sync::atomic::AtomicU64::new(Self::NONE),
+        }
+    }
 }
 
 impl SlotState {
+    const NONE: u64 = u64::MAX;
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.accepted.elapsed().as_nanos())
+            .unwrap_or(Self::NONE - 1)
+            .min(Self::NONE - 1)
+    }
+
+    /// The connection decoded `item` just now: a new handshake stage
+    /// (greeting, READY, first message) is progress, which this side owes
+    /// an answer until its read half waits again. Only a new stage counts,
+    /// so a peer cannot look fresh by repeating a step.
+    fn step(&self, item: &Message) {
+        use std::sync::atomic::Ordering;
+        let stage = match item {
+            Message::Greeting(_) => 1,
+            Message::Command(_) => 2,
+            Message::Message(_) => 3,
+        };
+        if self.stage.fetch_max(stage, Ordering::AcqRel) >= stage {
+            return;
+        }
+        let now = self.now();
+        self.last_step.store(now, Ordering::Release);
+        if stage == 3 {
+            self.first_message.store(now, Ordering::Release);
+        }
+        self.waiting_since.store(Self::NONE, Ordering::Release);
+    }
+
+    /// The read half found no more input: from now on the connection
+    /// waits on its peer (unless it already did).
+    fn wait(&self) {
+        use std::sync::atomic::Ordering;
+        if self.waiting_since.load(Ordering::Acquire) == Self::NONE {
+            self.waiting_since.store(self.now(), Ordering::Release);
+        }
+    }
+
+    /// What an eviction policy sees of this connection.
+    pub(crate) fn view(&self) -> crate::AcceptedSlot {
+        use std::sync::atomic::Ordering;
+        let at = |ns: u64| {
+            (ns != Self::NONE).then(|| self.accepted + std::time::Duration::from_nanos(ns))
+        };
+        crate::AcceptedSlot {
+            accepted: self.accepted,
+            last_step: self.accepted
+                + std::time::Duration::from_nanos(self.last_step.load(Ordering::Acquire)),
+            waiting_since: at(self.waiting_since.load(Ordering::Acquire)),
+            first_message: at(self.first_message.load(Ordering::Acquire)),
+        }
+    }
+
     /// Marks the connection as one the owner keeps: never evicted.
     pub(crate) fn protect(&self) {
         self.protected
@@ -167,6 +254,30 @@ impl Stream for ZmqFramedRead {
     type Item = CodecResult<Message>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.as_mut().poll_decode(cx);
+        // kvlane patch: what an unprotected accepted connection decodes is
+        // progress through its handshake, and an empty read means it waits
+        // on its peer; the eviction policy weighs both.
+        if let Some(slot) = self.slot.as_ref().filter(|s| !s.state.is_protected()) {
+            match &polled {
+                Poll::Ready(Some(Ok(item)))
+                    if slot.state.stage.load(std::sync::atomic::Ordering::Acquire) < 3 =>
+                {
+                    slot.state.step(item)
+                }
+                Poll::Pending => slot.state.wait(),
+                _ => {}
+            }
+        }
+        polled
+    }
+}
+
+impl ZmqFramedRead {
+    fn poll_decode(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<CodecResult<Message>>> {
         let this = &mut *self;
 
         // kvlane patch: an evicted connection ends here, buffered frames

@@ -90,62 +90,66 @@ where
 {
     let (stop_channel, stop_callback) = futures::channel::oneshot::channel::<()>();
     // kvlane patch: accepted connections open at once, capped; at the cap
-    // the oldest connection its owner did not protect is evicted for the
-    // new one (so connections that never prove themselves cannot hold
-    // every slot); only when every open one is protected is the new one
-    // refused.
+    // a connection its owner did not protect is evicted for the new one,
+    // the one the eviction policy names (default: the oldest), so
+    // connections that never prove themselves cannot hold every slot. When
+    // the policy names none yet (every open one is still owed work by this
+    // side), the new connection waits, and no other is accepted, until a
+    // slot frees or one may go: accepting faster than connections are
+    // served would evict them unread. Only when every open connection is
+    // protected is the new one refused (closed right after accept).
     let live = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut slots: std::collections::VecDeque<Arc<crate::codec::SlotState>> =
         std::collections::VecDeque::new();
+    // Evicted connections whose read half has not ended yet: they still
+    // hold a socket, so at most `max` of them at once.
+    let mut evicted: Vec<Arc<crate::codec::SlotState>> = Vec::new();
     let task_handle = async_rt::task::spawn(async move {
         let mut stop_callback = stop_callback.fuse();
+        let max = options.max_connections.unwrap_or(usize::MAX);
         loop {
-            select! {
-                incoming = listener.accept().fuse() => {
-                    let incoming = incoming.and_then(|(raw_socket, remote_addr)| {
-                        let max = options.max_connections.unwrap_or(usize::MAX);
-                        slots.retain(|s| !s.is_released());
-                        if live.load(std::sync::atomic::Ordering::Acquire) >= max {
-                            let victim = slots
-                                .iter()
-                                .position(|s| !s.is_protected() && !s.is_evicted());
-                            let Some(victim) = victim.and_then(|i| slots.remove(i)) else {
-                                // Dropping the stream closes it.
-                                return Err(std::io::Error::other("max_connections reached"));
-                            };
-                            log::debug!("max_connections reached: evicting the oldest unprotected connection");
-                            victim.evict();
-                        }
-                        live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                        let state = Arc::new(crate::codec::SlotState::default());
-                        slots.push_back(Arc::clone(&state));
-                        let slot = crate::codec::ConnectionSlot {
-                            live: Arc::clone(&live),
-                            state,
-                        };
-                        Ok((raw_socket, remote_addr, slot))
-                    });
-                    let maybe_accepted: Result<_, _> = incoming
-                        .and_then(|(raw_socket, remote_addr, slot)| {
-                            raw_socket
-                                .set_nodelay(true)
-                                .map(|_| {
-                                    tune_socket_buffers(&raw_socket);
-                                    (raw_socket, remote_addr, slot)
-                                })
-                        })
-                        .map(|(raw_socket, remote_addr, slot)| {
-                            let mut io = make_framed(raw_socket, Arc::clone(&options));
-                            io.read_half.slot = Some(slot);
-                            (io, Endpoint::from_tcp_addr(remote_addr))
-                        })
-                        .map_err(|err| err.into());
-                    async_rt::task::spawn(cback(maybe_accepted));
+            let incoming = select! {
+                incoming = listener.accept().fuse() => incoming,
+                _ = stop_callback => break,
+            };
+            let admitted = match incoming {
+                Ok(accepted) => {
+                    let room = select! {
+                        room = make_room(max, &live, &mut slots, &mut evicted, &options).fuse() => room,
+                        _ = stop_callback => break,
+                    };
+                    match room {
+                        // Dropping the stream closes it.
+                        Room::Full => Err(std::io::Error::other("max_connections reached")),
+                        Room::Free => Ok(accepted),
+                    }
                 }
-                _ = stop_callback => {
-                    break
-                }
-            }
+                Err(e) => Err(e),
+            };
+            let incoming = admitted.map(|(raw_socket, remote_addr)| {
+                live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                let state = Arc::new(crate::codec::SlotState::default());
+                slots.push_back(Arc::clone(&state));
+                let slot = crate::codec::ConnectionSlot {
+                    live: Arc::clone(&live),
+                    state,
+                };
+                (raw_socket, remote_addr, slot)
+            });
+            let maybe_accepted: Result<_, _> = incoming
+                .and_then(|(raw_socket, remote_addr, slot)| {
+                    raw_socket.set_nodelay(true).map(|_| {
+                        tune_socket_buffers(&raw_socket);
+                        (raw_socket, remote_addr, slot)
+                    })
+                })
+                .map(|(raw_socket, remote_addr, slot)| {
+                    let mut io = make_framed(raw_socket, Arc::clone(&options));
+                    io.read_half.slot = Some(slot);
+                    (io, Endpoint::from_tcp_addr(remote_addr))
+                })
+                .map_err(|err| err.into());
+            async_rt::task::spawn(cback(maybe_accepted));
         }
         Ok(())
     });
@@ -153,6 +157,64 @@ where
         endpoint,
         AcceptStopHandle(TaskHandle::new(stop_channel, task_handle)),
     ))
+}
+
+/// kvlane patch. Whether a new connection may take a slot.
+enum Room {
+    /// A slot is free (or was freed by evicting one).
+    Free,
+    /// Every open connection is protected: the new one is refused.
+    Full,
+}
+
+/// kvlane patch. Makes room for one new accepted connection under
+/// `max_connections`: evicts the unprotected connection the policy names;
+/// while it names none, or `max` evicted connections have not ended yet,
+/// waits (re-checking every millisecond) for a slot to free or the policy
+/// to name one.
+async fn make_room(
+    max: usize,
+    live: &std::sync::atomic::AtomicUsize,
+    slots: &mut std::collections::VecDeque<Arc<crate::codec::SlotState>>,
+    evicted: &mut Vec<Arc<crate::codec::SlotState>>,
+    options: &crate::SocketOptions,
+) -> Room {
+    loop {
+        slots.retain(|s| !s.is_released());
+        evicted.retain(|s| !s.is_released());
+        if live.load(std::sync::atomic::Ordering::Acquire) < max {
+            return Room::Free;
+        }
+        let open: Vec<usize> = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_protected())
+            .map(|(i, _)| i)
+            .collect();
+        if open.is_empty() && evicted.is_empty() {
+            return Room::Full;
+        }
+        if evicted.len() < max {
+            let choice = match &options.eviction_policy {
+                Some(policy) => {
+                    let views: Vec<crate::AcceptedSlot> =
+                        open.iter().map(|&i| slots[i].view()).collect();
+                    policy(&views, std::time::Instant::now())
+                }
+                None => (!open.is_empty()).then_some(0),
+            };
+            if let Some(victim) = choice
+                .and_then(|c| open.get(c).copied())
+                .and_then(|i| slots.remove(i))
+            {
+                log::debug!("max_connections reached: evicting an unprotected connection");
+                victim.evict();
+                evicted.push(victim);
+                return Room::Free;
+            }
+        }
+        async_rt::task::sleep(std::time::Duration::from_millis(1)).await;
+    }
 }
 
 #[cfg(feature = "tokio-runtime")]
