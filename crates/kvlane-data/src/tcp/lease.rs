@@ -12,7 +12,7 @@
 //! caller may free the memory.
 
 use crate::memory::Region;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,9 +22,14 @@ pub(crate) struct Served {
     /// Leases held now.
     leases: AtomicUsize,
     /// Waited on by [`wait_idle`](Self::wait_idle); notified when the last
-    /// lease ends.
+    /// lease ends while a deregistration waits (`draining`).
     idle: Condvar,
     waiting: Mutex<()>,
+    /// Set by [`wait_idle`](Self::wait_idle) before it checks the count:
+    /// the last lease notifies only then, so a request's lease costs two
+    /// atomic operations and no syscall (`Condvar::notify_all` always makes
+    /// one: 4 KiB transfers lost 16-19% of their rate to it).
+    draining: AtomicBool,
 }
 
 impl Served {
@@ -34,6 +39,7 @@ impl Served {
             leases: AtomicUsize::new(0),
             idle: Condvar::new(),
             waiting: Mutex::new(()),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -57,10 +63,14 @@ impl Served {
     pub(crate) fn wait_idle(&self, grace: Duration) -> bool {
         let deadline = Instant::now() + grace;
         let mut g = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        // SeqCst here and in `Lease::drop` (count, then flag): either the
+        // last lease sees the flag and notifies under `waiting`, or this
+        // side sees the count at 0.
+        self.draining.store(true, Ordering::SeqCst);
         loop {
             // Checked under `waiting`, which the last lease takes before it
             // notifies: the wake-up cannot fall between check and wait.
-            if self.leases() == 0 {
+            if self.leases.load(Ordering::SeqCst) == 0 {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -99,8 +109,10 @@ impl Clone for Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if self.0.leases.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // The last one: wake a deregistration waiting for it.
+        if self.0.leases.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.0.draining.load(Ordering::SeqCst)
+        {
+            // The last one, and a deregistration waits for it: wake it.
             let _g = self.0.waiting.lock().unwrap_or_else(|e| e.into_inner());
             self.0.idle.notify_all();
         }
