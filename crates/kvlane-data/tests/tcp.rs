@@ -244,7 +244,11 @@ mod raw {
         let mut s = connect(&t.ep);
         let mut challenge = [0u8; CHALLENGE_LEN];
         s.read_exact(&mut challenge).unwrap();
-        assert_eq!(challenge[..HELLO_ACK.len()], HELLO_ACK, "the challenge's header");
+        assert_eq!(
+            challenge[..HELLO_ACK.len()],
+            HELLO_ACK,
+            "the challenge's header"
+        );
         let read = Request {
             kind: RequestKind::Read,
             key: t.all.1.key,
