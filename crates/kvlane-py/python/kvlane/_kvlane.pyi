@@ -213,7 +213,14 @@ class Agent:
         handshake_timeout: Optional[float] = None,
         cpus: Optional[str] = None,
     ) -> None:
-        """``transfer_deadline``: seconds after its post a transfer may run
+        """``backend``: ``"auto"`` (verbs when built with it and a device
+        is usable, else tcp), ``"tcp"``, ``"verbs"``, ``"loopback"`` (one
+        process), ``"shm"`` (shared memory, peers on this host only;
+        served memory must be shareable) or ``"same-host"`` (auto, plus
+        shm to peers on this host whose memory is shareable; opt-in).
+        Anything else raises ``InvalidInputError``.
+
+        ``transfer_deadline``: seconds after its post a transfer may run
         before it fails with ``TimeoutError`` (default 30).
         ``keepalive_interval`` (seconds between pings), ``liveness_budget``
         (missed pings before a peer is dead) and ``handshake_timeout``
