@@ -101,7 +101,7 @@ mod placement;
 mod progress;
 pub mod rails;
 #[cfg(target_os = "linux")]
-mod samehost;
+pub mod samehost;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod tcp;

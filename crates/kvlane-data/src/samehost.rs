@@ -1,5 +1,5 @@
 //! [`SameHost`]: shared memory to peers on this host, another backend to
-//! the rest; what the facade's `auto` runs.
+//! the rest; what the facade's `BackendChoice::SameHost` runs (opt-in).
 //!
 //! - **Endpoints.** A peer gets one endpoint: the other backend's, and
 //!   beside it a [`ShmEndpoint`] issued for that peer under the same
