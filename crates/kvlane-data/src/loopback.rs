@@ -321,18 +321,7 @@ impl Backend for LoopbackBackend {
         if self.peers.remove(&peer).is_none() {
             return;
         }
-        let (lost, kept): (VecDeque<_>, VecDeque<_>) =
-            self.queue.drain(..).partition(|t| t.peer == peer);
-        self.queue = kept;
-        self.failed.extend(lost.into_iter().map(|t| Completion {
-            id: t.id,
-            peer,
-            result: Err(DataError::PeerLost {
-                peer,
-                reason: "peer removed",
-                source: None,
-            }),
-        }));
+        Completion::fail_removed(&mut self.queue, &mut self.failed, peer);
     }
 
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {

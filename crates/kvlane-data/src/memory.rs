@@ -811,7 +811,7 @@ pub fn send_vectored(dst: BorrowedFd<'_>, parts: &[IoPart<'_>]) -> io::Result<us
 
 /// Runs a `read`/`write`-style syscall until it is not interrupted.
 #[cfg(unix)]
-fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+pub(crate) fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
     loop {
         match usize::try_from(call()) {
             Ok(n) => return Ok(n),

@@ -251,6 +251,30 @@ pub struct Completion {
     pub result: Result<(), DataError>,
 }
 
+impl Completion {
+    /// Takes `peer`'s transfers out of `queue` (not started yet) and fails
+    /// each into `failed` with `PeerLost` ("peer removed"): what a backend
+    /// whose queue holds transfers until its poll does on `remove_peer`.
+    pub(crate) fn fail_removed(
+        queue: &mut std::collections::VecDeque<Transfer>,
+        failed: &mut std::collections::VecDeque<Self>,
+        peer: PeerId,
+    ) {
+        let (lost, kept): (std::collections::VecDeque<_>, _) =
+            queue.drain(..).partition(|t| t.peer == peer);
+        *queue = kept;
+        failed.extend(lost.into_iter().map(|t| Self {
+            id: t.id,
+            peer,
+            result: Err(DataError::PeerLost {
+                peer,
+                reason: "peer removed",
+                source: None,
+            }),
+        }));
+    }
+}
+
 /// A notification that arrived at this (target) side.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {

@@ -693,18 +693,7 @@ impl Backend for ShmBackend {
         };
         lock(&self.target.shared.creds).remove(&slot.token);
         self.target.send(Cmd::Close(peer));
-        let (lost, kept): (VecDeque<_>, VecDeque<_>) =
-            self.queue.drain(..).partition(|t| t.peer == peer);
-        self.queue = kept;
-        self.failed.extend(lost.into_iter().map(|t| Completion {
-            id: t.id,
-            peer,
-            result: Err(DataError::PeerLost {
-                peer,
-                reason: "peer removed",
-                source: None,
-            }),
-        }));
+        Completion::fail_removed(&mut self.queue, &mut self.failed, peer);
     }
 
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {

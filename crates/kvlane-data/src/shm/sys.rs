@@ -2,27 +2,13 @@
 //! `SOCK_SEQPACKET` Unix socket, and mapping a peer's region after
 //! checking that it cannot fault. The only `unsafe` of the backend.
 
-use crate::memory::{Access, MemoryKind, Region};
+use crate::memory::{retry_eintr, Access, MemoryKind, Region};
 use std::io;
 use std::mem::size_of;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// Most descriptors one message carries (the kernel allows 253).
 pub(crate) const MAX_FDS: usize = 64;
-
-fn retry_eintr(mut call: impl FnMut() -> isize) -> io::Result<usize> {
-    loop {
-        match usize::try_from(call()) {
-            Ok(n) => return Ok(n),
-            Err(_) => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-}
 
 /// Control-message buffer for `n` descriptors, aligned for `cmsghdr`.
 fn cmsg_buffer(n: usize) -> (Vec<u64>, usize) {
