@@ -546,6 +546,7 @@ mod faults {
                 if s.write_all(&Challenge::fresh().encode()).is_ok()
                     && s.read_exact(&mut hello).is_ok()
                     && s.write_all(&HELLO_ACK).is_ok()
+                    && kvlane_data::tcp::wire::answer_fence(&mut s).is_ok()
                 {
                     std::thread::spawn(move || behave(s));
                 }
@@ -1118,8 +1119,10 @@ mod faults {
         assert!(
             remote.to_vec().unwrap()[..(32 * 65_536)] == local.to_vec().unwrap()[..(32 * 65_536)]
         );
-        // New transfers to the lost peer fail at once; the good peer still works.
-        let t = write(peer, &local, ad.key, 0, 8);
+        // The failed connection was fenced with a new one that took its
+        // place (this target accepts connections): new transfers to the
+        // peer go there, and fail promptly as that one breaks too.
+        let t = write(peer, &local, ad.key, 0, 65_536);
         let id = t.id;
         b.submit(t).unwrap();
         let r = collect(&mut b, &[id], Duration::from_secs(5));
@@ -1796,5 +1799,265 @@ mod many_requests {
                 "piece {i} misplaced"
             );
         }
+    }
+}
+
+/// Issue 41, item 6: bytes of a WRITE that was reported failed never land
+/// later, even when the network (here a store-and-forward proxy) still
+/// holds them and delivers them seconds after the initiator gave up.
+mod fences {
+    use kvlane_data::{
+        Access, Backend, Completion, DataError, Descriptor, Op, PeerId, Region, RemoteDescriptor,
+        RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
+    };
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    const LEN: u64 = 64 << 10;
+    const SPAN: u64 = 32 << 10;
+
+    /// What the proxy does to its first connection (the initiator's data
+    /// stream) once `hold` is set.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Then {
+        /// Keeps what the initiator sends; the initiator times out.
+        Hold,
+        /// Keeps what the initiator sends and resets the initiator's side
+        /// as soon as some arrived; the initiator sees a lost connection.
+        HoldAndReset,
+    }
+
+    struct Proxy {
+        addr: SocketAddr,
+        hold: Arc<AtomicBool>,
+        release: Arc<AtomicBool>,
+        /// Bytes held, then bytes delivered late.
+        held: Arc<AtomicUsize>,
+        delivered: Arc<AtomicUsize>,
+    }
+
+    /// A proxy in front of `target`. Every connection is forwarded both
+    /// ways; once `hold` is set, the bytes the first one's client sends
+    /// are kept (and with `HoldAndReset` the client is reset) until
+    /// `release` is set, and then sent on to the target over the
+    /// proxy's still open connection to it.
+    fn proxy(target: SocketAddr, then: Then) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = Proxy {
+            addr: listener.local_addr().unwrap(),
+            hold: Arc::default(),
+            release: Arc::default(),
+            held: Arc::default(),
+            delivered: Arc::default(),
+        };
+        let (hold, release, held, delivered) = (
+            p.hold.clone(),
+            p.release.clone(),
+            p.held.clone(),
+            p.delivered.clone(),
+        );
+        std::thread::spawn(move || {
+            for (n, client) in listener.incoming().enumerate() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(target) else {
+                    continue;
+                };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16 << 10];
+                    let (mut from, mut to) = (s2, c2);
+                    while let Ok(k) = from.read(&mut buf) {
+                        if k == 0 || to.write_all(&buf[..k]).is_err() {
+                            break;
+                        }
+                    }
+                });
+                let (hold, release, held, delivered) = (
+                    hold.clone(),
+                    release.clone(),
+                    held.clone(),
+                    delivered.clone(),
+                );
+                std::thread::spawn(move || {
+                    let (mut from, mut to) = (client, server);
+                    let mut kept = Vec::new();
+                    let mut buf = [0u8; 16 << 10];
+                    loop {
+                        let k = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => k,
+                        };
+                        if n == 0 && hold.load(Ordering::SeqCst) {
+                            kept.extend_from_slice(&buf[..k]);
+                            held.store(kept.len(), Ordering::SeqCst);
+                            if then == Then::HoldAndReset {
+                                let _ =
+                                    socket2::SockRef::from(&from).set_linger(Some(Duration::ZERO));
+                                let _ = from.shutdown(Shutdown::Both);
+                                break;
+                            }
+                        } else if to.write_all(&buf[..k]).is_err() {
+                            return;
+                        }
+                    }
+                    if kept.is_empty() {
+                        let _ = to.shutdown(Shutdown::Write);
+                        return;
+                    }
+                    while !release.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    if to.write_all(&kept).is_ok() {
+                        delivered.store(kept.len(), Ordering::SeqCst);
+                    }
+                    // Keep the target's side open a while: it reads at
+                    // its own pace.
+                    std::thread::sleep(Duration::from_secs(2));
+                });
+            }
+        });
+        p
+    }
+
+    fn write(peer: PeerId, local: &Region, key: kvlane_data::RemoteKey, len: u64) -> Transfer {
+        Transfer::new(
+            peer,
+            Op::Write,
+            vec![Descriptor {
+                region: local.id(),
+                offset: 0,
+                len,
+            }],
+            vec![RemoteDescriptor {
+                key,
+                offset: 0,
+                len,
+            }],
+        )
+    }
+
+    fn wait(b: &mut TcpBackend, id: kvlane_data::TransferId, within: Duration) -> Completion {
+        let end = Instant::now() + within;
+        let mut done = Vec::new();
+        loop {
+            b.poll(&mut done);
+            if let Some(i) = done.iter().position(|c| c.id == id) {
+                return done.swap_remove(i);
+            }
+            assert!(Instant::now() < end, "transfer {id:?} did not finish");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn late_bytes_of_a_failed_write_never_land(then: Then) {
+        // The target: 64 KiB of 0x11.
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let remote = Region::from_vec(vec![0x11; LEN as usize], Access::ALL).unwrap();
+        let ad: RemoteRegion = target.register(&remote).unwrap();
+        let (_, endpoint) = target.prepare_peer().unwrap();
+        let ep = TcpEndpoint::from_endpoint(&endpoint).unwrap();
+        let p = proxy(ep.addr, then);
+        let via_proxy = TcpEndpoint { addr: p.addr, ..ep };
+        // The initiator dials through the proxy, one stream.
+        let mut init = TcpBackend::new(TcpConfig {
+            streams: 1,
+            ..TcpConfig::default()
+        })
+        .unwrap();
+        let local = Region::alloc(LEN as usize, Access::ALL).unwrap();
+        init.register(&local).unwrap();
+        let (peer, _) = init.prepare_peer().unwrap();
+        init.connect_peer(peer, &via_proxy.to_endpoint(), &[ad])
+            .unwrap();
+        // Through the proxy, a first WRITE lands.
+        local.fill(0, LEN, 0x22).unwrap();
+        let t = write(peer, &local, ad.key, 4096);
+        let id = t.id;
+        init.submit(t).unwrap();
+        assert!(wait(&mut init, id, Duration::from_secs(10)).result.is_ok());
+        assert_eq!(remote.to_vec().unwrap()[..4096], [0x22; 4096]);
+        // The proxy now holds the stream's bytes: a 32 KiB WRITE of 0xee
+        // fails (its deadline passes unanswered, or its connection is
+        // reset), and the failure is reported.
+        p.hold.store(true, Ordering::SeqCst);
+        local.fill(0, LEN, 0xee).unwrap();
+        let t = write(peer, &local, ad.key, SPAN)
+            .with_deadline(Instant::now() + Duration::from_millis(300));
+        let id = t.id;
+        init.submit(t).unwrap();
+        let c = wait(&mut init, id, Duration::from_secs(10));
+        match then {
+            Then::Hold => assert!(
+                matches!(c.result, Err(DataError::Timeout { .. })),
+                "{:?}",
+                c.result
+            ),
+            Then::HoldAndReset => assert!(
+                c.result.as_ref().is_err_and(DataError::is_peer_lost),
+                "{:?}",
+                c.result
+            ),
+        }
+        // (A reset comes after the proxy's first read of it: 16 KiB.)
+        let least = if then == Then::Hold { SPAN } else { 4096 };
+        assert!(
+            p.held.load(Ordering::SeqCst) >= least as usize,
+            "the proxy holds the WRITE ({} bytes)",
+            p.held.load(Ordering::SeqCst)
+        );
+        // 3 s later the proxy delivers them, over the connection the
+        // target still serves.
+        std::thread::sleep(Duration::from_secs(3));
+        let fenced_before = target.counters().connections_fenced;
+        p.release.store(true, Ordering::SeqCst);
+        let end = Instant::now() + Duration::from_secs(10);
+        while p.delivered.load(Ordering::SeqCst) == 0
+            || target.counters().connections_fenced == fenced_before
+        {
+            assert!(
+                Instant::now() < end,
+                "the held bytes were not refused by a fence (delivered {}, counters {:?})",
+                p.delivered.load(Ordering::SeqCst),
+                target.counters()
+            );
+            if remote.to_vec().unwrap()[..SPAN as usize].contains(&0xee) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let now = remote.to_vec().unwrap();
+        assert!(
+            !now[..SPAN as usize].contains(&0xee),
+            "bytes of the failed WRITE landed {} s after its failure was reported",
+            3
+        );
+        assert_eq!(now[..4096], [0x22; 4096]);
+        assert_eq!(target.counters().unfenced_failures, 0);
+        assert_eq!(init.counters().unfenced_failures, 0);
+        // The fence was a new connection that took the failed one's place:
+        // newer data goes through without connecting the peer again.
+        local.fill(0, LEN, 0x33).unwrap();
+        let t = write(peer, &local, ad.key, 4096);
+        let id = t.id;
+        init.submit(t).unwrap();
+        let c = wait(&mut init, id, Duration::from_secs(10));
+        assert!(c.result.is_ok(), "{:?}", c.result);
+        assert_eq!(remote.to_vec().unwrap()[..4096], [0x33; 4096]);
+        drop(init);
+        drop(target);
+    }
+
+    #[test]
+    fn late_bytes_of_a_timed_out_write_never_land() {
+        late_bytes_of_a_failed_write_never_land(Then::Hold);
+    }
+
+    #[test]
+    fn late_bytes_of_a_write_on_a_reset_connection_never_land() {
+        late_bytes_of_a_failed_write_never_land(Then::HoldAndReset);
     }
 }

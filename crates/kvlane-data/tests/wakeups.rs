@@ -65,9 +65,20 @@ fn pair() -> Pair {
 }
 
 fn write(peer: PeerId, src: &Region, key: RemoteKey, offset: u64, len: u64) -> Transfer {
+    one_sided(Op::Write, peer, src, key, offset, len)
+}
+
+fn one_sided(
+    op: Op,
+    peer: PeerId,
+    src: &Region,
+    key: RemoteKey,
+    offset: u64,
+    len: u64,
+) -> Transfer {
     Transfer::new(
         peer,
-        Op::Write,
+        op,
         vec![Descriptor {
             region: src.id(),
             offset,
@@ -93,6 +104,7 @@ fn silent_target() -> (TcpEndpoint, RemoteRegion, Arc<Mutex<Vec<TcpStream>>>) {
             if std::io::Write::write_all(&mut s, &challenge).is_ok()
                 && s.read_exact(&mut hello).is_ok()
                 && std::io::Write::write_all(&mut s, &HELLO_ACK).is_ok()
+                && kvlane_data::tcp::wire::answer_fence(&mut s).is_ok()
             {
                 streams.lock().unwrap().push(s);
             }
@@ -190,16 +202,19 @@ fn a_lost_peer_wakes_a_sleeping_driver() {
 }
 
 /// A transfer with an earlier deadline than the one the driver sleeps
-/// until is seen to time out at its own.
+/// until is seen to time out at its own. (READs: a WRITE that times out
+/// unanswered aborts and fences its connection, failing the other.)
 #[test]
 fn an_earlier_deadline_behind_a_later_one_fires() {
     let (ep, ad, _streams) = silent_target();
     let (init, peer, src) = initiator_to(&ep, ad);
-    let mut far = init.submit(write(peer, &src, ad.key, 0, 4096)).unwrap();
+    let mut far = init
+        .submit(one_sided(Op::Read, peer, &src, ad.key, 0, 4096))
+        .unwrap();
     thread::sleep(SETTLE);
     let deadline = Instant::now() + Duration::from_millis(300);
     let mut near = init
-        .submit(write(peer, &src, ad.key, 4096, 4096).with_deadline(deadline))
+        .submit(one_sided(Op::Read, peer, &src, ad.key, 4096, 4096).with_deadline(deadline))
         .unwrap();
     let r = near
         .wait_timeout(WITHIN)

@@ -69,6 +69,10 @@ pub(crate) struct XferState {
     /// reported (see `TcpBackend::expire`), so no byte of it is read or
     /// sent after the caller was told the transfer failed.
     pub(crate) unsent: AtomicUsize,
+    /// Bytes of it reach the target's memory or application (a WRITE, or
+    /// a notification): if it fails, the connection it used is fenced at
+    /// the target before the failure is reported (see [`PeerConn::fail`]).
+    pub(crate) fences: bool,
 }
 
 impl XferState {
@@ -77,8 +81,10 @@ impl XferState {
         peer: PeerId,
         deadline: Instant,
         notify: Option<Bytes>,
+        writes: bool,
     ) -> Self {
         Self {
+            fences: writes || notify.is_some(),
             id,
             peer,
             deadline,
@@ -192,6 +198,12 @@ struct Transfers {
 pub(crate) struct PeerConn {
     peer: PeerId,
     addr: SocketAddr,
+    /// Its generation (see [`wire`]).
+    pub(crate) gen: u64,
+    /// What connecting again needs (a fence, a replacement).
+    ep: TcpEndpoint,
+    cfg: ConnectConfig,
+    pool: Arc<PoolShared>,
     shared: Arc<Shared>,
     /// Non-blocking once connected; driven by the I/O threads through
     /// shared references, aborted by [`fail`](Self::fail).
@@ -212,12 +224,32 @@ pub(crate) struct PeerConn {
     pub(crate) no_direct: AtomicBool,
 }
 
+#[derive(Clone)]
 pub(crate) struct ConnectConfig {
     pub(crate) streams: usize,
     /// See [`TcpConfig::stream_budget`](super::TcpConfig::stream_budget).
     pub(crate) stream_budget: usize,
     pub(crate) timeout: Duration,
     pub(crate) socket: SocketOptions,
+    /// The backend's connection generations (see [`wire`]): each
+    /// connection set takes the next.
+    pub(crate) gens: Arc<AtomicU64>,
+    /// See [`TcpConfig::fence_timeout`](super::TcpConfig::fence_timeout).
+    pub(crate) fence_timeout: Duration,
+}
+
+/// What a failed connection does before its failed transfers are
+/// reported (see [`PeerConn::fail`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Aftermath {
+    /// Report at once: the peer is being removed, or a newer connection
+    /// already fenced this one.
+    Report,
+    /// Fence the target first (one connection of a newer generation).
+    Fence,
+    /// Fence the target with a whole new connection of the peer, which
+    /// takes this one's place if the backend still holds this one.
+    Reconnect,
 }
 
 fn io_err(op: String, source: io::Error) -> DataError {
@@ -229,6 +261,7 @@ fn open_stream(
     ep: &TcpEndpoint,
     i: usize,
     cfg: &ConnectConfig,
+    gen: u64,
 ) -> Result<TcpStream, DataError> {
     let (addr, token) = (ep.addr, &ep.token);
     // A dial that fails names the listen address too when it differs from
@@ -250,8 +283,12 @@ fn open_stream(
     // per transfer.
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| wire::authenticate(&s, token))
-        .and_then(|()| s.set_read_timeout(None))
         .map_err(|e| io_err(format!("{} (authentication)", what()), e))?;
+    // This connection's generation: the target's older connections of
+    // this peer write no more once it is answered.
+    wire::fence(&s, gen)
+        .and_then(|()| s.set_read_timeout(None))
+        .map_err(|e| io_err(format!("{} (fence, generation {gen})", what()), e))?;
     Ok(s)
 }
 
@@ -264,13 +301,14 @@ impl PeerConn {
         ep: &TcpEndpoint,
         cfg: &ConnectConfig,
         shared: Arc<Shared>,
-        pool: &PoolShared,
+        pool: &Arc<PoolShared>,
     ) -> Result<Arc<Self>, DataError> {
         let addr = ep.addr;
+        let gen = cfg.gens.fetch_add(1, Ordering::Relaxed);
         let lease = pool.lease_streams(cfg.streams, cfg.stream_budget);
         let mut sockets = Vec::new();
         for i in 0..lease.streams() {
-            let s = open_stream(peer, ep, i, cfg)?;
+            let s = open_stream(peer, ep, i, cfg, gen)?;
             s.set_nonblocking(true).map_err(|e| {
                 io_err(
                     format!("make tcp stream {i} to {peer} at {addr} non-blocking"),
@@ -299,6 +337,10 @@ impl PeerConn {
         let conn = Arc::new(Self {
             peer,
             addr,
+            gen,
+            ep: *ep,
+            cfg: cfg.clone(),
+            pool: pool.clone(),
             shared,
             sockets,
             queues,
@@ -313,7 +355,7 @@ impl PeerConn {
         });
         for (i, q) in conn.queues.iter().enumerate() {
             if let Err(e) = PoolShared::adopt(&conn, i, &q.inbox) {
-                conn.fail("could not start stream I/O", None);
+                conn.fail("could not start stream I/O", None, Aftermath::Report);
                 return Err(e);
             }
         }
@@ -637,20 +679,45 @@ impl PeerConn {
 
     /// Fails every transfer in flight with `PeerLost` and closes the
     /// streams (their I/O threads drop them). Idempotent.
-    pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>) {
-        self.fail_at(reason, source, None);
+    ///
+    /// When a failed transfer had bytes bound for the target's memory or
+    /// application (a WRITE, a notification), `after` says how the
+    /// failures wait, off the caller's thread, until the target has fenced
+    /// this connection's generation (see [`wire`]): from then on no byte
+    /// of them still in the network (a proxy, the target's socket buffer)
+    /// lands, so none lands after the caller was told the transfer failed
+    /// and wrote newer data. A target that cannot be reached within
+    /// [`TcpConfig::fence_timeout`](super::TcpConfig::fence_timeout) is
+    /// logged and counted (`unfenced`), and the failures are reported
+    /// anyway; the peer's next connection fences it before it writes.
+    pub(crate) fn fail(&self, reason: &'static str, source: Option<io::Error>, after: Aftermath) {
+        self.fail_at(reason, source, None, after, Vec::new());
     }
 
-    /// [`fail`](Self::fail), for a transfer that timed out with a WRITE
-    /// chunk still being sent (see `XferState::unsent`): transfers whose
-    /// deadline passed by `now` fail with `Timeout`, the others with
-    /// `PeerLost`.
-    pub(crate) fn abort_after_timeout(&self, reason: &'static str, now: Instant) {
+    /// [`fail`](Self::fail), for transfers that timed out with a WRITE
+    /// chunk or notification not answered (see `TcpBackend::expire`):
+    /// transfers whose deadline passed by `now` fail with `Timeout`, the
+    /// others with `PeerLost`; `timed_out` (taken off this connection
+    /// already) are reported with them, after the fence. The connection
+    /// is replaced by a new one when the target answers.
+    pub(crate) fn abort_after_timeout(
+        &self,
+        reason: &'static str,
+        now: Instant,
+        timed_out: Vec<Completion>,
+    ) {
         tracing::warn!(peer = %self.peer, addr = %self.addr, "{reason}: aborting the connection");
-        self.fail_at(reason, None, Some(now));
+        self.fail_at(reason, None, Some(now), Aftermath::Reconnect, timed_out);
     }
 
-    fn fail_at(&self, reason: &'static str, source: Option<io::Error>, now: Option<Instant>) {
+    fn fail_at(
+        &self,
+        reason: &'static str,
+        source: Option<io::Error>,
+        now: Option<Instant>,
+        after: Aftermath,
+        mut report: Vec<Completion>,
+    ) {
         // The cause always names the target's `host:port`.
         let addr = self.addr;
         let source = Some(Arc::new(match source {
@@ -663,19 +730,22 @@ impl PeerConn {
         let lost = {
             let mut t = lock(&self.transfers);
             if t.dead.is_some() {
+                drop(t);
+                self.report(report);
                 return;
             }
             t.dead = Some((reason, source.clone()));
             self.dead.store(true, Ordering::Release);
             std::mem::take(&mut t.map)
         };
-        let mut completions = lock(&self.shared.completions);
+        let mut fence = !report.is_empty();
         for x in lost.values() {
             // After a READ's in-progress copy, never during it.
             let landed = lock(&x.landing);
             let first = x.take_done();
             drop(landed);
             if first {
+                fence |= x.fences;
                 let error = match now {
                     Some(now) if x.deadline <= now => DataError::Timeout {
                         id: x.id,
@@ -688,22 +758,21 @@ impl PeerConn {
                         source: source.clone(),
                     },
                 };
-                completions.push(Completion {
+                report.push(Completion {
                     id: x.id,
                     peer: self.peer,
                     result: Err(error),
                 });
             }
         }
-        drop(completions);
-        self.shared.wake();
         for s in &self.sockets {
             // Abort, do not close gracefully: bytes still queued in the
-            // kernel belong to transfers just reported as failed, and must
-            // not reach the target later (after a link comes back, say)
-            // on top of newer writes. Linger 0 discards them and resets
-            // once the last handle of the socket closes; a 1 ms user
-            // timeout aborts it at the next retransmission meanwhile.
+            // kernel belong to transfers about to be reported as failed,
+            // and must not reach the target later (after a link comes
+            // back, say) on top of newer writes. Linger 0 discards them
+            // and resets once the last handle of the socket closes; a 1 ms
+            // user timeout aborts it at the next retransmission meanwhile.
+            // (Bytes past this host are the fence's business.)
             let sock = socket2::SockRef::from(s);
             let _ = sock.set_linger(Some(Duration::ZERO));
             #[cfg(target_os = "linux")]
@@ -716,6 +785,64 @@ impl PeerConn {
             lock(&q.jobs).jobs.clear();
             self.ready(i);
         }
+        if !fence || after == Aftermath::Report {
+            self.report(report);
+            return;
+        }
+        let (peer, ep, gen) = (self.peer, self.ep, self.gen);
+        let mut cfg = self.cfg.clone();
+        cfg.timeout = cfg.timeout.min(cfg.fence_timeout);
+        if after == Aftermath::Fence {
+            cfg.streams = 1;
+        }
+        let (shared, pool) = (self.shared.clone(), self.pool.clone());
+        // Taken by the job, or here if it cannot start: never lost.
+        let pending = Arc::new(Mutex::new(Some(report)));
+        let theirs = pending.clone();
+        let job = move || {
+            match PeerConn::connect(peer, &ep, &cfg, shared.clone(), &pool) {
+                Ok(new) => {
+                    tracing::debug!(%peer, addr = %ep.addr, gen, fenced_by = new.gen, "failed connection fenced");
+                    if after == Aftermath::Reconnect {
+                        let mut r = lock(&shared.replacements);
+                        if shared.closed.load(Ordering::Acquire) {
+                            drop(r);
+                            new.fail("backend dropped", None, Aftermath::Report);
+                        } else {
+                            r.push((peer, gen, new));
+                        }
+                    } else {
+                        new.fail("fence done", None, Aftermath::Report);
+                    }
+                }
+                Err(e) => {
+                    shared.unfenced.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%peer, addr = %ep.addr, gen, error = %e,
+                        "could not fence a failed connection at its target: bytes of its failed transfers still in the network may land later");
+                }
+            }
+            for c in lock(&theirs).take().into_iter().flatten() {
+                shared.complete(c);
+            }
+        };
+        let spawned = std::thread::Builder::new()
+            .name("kvlane-tcp-fence".into())
+            .spawn(job);
+        if let Err(e) = spawned {
+            tracing::error!(peer = %self.peer, error = %e, "could not start a fence thread; failures reported unfenced");
+            self.shared.unfenced.fetch_add(1, Ordering::Relaxed);
+            let report = lock(&pending).take().unwrap_or_default();
+            self.report(report);
+        }
+    }
+
+    /// Queues failure completions and wakes the poller.
+    fn report(&self, report: Vec<Completion>) {
+        if report.is_empty() {
+            return;
+        }
+        lock(&self.shared.completions).extend(report);
+        self.shared.wake();
     }
 
     /// Whether the connection failed (or was closed).
@@ -742,7 +869,7 @@ impl PeerConn {
         } else {
             tracing::warn!(peer = %self.peer, addr = %self.addr, stream, error = %e, "{reason}");
         }
-        self.fail(reason, Some(e));
+        self.fail(reason, Some(e), Aftermath::Reconnect);
     }
 
     /// The error for a refused request; `None` when it succeeded.

@@ -125,7 +125,7 @@ use crate::error::{DataError, SubmitError};
 use crate::ids::{PeerId, RegionId, RemoteKey};
 use crate::memory::{Access, Region, RemoteRegion};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
-use initiator::{ConnectConfig, Job, PeerConn, XferState};
+use initiator::{Aftermath, ConnectConfig, Job, PeerConn, XferState};
 use lease::Served;
 use pool::IoPool;
 use serde::{Deserialize, Serialize};
@@ -261,6 +261,13 @@ pub struct TcpConfig {
     /// is at most [`chunk_bytes`](Self::chunk_bytes) long, which a live
     /// peer moves in far less; one that stalls is cut.
     pub deregister_grace: Duration,
+    /// How long a failed connection waits for its target to fence it
+    /// before its failed WRITEs and notifications are reported (see
+    /// [`wire`]'s fences): the failures come that much later at most
+    /// when the target is unreachable, and are then reported unfenced
+    /// (counted in [`TcpCounters::unfenced_failures`]). Capped by
+    /// `connect_timeout`. Default 1 s.
+    pub fence_timeout: Duration,
 }
 
 impl Default for TcpConfig {
@@ -283,6 +290,7 @@ impl Default for TcpConfig {
             max_notifications: MAX_NOTIFICATIONS,
             max_notification_bytes: MAX_NOTIFICATION_BYTES,
             deregister_grace: Duration::from_millis(100),
+            fence_timeout: Duration::from_secs(1),
         }
     }
 }
@@ -477,6 +485,9 @@ pub struct TcpBackend {
     /// at most one connection's (empty) vectors, kept for the next
     /// submission (see [`hand_over`](Self::hand_over)).
     stage: Vec<(Arc<PeerConn>, Vec<Vec<Job>>)>,
+    /// Connection generations (see [`wire`]'s fences), shared with the
+    /// connections (a fence or a replacement takes the next).
+    gens: Arc<std::sync::atomic::AtomicU64>,
     // Dropped after the peers are failed in `Drop`: the initiator's I/O
     // threads, then the target's.
     pool: Arc<IoPool>,
@@ -549,6 +560,7 @@ impl TcpBackend {
             poll_due: false,
             drained: Vec::new(),
             stage: Vec::new(),
+            gens: Arc::new(std::sync::atomic::AtomicU64::new(1)),
             pool,
             server,
         })
@@ -562,7 +574,12 @@ impl TcpBackend {
     /// Counters of the target side (requests served and refused,
     /// authentication and framing failures).
     pub fn counters(&self) -> TcpCounters {
-        self.counters.snapshot()
+        let mut c = self.counters.snapshot();
+        c.unfenced_failures = self
+            .shared
+            .unfenced
+            .load(std::sync::atomic::Ordering::Relaxed);
+        c
     }
 
     /// Requests this backend's submitting threads wrote to their streams
@@ -701,7 +718,13 @@ impl TcpBackend {
                 return Ok(());
             }
         };
-        let x = Arc::new(XferState::new(t.id, t.peer, t.deadline, t.notify.clone()));
+        let x = Arc::new(XferState::new(
+            t.id,
+            t.peer,
+            t.deadline,
+            t.notify.clone(),
+            t.op == Op::Write,
+        ));
         if let Err(e) = conn.start(&x) {
             self.fail_now(&t, e);
             return Ok(());
@@ -785,6 +808,29 @@ impl TcpBackend {
         }
     }
 
+    /// Puts connections made to replace failed ones (see
+    /// `PeerConn::fail`) in their places, if the failed one still holds
+    /// it (else the peer was removed or connected again meanwhile, and
+    /// the replacement is closed).
+    fn adopt_replacements(&mut self) {
+        let taken = {
+            let mut r = lock(&self.shared.replacements);
+            if r.is_empty() {
+                return;
+            }
+            std::mem::take(&mut *r)
+        };
+        for (peer, gen, new) in taken {
+            match self.peers.get_mut(&peer) {
+                Some(slot) if slot.conn.as_ref().is_some_and(|c| c.gen == gen) => {
+                    tracing::info!(%peer, addr = %new.addr(), gen = new.gen, "tcp connection replaced after a failure");
+                    slot.conn = Some(new);
+                }
+                _ => new.fail("superseded", None, Aftermath::Report),
+            }
+        }
+    }
+
     fn fail_now(&mut self, t: &Transfer, e: DataError) {
         self.poll_due = true;
         self.ready.push(Completion {
@@ -800,7 +846,7 @@ impl TcpBackend {
         }
         let mut next: Option<Instant> = None;
         let peers = &self.peers;
-        let mut abort: Vec<Arc<PeerConn>> = Vec::new();
+        let mut abort: Vec<(Arc<PeerConn>, Vec<Completion>)> = Vec::new();
         self.in_flight.retain(|id, x| {
             let keep = |next: &mut Option<Instant>, at: Instant| {
                 *next = Some(next.map_or(at, |n| n.min(at)));
@@ -818,13 +864,7 @@ impl TcpBackend {
                 Some(false) => return keep(&mut next, x.deadline),
                 Some(true) => {}
             }
-            if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
-                conn.forget(*id);
-                if x.has_unsent() && !abort.iter().any(|c| Arc::ptr_eq(c, conn)) {
-                    abort.push(conn.clone());
-                }
-            }
-            out.push(Completion {
+            let timeout = Completion {
                 id: *id,
                 peer: x.peer,
                 result: Err(DataError::Timeout {
@@ -832,19 +872,41 @@ impl TcpBackend {
                     peer: x.peer,
                     overdue: now - x.deadline,
                 }),
-            });
+            };
+            if let Some(conn) = peers.get(&x.peer).and_then(|s| s.conn.as_ref()) {
+                conn.forget(*id);
+                // Any WRITE or notification of it may still be in the
+                // network: reported once the target fenced the connection.
+                if (x.has_unsent() || x.fences) && !conn.is_dead() {
+                    match abort.iter_mut().find(|(c, _)| Arc::ptr_eq(c, conn)) {
+                        Some((_, list)) => list.push(timeout),
+                        None => abort.push((conn.clone(), vec![timeout])),
+                    }
+                    return false;
+                }
+            }
+            out.push(timeout);
             false
         });
-        // A WRITE chunk of a transfer that timed out is staged and not all
-        // written: its payload would be read from the caller's memory and
-        // sent after the timeout is reported (over a newer write, say).
-        // Abort its connection first, as a failure does: once the sockets
-        // are shut no write is in progress and none reads the memory. The
-        // connection's other transfers fail with `PeerLost` (those past
-        // their deadline with `Timeout`); later ones fail until the peer
-        // is connected again.
-        for conn in abort {
-            conn.abort_after_timeout("a timed-out WRITE was still being sent", now);
+        // A WRITE or notification of a transfer that timed out may still
+        // be on its way: staged and not all written (its payload would be
+        // read from the caller's memory and sent after the timeout is
+        // reported), or sent and held somewhere in the network (it would
+        // land after the timeout, over newer data). Abort its connection
+        // first, as a failure does (once the sockets are shut no write is
+        // in progress and none reads the memory), and report the timeout
+        // once the target fenced the connection (see `PeerConn::fail`).
+        // The connection's other transfers fail with `PeerLost` (those
+        // past their deadline with `Timeout`); the fence is a new
+        // connection that takes the old one's place, so the peer stays
+        // connected when its target answers; while it is being made,
+        // transfers fail with `PeerLost`.
+        for (conn, timed_out) in abort {
+            conn.abort_after_timeout(
+                "a WRITE or notification timed out unanswered",
+                now,
+                timed_out,
+            );
         }
         self.next_deadline = next;
     }
@@ -923,6 +985,8 @@ impl Backend for TcpBackend {
             stream_budget: self.config.stream_budget,
             timeout: self.config.connect_timeout,
             socket: self.config.socket_options(),
+            gens: self.gens.clone(),
+            fence_timeout: self.config.fence_timeout,
         };
         let shared = self.shared.clone();
         let pool = self.pool.shared();
@@ -941,11 +1005,12 @@ impl Backend for TcpBackend {
             reason: "finish_connect was given another backend's connect".into(),
         })?;
         let Some(slot) = self.peers.get_mut(&peer) else {
-            conn.fail("peer removed while connecting", None);
+            conn.fail("peer removed while connecting", None, Aftermath::Report);
             return Err(DataError::UnknownPeer(peer));
         };
         if let Some(old) = slot.conn.replace(conn) {
-            old.fail("peer reconnected", None);
+            // The new connection's fence covers the old one.
+            old.fail("peer reconnected", None, Aftermath::Report);
         }
         slot.regions = regions;
         Ok(())
@@ -961,7 +1026,7 @@ impl Backend for TcpBackend {
                 .peers
                 .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             if let Some(conn) = slot.conn {
-                conn.fail("peer removed", None);
+                conn.fail("peer removed", None, Aftermath::Report);
             }
         }
     }
@@ -975,6 +1040,7 @@ impl Backend for TcpBackend {
         // scheduled by it; so does a failure queued here. Every chunk goes
         // to its stream before `submit` returns.
         self.poll_due = false;
+        self.adopt_replacements();
         let r = self.submit_staged(t, now);
         self.hand_over();
         r
@@ -990,6 +1056,7 @@ impl Backend for TcpBackend {
         results: &mut Vec<Result<(), SubmitError>>,
     ) -> bool {
         self.poll_due = false;
+        self.adopt_replacements();
         let now = Instant::now();
         for t in transfers {
             results.push(self.submit_staged(t, now));
@@ -1000,6 +1067,7 @@ impl Backend for TcpBackend {
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
         let before = completions.len();
+        self.adopt_replacements();
         completions.append(&mut self.ready);
         std::mem::swap(&mut self.drained, &mut lock(&self.shared.completions));
         for c in self.drained.drain(..) {
@@ -1037,7 +1105,7 @@ impl Backend for TcpBackend {
             return false;
         };
         if let Some(conn) = slot.conn.take() {
-            conn.fail("connection dropped", None);
+            conn.fail("connection dropped", None, Aftermath::Fence);
         }
         true
     }
@@ -1077,8 +1145,15 @@ impl Drop for TcpBackend {
     fn drop(&mut self) {
         for slot in self.peers.values() {
             if let Some(conn) = &slot.conn {
-                conn.fail("backend dropped", None);
+                conn.fail("backend dropped", None, Aftermath::Report);
             }
+        }
+        let mut r = lock(&self.shared.replacements);
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        for (_, _, conn) in r.drain(..) {
+            conn.fail("backend dropped", None, Aftermath::Report);
         }
     }
 }

@@ -22,7 +22,7 @@
 //! stream; a panic of the loop itself fails every peer with a stream on
 //! that thread. Nothing waits for a deadline because of a panic.
 
-use super::initiator::PeerConn;
+use super::initiator::{Aftermath, PeerConn};
 use super::serve::Drove;
 use super::shared::lock;
 use crate::error::DataError;
@@ -287,7 +287,11 @@ impl Worker {
                 "a tcp initiator I/O thread panicked; its peers are failed"
             );
             for (conn, _) in self.streams.values() {
-                conn.fail("an I/O thread of the connection panicked", None);
+                conn.fail(
+                    "an I/O thread of the connection panicked",
+                    None,
+                    Aftermath::Reconnect,
+                );
             }
         }
         // Whatever was handed over and not adopted is let go (no cycle
@@ -315,7 +319,11 @@ impl Worker {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(thread = self.inbox.index, error = %e, "tcp initiator poll failed; the I/O thread stops");
                     for (conn, _) in self.streams.values() {
-                        conn.fail("the I/O thread's poll failed", Some(e.kind().into()));
+                        conn.fail(
+                            "the I/O thread's poll failed",
+                            Some(e.kind().into()),
+                            Aftermath::Reconnect,
+                        );
                     }
                     return;
                 }
@@ -367,7 +375,11 @@ impl Worker {
             Token(token),
             Interest::READABLE | Interest::WRITABLE,
         ) {
-            conn.fail("could not register a tcp stream for I/O", Some(e));
+            conn.fail(
+                "could not register a tcp stream for I/O",
+                Some(e),
+                Aftermath::Reconnect,
+            );
             return;
         }
         self.streams.insert(token, (conn, i));
@@ -391,7 +403,11 @@ impl Worker {
             Ok(Err(e)) => conn.lost(i, e),
             Err(_) => {
                 tracing::error!(peer = %conn.peer(), addr = %conn.addr(), "driving a tcp stream panicked");
-                conn.fail("an I/O thread of the connection panicked", None);
+                conn.fail(
+                    "an I/O thread of the connection panicked",
+                    None,
+                    Aftermath::Reconnect,
+                );
             }
         }
         self.close(token);

@@ -25,7 +25,7 @@ use super::wire::{
 use crate::ids::PeerId;
 use bytes::Bytes;
 use std::io;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 /// Answers queued (headers and READ payloads) before the connection stops
 /// reading requests: bounds the memory one peer can make us hold and keeps
@@ -65,6 +65,38 @@ pub(crate) enum End {
     Refused,
     /// A socket error.
     Io(io::Error),
+    /// The connection's generation `gen` is below its peer's fence
+    /// `floor`: a newer connection set of the peer fenced it.
+    Fenced {
+        /// The connection's generation (0: it sent no FENCE).
+        gen: u64,
+        /// The peer's fenced generation.
+        floor: u64,
+    },
+}
+
+/// One peer's fence: the highest connection generation it has fenced
+/// (see [`wire`](super::wire)). Whatever writes into memory or delivers a
+/// notification for a connection holds the read lock while it checks its
+/// generation and writes; a FENCE raises the floor under the write lock,
+/// so once it is answered no write of an older connection is in progress
+/// and none starts.
+#[derive(Debug, Default)]
+pub(crate) struct PeerFence {
+    floor: RwLock<u64>,
+}
+
+/// The connection may write: its fence (if it has one) is held until the
+/// returned guard drops.
+fn pass(fence: &Option<Arc<PeerFence>>, gen: u64) -> Result<Option<RwLockReadGuard<'_, u64>>, End> {
+    let Some(f) = fence else {
+        return Ok(None);
+    };
+    let floor = f.floor.read().unwrap_or_else(|e| e.into_inner());
+    if *floor > gen {
+        return Err(End::Fenced { gen, floor: *floor });
+    }
+    Ok(Some(floor))
 }
 
 impl From<io::Error> for End {
@@ -73,8 +105,45 @@ impl From<io::Error> for End {
     }
 }
 
-/// Maps a hello and the challenge it answers to the peer it proves.
-pub(crate) type Authenticate<'a> = dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<PeerId, End> + 'a;
+/// [`End::Fenced`] through `fill`'s `io::Result` (see [`ended`]).
+fn fenced(e: End) -> io::Error {
+    match e {
+        End::Fenced { gen, floor } => io::Error::other(Fenced { gen, floor }),
+        End::Io(e) => e,
+        other => io::Error::other(format!("{other:?}")),
+    }
+}
+
+/// An `io::Error` that carries [`End::Fenced`].
+#[derive(Debug)]
+struct Fenced {
+    gen: u64,
+    floor: u64,
+}
+
+impl std::fmt::Display for Fenced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "generation {} fenced at {}", self.gen, self.floor)
+    }
+}
+
+impl std::error::Error for Fenced {}
+
+/// The end an `io::Error` from `fill` stands for.
+fn ended(e: io::Error) -> End {
+    match e.get_ref().and_then(|i| i.downcast_ref::<Fenced>()) {
+        Some(f) => End::Fenced {
+            gen: f.gen,
+            floor: f.floor,
+        },
+        None => End::Io(e),
+    }
+}
+
+/// Maps a hello and the challenge it answers to the peer it proves (and
+/// that peer's fence).
+pub(crate) type Authenticate<'a> =
+    dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<(PeerId, Arc<PeerFence>), End> + 'a;
 
 /// What serving needs from the server.
 pub(crate) struct Ctx<'a> {
@@ -141,6 +210,10 @@ pub(crate) struct ServeConn {
     incoming: Incoming,
     out: Outq,
     peer: Option<PeerId>,
+    /// The peer's fence, once authenticated.
+    fence: Option<Arc<PeerFence>>,
+    /// This connection's generation (its FENCE's; 0 before one).
+    gen: u64,
     /// WRITE bytes acknowledged by answers not yet flushed.
     acked: u64,
     /// The last request was a WRITE large enough to be read straight into
@@ -162,6 +235,8 @@ impl ServeConn {
             incoming: Incoming::Hello(challenge),
             out,
             peer: None,
+            fence: None,
+            gen: 0,
             acked: 0,
             direct: false,
         }
@@ -174,6 +249,8 @@ impl ServeConn {
             incoming: Incoming::Header,
             out: Outq::default(),
             peer: Some(peer),
+            fence: None,
+            gen: 0,
             acked: 0,
             direct: false,
         }
@@ -303,7 +380,7 @@ impl ServeConn {
                     self.out.flush(s)?;
                     return Ok(Drove::Blocked);
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(ended(e)),
             }
         }
     }
@@ -326,6 +403,7 @@ impl ServeConn {
                 let region = lease.region();
                 // GPU memory takes the buffered path (staged by `copy_in`).
                 if left >= DIRECT_MIN as u64 && region.device().is_none() {
+                    let _pass = pass(&self.fence, self.gen).map_err(fenced)?;
                     let n = s.read_into(region, *offset + *done, left)?;
                     *done += n as u64;
                     return Ok(n);
@@ -366,7 +444,9 @@ impl ServeConn {
                     let mut h = [0u8; HELLO_LEN];
                     h.copy_from_slice(&rbuf[..HELLO_LEN]);
                     input.start += HELLO_LEN;
-                    self.peer = Some((ctx.authenticate)(&h, challenge)?);
+                    let (peer, fence) = (ctx.authenticate)(&h, challenge)?;
+                    self.peer = Some(peer);
+                    self.fence = Some(fence);
                     self.incoming = Incoming::Header;
                     self.out.put(&HELLO_ACK);
                 }
@@ -391,6 +471,7 @@ impl ServeConn {
                     let n = (avail as u64).min(*len - *done);
                     if n > 0 {
                         let src = &rbuf[..n as usize];
+                        let _pass = pass(&self.fence, self.gen)?;
                         // Host memory: a copy; GPU memory: staged onto the
                         // device before the ack.
                         lease
@@ -423,12 +504,15 @@ impl ServeConn {
                     // notifications) refuses it: the initiator's transfer
                     // fails with a clear error instead of the notification
                     // vanishing here or the queue growing without bound.
-                    let status = if ctx.shared.notify(self.peer, Bytes::from(payload)) {
-                        bump(&ctx.counters.notifications, 1);
-                        Status::Ok
-                    } else {
-                        ctx.counters.refused(Status::NotifyQueueFull);
-                        Status::NotifyQueueFull
+                    let status = {
+                        let _pass = pass(&self.fence, self.gen)?;
+                        if ctx.shared.notify(self.peer, Bytes::from(payload)) {
+                            bump(&ctx.counters.notifications, 1);
+                            Status::Ok
+                        } else {
+                            ctx.counters.refused(Status::NotifyQueueFull);
+                            Status::NotifyQueueFull
+                        }
                     };
                     self.answer(status, tag);
                 }
@@ -446,6 +530,27 @@ impl ServeConn {
         }
     }
 
+    /// A FENCE: this connection becomes of generation `req.offset`, and
+    /// the peer's older connections write no more (see [`PeerFence`]).
+    /// One below the peer's floor ends this connection instead.
+    fn fence(&mut self, req: &Request) -> Result<(), End> {
+        let gen = req.offset;
+        if let Some(f) = &self.fence {
+            // Waits for every write of the peer's connections in progress.
+            let mut floor = f.floor.write().unwrap_or_else(|e| e.into_inner());
+            if gen < *floor || gen < self.gen {
+                return Err(End::Fenced {
+                    gen,
+                    floor: (*floor).max(self.gen),
+                });
+            }
+            *floor = gen;
+        }
+        self.gen = gen;
+        self.answer(Status::Ok, req.tag);
+        Ok(())
+    }
+
     /// Queues a status answer and expects the next header.
     fn answer(&mut self, status: Status, tag: u64) {
         self.incoming = Incoming::Header;
@@ -454,6 +559,9 @@ impl ServeConn {
 
     /// Checks one decoded request and starts serving it.
     fn request(&mut self, req: &Request, ctx: &Ctx<'_>) -> Result<(), End> {
+        if req.kind == RequestKind::Fence {
+            return self.fence(req);
+        }
         self.direct = req.kind == RequestKind::Write && req.len >= DIRECT_MIN as u64;
         let checked = {
             let regions = ctx.regions.read().unwrap_or_else(|e| e.into_inner());

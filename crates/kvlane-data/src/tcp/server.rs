@@ -33,7 +33,7 @@
 
 use super::io::{tune_socket, SocketOptions};
 use super::lease::{Lease, Served};
-use super::serve::{Ctx, Drove, End, ServeConn};
+use super::serve::{Ctx, Drove, End, PeerFence, ServeConn};
 use super::shared::{lock, Shared};
 use super::wire::{
     credential_id, Challenge, Hello, Request, RequestKind, Status, HELLO_LEN, ID_LEN, REQUEST_LEN,
@@ -95,6 +95,11 @@ pub struct TcpCounters {
     pub connection_panics: u64,
     /// Connections closed because a header did not decode.
     pub framing_errors: u64,
+    /// Connections closed because a newer generation of their peer fenced
+    /// them (see [`wire`](super::wire)): a WRITE or notification that
+    /// arrived on one afterwards was dropped before it reached memory or
+    /// the application.
+    pub connections_fenced: u64,
     /// Requests refused: no region under the key.
     pub refused_unknown_key: u64,
     /// Requests refused: range outside the region.
@@ -121,6 +126,10 @@ pub struct TcpCounters {
     pub bytes_read: u64,
     /// Bytes stored by peers' WRITEs.
     pub bytes_written: u64,
+    /// Initiator side: failed connections whose target could not be
+    /// fenced within [`TcpConfig::fence_timeout`](super::TcpConfig::fence_timeout)
+    /// before their failed WRITEs and notifications were reported.
+    pub unfenced_failures: u64,
 }
 
 impl TcpCounters {
@@ -135,6 +144,7 @@ impl TcpCounters {
             connections_revoked,
             connection_panics,
             framing_errors,
+            connections_fenced,
             refused_unknown_key,
             refused_out_of_bounds,
             refused_access,
@@ -145,6 +155,7 @@ impl TcpCounters {
             notifications,
             bytes_read,
             bytes_written,
+            unfenced_failures,
         } = other;
         self.connections_accepted += connections_accepted;
         self.connections_refused += connections_refused;
@@ -154,6 +165,7 @@ impl TcpCounters {
         self.connections_revoked += connections_revoked;
         self.connection_panics += connection_panics;
         self.framing_errors += framing_errors;
+        self.connections_fenced += connections_fenced;
         self.refused_unknown_key += refused_unknown_key;
         self.refused_out_of_bounds += refused_out_of_bounds;
         self.refused_access += refused_access;
@@ -164,6 +176,7 @@ impl TcpCounters {
         self.notifications += notifications;
         self.bytes_read += bytes_read;
         self.bytes_written += bytes_written;
+        self.unfenced_failures += unfenced_failures;
     }
 }
 
@@ -177,6 +190,7 @@ pub(crate) struct Counters {
     pub(crate) connections_revoked: AtomicU64,
     pub(crate) connection_panics: AtomicU64,
     pub(crate) framing_errors: AtomicU64,
+    pub(crate) connections_fenced: AtomicU64,
     pub(crate) refused_unknown_key: AtomicU64,
     pub(crate) refused_out_of_bounds: AtomicU64,
     pub(crate) refused_access: AtomicU64,
@@ -205,6 +219,7 @@ impl Counters {
             connections_revoked: g(&self.connections_revoked),
             connection_panics: g(&self.connection_panics),
             framing_errors: g(&self.framing_errors),
+            connections_fenced: g(&self.connections_fenced),
             refused_unknown_key: g(&self.refused_unknown_key),
             refused_out_of_bounds: g(&self.refused_out_of_bounds),
             refused_access: g(&self.refused_access),
@@ -215,6 +230,7 @@ impl Counters {
             notifications: g(&self.notifications),
             bytes_read: g(&self.bytes_read),
             bytes_written: g(&self.bytes_written),
+            unfenced_failures: 0,
         }
     }
 
@@ -300,7 +316,7 @@ pub fn fuzz_request(data: &[u8]) {
                 // Touch exactly what the server would.
                 assert!(region.check_range(req.offset, req.len).is_ok(), "{req:?}");
             }
-            Ok(None) => assert_eq!(req.kind, RequestKind::Notify),
+            Ok(None) => assert!(matches!(req.kind, RequestKind::Notify | RequestKind::Fence)),
             Err(status) => assert_ne!(status, Status::Ok),
         }
     }
@@ -441,6 +457,9 @@ pub(crate) struct Credentials {
 struct CredTable {
     by_id: HashMap<[u8; ID_LEN], (PeerId, [u8; TOKEN_LEN])>,
     by_peer: FastMap<PeerId, [u8; ID_LEN]>,
+    /// Each credentialed peer's fence (see [`wire`](super::wire)); kept
+    /// when a credential is re-issued, dropped with the credential.
+    fences: FastMap<PeerId, Arc<PeerFence>>,
 }
 
 impl Credentials {
@@ -455,6 +474,7 @@ impl Credentials {
             t.by_id.remove(&old);
         }
         t.by_id.insert(id, (peer, token));
+        t.fences.entry(peer).or_default();
         token
     }
 
@@ -465,17 +485,23 @@ impl Credentials {
             return false;
         };
         t.by_id.remove(&id);
+        t.fences.remove(&peer);
         true
     }
 
     /// The peer whose credential `hello` proves for `challenge` (the one
     /// this connection was sent). The id is public, so looking it up
     /// leaks nothing; the proof is checked in constant time.
-    fn authenticate(&self, hello: &[u8; HELLO_LEN], challenge: &Challenge) -> Option<PeerId> {
+    fn authenticate(
+        &self,
+        hello: &[u8; HELLO_LEN],
+        challenge: &Challenge,
+    ) -> Option<(PeerId, Arc<PeerFence>)> {
         let hello = Hello::decode(hello).ok()?;
         let t = self.table.read().unwrap_or_else(|e| e.into_inner());
         let (peer, token) = t.by_id.get(&hello.id)?;
-        hello.verify(challenge, token).then_some(*peer)
+        let fence = t.fences.get(peer)?.clone();
+        hello.verify(challenge, token).then_some((*peer, fence))
     }
 
     fn is_valid(&self, peer: PeerId) -> bool {
@@ -1097,6 +1123,10 @@ impl Worker {
                 bump(&state.counters.framing_errors, 1);
                 tracing::debug!(%from, ?peer, error = %e, "framing error; connection closed");
             }
+            End::Fenced { gen, floor } => {
+                bump(&state.counters.connections_fenced, 1);
+                tracing::info!(%from, ?peer, gen, floor, "connection fenced by a newer generation of its peer; closed");
+            }
             End::Io(e) => tracing::debug!(%from, ?peer, error = %e, "connection ended"),
         }
         self.close(token);
@@ -1185,8 +1215,8 @@ fn admit(
     state: &ServerState,
     hello: &[u8; HELLO_LEN],
     challenge: &Challenge,
-) -> Result<PeerId, End> {
-    let peer = state
+) -> Result<(PeerId, Arc<PeerFence>), End> {
+    let (peer, fence) = state
         .creds
         .authenticate(hello, challenge)
         .ok_or(End::Auth)?;
@@ -1208,7 +1238,7 @@ fn admit(
         state.leave(peer);
         return Err(End::Refused);
     }
-    Ok(peer)
+    Ok((peer, fence))
 }
 
 impl ServerState {

@@ -1,12 +1,13 @@
 //! State shared by the backend and its I/O threads: the completion and
 //! notification queues, the waker, and the lock helper they all use.
 
+use super::initiator::PeerConn;
 use crate::ids::{FastMap, PeerId, TransferId};
 use crate::transfer::Completion;
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 
 /// A map keyed by transfer id.
@@ -69,6 +70,15 @@ pub(crate) struct Shared {
     /// Peers holding a credential: the queue of notifications is shared
     /// among them (see [`notify`](Self::notify)).
     pub(crate) peers: AtomicUsize,
+    /// Connections made to replace failed ones, by peer and the failed
+    /// one's generation (see `PeerConn::fail`); the backend takes them
+    /// at its next `submit` or `poll`.
+    pub(crate) replacements: Mutex<Vec<(PeerId, u64, Arc<PeerConn>)>>,
+    /// Failed connections whose target could not be fenced.
+    pub(crate) unfenced: AtomicU64,
+    /// The backend dropped: replacements are closed, not queued (set
+    /// under `replacements`' lock).
+    pub(crate) closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {

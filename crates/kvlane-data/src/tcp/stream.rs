@@ -251,7 +251,8 @@ impl Stream {
         .encode();
         self.out.put(&header);
         match job.kind {
-            RequestKind::Read => {}
+            // Fences are sent when a connection is made, not as jobs.
+            RequestKind::Read | RequestKind::Fence => {}
             RequestKind::Notify => {
                 if let Some(n) = &job.xfer.notify {
                     self.out.put(n);

@@ -14,12 +14,12 @@
 //!   proof = HMAC-SHA256(token, "kvlane-tcp/hello" || nonce || id)
 //! hello ack (8 bytes)   "KVLT" | version u8 | zero [u8; 3]
 //! request  (32 bytes, little endian)
-//!   0  op      u8   1 = READ, 2 = WRITE, 3 = NOTIFY
+//!   0  op      u8   1 = READ, 2 = WRITE, 3 = NOTIFY, 4 = FENCE
 //!   1  zero    [u8; 3]
-//!   4  key     u32
+//!   4  key     u32  (zero for NOTIFY and FENCE)
 //!   8  tag     u64  echoed in the response
-//!   16 offset  u64
-//!   24 len     u64  WRITE and NOTIFY: that many payload bytes follow
+//!   16 offset  u64  FENCE: the connection's generation
+//!   24 len     u64  WRITE and NOTIFY: that many payload bytes follow (FENCE: zero)
 //! response (24 bytes)
 //!   0  status  u8   0 = ok, 1 = unknown key, 2 = out of bounds, 3 = access denied,
 //!                   4 = notification queue full (NOTIFY only)
@@ -29,6 +29,19 @@
 //!                   (access denied); a successful READ is followed by
 //!                   `len` payload bytes
 //! ```
+//!
+//! **Fences.** An initiator's first request on every connection is a
+//! FENCE naming the connection's generation: a number that grows with
+//! every connection set (every connect, reconnect or fence) the initiator
+//! opens to this target. The target keeps, per peer, the highest
+//! generation fenced so far; once a FENCE of generation `g` is answered,
+//! no WRITE byte and no notification of a connection of a lower
+//! generation reaches memory or the application (the target checks before
+//! each write into memory and closes such a connection). A FENCE below the
+//! peer's current generation closes its own connection. So an initiator
+//! that reports a transfer failed only after a newer generation was fenced
+//! knows that no byte of the failed attempt still in the network (in a
+//! proxy, in the target's socket buffer) lands later, over newer data.
 //!
 //! A header that does not decode ([`FrameError`]) ends the connection: the
 //! stream cannot be resynchronised. A request that decodes but is refused
@@ -51,8 +64,9 @@ use crate::transfer::Op;
 
 /// First bytes of a [`Hello`] and of [`HELLO_ACK`].
 pub const MAGIC: [u8; 4] = *b"KVLT";
-/// Protocol version (2: challenge-response hello; 1 sent the token).
-pub const VERSION: u8 = 2;
+/// Protocol version (3: connections fenced by generation; 2:
+/// challenge-response hello; 1 sent the token).
+pub const VERSION: u8 = 3;
 /// Length of the auth token (the secret credential).
 pub const TOKEN_LEN: usize = 16;
 /// Length of the public id that names a credential in a [`Hello`].
@@ -259,6 +273,67 @@ pub fn authenticate<S: std::io::Read + std::io::Write>(
     Ok(())
 }
 
+/// Sends the FENCE of generation `gen` on a freshly authenticated
+/// connection and waits for its answer (blocking; the socket's read
+/// timeout bounds the wait). A target that closes the connection instead
+/// has seen a newer generation of this peer: an
+/// [`io::ErrorKind::ConnectionRefused`](std::io::ErrorKind::ConnectionRefused)
+/// error saying so.
+pub fn fence<S: std::io::Read + std::io::Write>(mut s: S, gen: u64) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let req = Request {
+        kind: RequestKind::Fence,
+        key: RemoteKey(0),
+        tag: gen,
+        offset: gen,
+        len: 0,
+    };
+    s.write_all(&req.encode())?;
+    let mut h = [0u8; RESPONSE_LEN];
+    match s.read_exact(&mut h) {
+        Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+            return Err(Error::new(
+                ErrorKind::ConnectionRefused,
+                format!("the target refused fence generation {gen}: a newer connection of this initiator fenced it"),
+            ))
+        }
+        r => r?,
+    }
+    let resp = Response::decode(&h).map_err(|e| Error::new(ErrorKind::InvalidData, e))?;
+    if resp.tag != gen || resp.status != Status::Ok {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("unexpected answer to fence generation {gen}: {resp:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The target's side of [`fence`], for targets written by hand (test
+/// fakes, tools): reads the FENCE an initiator sends first on every
+/// connection and answers it; returns its generation. Anything else is an
+/// [`io::ErrorKind::InvalidData`](std::io::ErrorKind::InvalidData) error.
+pub fn answer_fence<S: std::io::Read + std::io::Write>(mut s: S) -> std::io::Result<u64> {
+    use std::io::{Error, ErrorKind};
+    let mut h = [0u8; REQUEST_LEN];
+    s.read_exact(&mut h)?;
+    let req = Request::decode(&h).map_err(|e| Error::new(ErrorKind::InvalidData, e))?;
+    if req.kind != RequestKind::Fence {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("expected a FENCE first, got {req:?}"),
+        ));
+    }
+    s.write_all(
+        &Response {
+            status: Status::Ok,
+            tag: req.tag,
+        }
+        .encode(),
+    )?;
+    Ok(req.offset)
+}
+
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestKind {
@@ -268,6 +343,9 @@ pub enum RequestKind {
     Write,
     /// Deliver the `len` payload bytes that follow as a notification.
     Notify,
+    /// Fence the peer's connections of generations below `offset` (see
+    /// the [module docs](self)); this connection is of generation `offset`.
+    Fence,
 }
 
 impl RequestKind {
@@ -276,7 +354,7 @@ impl RequestKind {
         match self {
             Self::Read => Some(Op::Read),
             Self::Write => Some(Op::Write),
-            Self::Notify => None,
+            Self::Notify | Self::Fence => None,
         }
     }
 }
@@ -317,6 +395,9 @@ pub enum FrameError {
     /// A notification carried a key or offset.
     #[error("notification with a key or offset")]
     BadNotify,
+    /// A fence carried a key.
+    #[error("fence with a key")]
+    BadFence,
     /// A challenge or hello that does not start with the magic bytes.
     #[error("not a kvlane tcp handshake (wrong magic)")]
     Magic,
@@ -350,6 +431,7 @@ impl Request {
             RequestKind::Read => 1,
             RequestKind::Write => 2,
             RequestKind::Notify => 3,
+            RequestKind::Fence => 4,
         };
         b[4..8].copy_from_slice(&self.key.0.to_le_bytes());
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
@@ -364,6 +446,7 @@ impl Request {
             1 => RequestKind::Read,
             2 => RequestKind::Write,
             3 => RequestKind::Notify,
+            4 => RequestKind::Fence,
             other => return Err(FrameError::BadCode(other)),
         };
         if b[1..4] != [0; 3] {
@@ -383,6 +466,12 @@ impl Request {
                 }
                 MAX_NOTIFY
             }
+            RequestKind::Fence => {
+                if req.key.0 != 0 {
+                    return Err(FrameError::BadFence);
+                }
+                0
+            }
             _ => MAX_CHUNK,
         };
         if req.len > max {
@@ -394,7 +483,7 @@ impl Request {
     /// Payload bytes that follow this header on the wire.
     pub fn payload_len(&self) -> u64 {
         match self.kind {
-            RequestKind::Read => 0,
+            RequestKind::Read | RequestKind::Fence => 0,
             RequestKind::Write | RequestKind::Notify => self.len,
         }
     }
