@@ -1843,7 +1843,8 @@ mod fences {
     /// ways; once `hold` is set, the bytes the first one's client sends
     /// are kept (and with `HoldAndReset` the client is reset) until
     /// `release` is set, and then sent on to the target over the
-    /// proxy's still open connection to it.
+    /// proxy's still open connection to it (whether or not the client
+    /// is still connected).
     fn proxy(target: SocketAddr, then: Then) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let p = Proxy {
@@ -1883,39 +1884,61 @@ mod fences {
                 );
                 std::thread::spawn(move || {
                     let (mut from, mut to) = (client, server);
+                    let _ = from.set_read_timeout(Some(Duration::from_millis(10)));
                     let mut kept = Vec::new();
                     let mut buf = [0u8; 16 << 10];
+                    let mut open = true;
                     loop {
+                        if !kept.is_empty() && release.load(Ordering::SeqCst) {
+                            if to.write_all(&kept).is_err() {
+                                return;
+                            }
+                            delivered.store(kept.len(), Ordering::SeqCst);
+                            kept.clear();
+                        }
+                        if !open {
+                            if kept.is_empty() {
+                                // Keep the target's side open a while: it
+                                // reads at its own pace.
+                                std::thread::sleep(Duration::from_secs(2));
+                                return;
+                            }
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        }
                         let k = match from.read(&mut buf) {
-                            Ok(0) | Err(_) => break,
+                            Ok(0) => {
+                                open = false;
+                                continue;
+                            }
                             Ok(k) => k,
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) =>
+                            {
+                                continue
+                            }
+                            Err(_) => {
+                                open = false;
+                                continue;
+                            }
                         };
-                        if n == 0 && hold.load(Ordering::SeqCst) {
+                        if n == 0 && hold.load(Ordering::SeqCst) && !release.load(Ordering::SeqCst)
+                        {
                             kept.extend_from_slice(&buf[..k]);
                             held.store(kept.len(), Ordering::SeqCst);
                             if then == Then::HoldAndReset {
                                 let _ =
                                     socket2::SockRef::from(&from).set_linger(Some(Duration::ZERO));
                                 let _ = from.shutdown(Shutdown::Both);
-                                break;
+                                open = false;
                             }
                         } else if to.write_all(&buf[..k]).is_err() {
                             return;
                         }
                     }
-                    if kept.is_empty() {
-                        let _ = to.shutdown(Shutdown::Write);
-                        return;
-                    }
-                    while !release.load(Ordering::SeqCst) {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    if to.write_all(&kept).is_ok() {
-                        delivered.store(kept.len(), Ordering::SeqCst);
-                    }
-                    // Keep the target's side open a while: it reads at
-                    // its own pace.
-                    std::thread::sleep(Duration::from_secs(2));
                 });
             }
         });
