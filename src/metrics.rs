@@ -28,7 +28,8 @@
 //!
 //! | `kvlane_control_refused_total` | counter | `reason`: `unauthenticated` (inbound peers refused before they proved the key: peer cap, failed or incompatible handshake), `handshake_evicted` (handshakes dropped for newer ones at the handshake cap) |
 //! | `kvlane_control_frames_dropped_total` | counter | `reason`: `oversized`, `malformed`, `unknown_type`, `unexpected`, `hello_on_live_link` (a hello on a live connection's routing id, refused) |
-//! | `kvlane_data_connections_refused_total` | counter | `reason`: `auth_failed` (wrong or revoked credential), `auth_timeout`, `unauthenticated_evicted`, `cap` (connection cap), `revoked` (open connections closed when their peer was removed), `framing`, `panic` (tcp target) |
+//! | `kvlane_data_connections_refused_total` | counter | `reason`: `auth_failed` (wrong or revoked credential), `auth_timeout`, `unauthenticated_evicted`, `cap` (connection cap), `revoked` (open connections closed when their peer was removed), `framing`, `panic`, `fenced` (closed when a newer connection of their peer fenced them: a late WRITE or notification on one is dropped) (tcp target) |
+//! | `kvlane_data_unfenced_failures_total` | counter | `reason`: `fence_timeout` (tcp initiator: failed connections whose target could not be fenced within `TcpConfig::fence_timeout` before their failures were reported) |
 //! | `kvlane_data_requests_refused_total` | counter | `reason`: `unknown_key`, `out_of_bounds`, `access`, `notify_queue_full`, `region_deregistered` (accepted requests cut by a deregistration) (tcp target) |
 //! | `kvlane_data_served_requests_total` | counter | `op` (`read`, `write`): requests the tcp target served for peers |
 //! | `kvlane_data_served_bytes_total` | counter | `op`: bytes peers read from or wrote into this side's memory (tcp target) |
@@ -242,7 +243,13 @@ impl prometheus_client::collector::Collector for RailsCollector {
                     ("revoked", t.connections_revoked),
                     ("framing", t.framing_errors),
                     ("panic", t.connection_panics),
+                    ("fenced", t.connections_fenced),
                 ],
+            ));
+            families.push((
+                "data_unfenced_failures",
+                "Failed tcp connections whose target could not be fenced before their failures were reported",
+                vec![("fence_timeout", t.unfenced_failures)],
             ));
             families.push((
                 "data_requests_refused",

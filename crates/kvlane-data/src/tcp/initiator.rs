@@ -800,7 +800,7 @@ impl PeerConn {
         let pending = Arc::new(Mutex::new(Some(report)));
         let theirs = pending.clone();
         let job = move || {
-            match PeerConn::connect(peer, &ep, &cfg, shared.clone(), &pool) {
+            match Self::connect(peer, &ep, &cfg, shared.clone(), &pool) {
                 Ok(new) => {
                     tracing::debug!(%peer, addr = %ep.addr, gen, fenced_by = new.gen, "failed connection fenced");
                     if after == Aftermath::Reconnect {
