@@ -161,6 +161,53 @@ mod raw {
         assert_eq!((c.writes_served, c.reads_served), (1, 1), "{c:?}");
     }
 
+    /// A connection's FENCE makes the peer's connections of lower
+    /// generations useless: their next request (or the rest of a WRITE's
+    /// payload) closes them before anything reaches memory. A FENCE below
+    /// the peer's generation closes its own connection; one equal to it
+    /// (another stream of the same connection set) is accepted.
+    #[test]
+    fn a_newer_generation_fences_the_older_connections() {
+        use kvlane_data::tcp::wire::fence;
+        let t = target();
+        let key = t.all.1.key;
+        let before = t.all.0.to_vec().unwrap();
+        let mut old = authed(&t.ep);
+        fence(&old, 5).unwrap();
+        assert_eq!(
+            request(&mut old, RequestKind::Write, key, 0, 16).status,
+            Status::Ok
+        );
+        let mut new = authed(&t.ep);
+        fence(&new, 6).unwrap();
+        // The old connection's WRITE is dropped and the connection closed.
+        let req = Request {
+            kind: RequestKind::Write,
+            key,
+            tag: 1,
+            offset: 100,
+            len: 16,
+        };
+        let _ = old.write_all(&req.encode());
+        let _ = old.write_all(&[0xee; 16]);
+        assert!(drain(old).is_empty(), "a fenced connection answered");
+        let now = t.all.0.to_vec().unwrap();
+        assert_eq!(now[100..116], before[100..116], "a fenced WRITE landed");
+        assert_eq!(now[..16], [0xee; 16], "the WRITE before the fence landed");
+        // Below the floor: refused; equal: accepted; the new one serves.
+        let late = authed(&t.ep);
+        let e = fence(&late, 4).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+        assert!(e.to_string().contains("generation 4"), "{e}");
+        let same = authed(&t.ep);
+        fence(&same, 6).unwrap();
+        assert_eq!(
+            request(&mut new, RequestKind::Write, key, 200, 16).status,
+            Status::Ok
+        );
+        assert_eq!(t.backend.counters().connections_fenced, 2);
+    }
+
     /// A TCP proxy in front of `target` that forwards both ways and
     /// records what each connection's client sent, as an observer on the
     /// link would.

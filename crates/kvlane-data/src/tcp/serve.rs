@@ -562,6 +562,9 @@ impl ServeConn {
         if req.kind == RequestKind::Fence {
             return self.fence(req);
         }
+        // A fenced connection serves nothing more (its writes are also
+        // checked as they land: a fence may come mid-payload).
+        drop(pass(&self.fence, self.gen)?);
         self.direct = req.kind == RequestKind::Write && req.len >= DIRECT_MIN as u64;
         let checked = {
             let regions = ctx.regions.read().unwrap_or_else(|e| e.into_inner());
