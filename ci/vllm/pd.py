@@ -547,6 +547,10 @@ def check_cases(a: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# Rows with a prefill call time only.
+NO_LOAD = ("none", "null", "none-pd")
+
+
 def bench(a: argparse.Namespace) -> int:
     s = Setup(a)
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -569,6 +573,32 @@ def bench(a: argparse.Namespace) -> int:
                     log(f"{c} {n}: prefill {rows[c][n]['prefill'] * 1e3:.1f} ms")
             finally:
                 e.stop()
+            continue
+        if c == "none-pd":
+            # No connector, in the deployment a connector runs in: a
+            # decode engine on its own cores beside prefill, called after
+            # each prefill call (it computes the prompt itself, as long as
+            # a load takes at these sizes). vLLM's workers busy-wait for
+            # up to 1 s after each step (shm_broadcast's `busy_loop_s`), so
+            # an engine that just ran keeps its core busy; beside a lone
+            # engine (`none`) the prefill engine's unbound threads have the
+            # other core to themselves, beside a decode engine they do not.
+            e = s.engine("single", "none", cores_of="prefill")
+            d = s.engine("single", "none", cores_of="decode")
+            try:
+                e.ready()
+                d.ready()
+                for n in lengths:
+                    ps = make_prompts([n] * (a.reps + 1), seed=n)
+                    t = []
+                    for p in ps:
+                        t.append(e.run([p], max_tokens=1)["secs"])
+                        d.run([p], max_tokens=1)
+                    rows[c][n] = {"prefill": statistics.median(t[1:])}
+                    log(f"{c} {n}: prefill {rows[c][n]['prefill'] * 1e3:.1f} ms")
+            finally:
+                e.stop()
+                d.stop()
             continue
         env = s.connector_env(c)
         pre = s.engine("prefill", c, env, side_port=s.port)
@@ -596,14 +626,14 @@ def bench(a: argparse.Namespace) -> int:
     print(json.dumps(rows))
     print()
     print("| prompt tokens | " + " | ".join(
-        f"{c} prefill call (ms)" + ("" if c in ("none", "null") else f" | {c} KV load (ms)")
+        f"{c} prefill call (ms)" + ("" if c in NO_LOAD else f" | {c} KV load (ms)")
         for c in rows) + " |")
-    print("|" + "---|" * (1 + sum(1 if c in ("none", "null") else 2 for c in rows)))
+    print("|" + "---|" * (1 + sum(1 if c in NO_LOAD else 2 for c in rows)))
     for n in lengths:
         cells = []
         for c in rows:
             cells.append(f"{rows[c][n]['prefill'] * 1e3:.1f}")
-            if c not in ("none", "null"):
+            if c not in NO_LOAD:
                 cells.append(f"{rows[c][n]['load'] * 1e3:.1f}")
         print(f"| {n} | " + " | ".join(cells) + " |")
     return 0
@@ -633,7 +663,8 @@ def main() -> int:
     b.add_argument("--connectors", default="none,nixl,nixl-placed,kvlane",
                    help="nixl-placed: NIXL with kvlane.vllm's placement of the worker thread; "
                         "null: vLLM's connector machinery without a transport (prefill "
-                        "calls only, null_connector.py)")
+                        "calls only, null_connector.py); none-pd: no connector, with a "
+                        "decode engine beside prefill called after each prefill call")
     b.add_argument("--lengths", default="100,1000,4000")
     b.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
