@@ -840,3 +840,95 @@ fn a_notification_is_delivered_once_when_its_rail_resets_after_the_notify_passed
         }
     }
 }
+
+#[path = "support/holding_proxy.rs"]
+mod holding_proxy;
+
+/// Issue 41, item 6: a WRITE whose bytes the network still holds on rail
+/// 0 times out there and is posted again on rail 1; newer data follows.
+/// When rail 0's network delivers the old bytes 3 s later, over the
+/// connection rail 0's target still serves, none of them lands: rail 0's
+/// connection was fenced before the part was reported failed and moved.
+#[test]
+fn a_moved_write_never_lands_late_from_its_first_rail() {
+    use holding_proxy::{proxy, Then};
+    const SPAN: u64 = 32 << 10;
+    let px: Arc<Mutex<Option<holding_proxy::Proxy>>> = Arc::default();
+    let p2 = px.clone();
+    let rail0 = Intercept::new(tcp()).on_endpoint(move |ep| {
+        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
+        let p = proxy(t.addr, Then::Hold);
+        t.addr = p.addr;
+        *ep = t.to_endpoint();
+        *p2.lock().unwrap() = Some(p);
+    });
+    let target = Rails::new(
+        vec![("tcp0".into(), Box::new(rail0)), ("tcp1".into(), tcp())],
+        RailsConfig::default(),
+    )
+    .unwrap();
+    let cfg = RailsConfig {
+        part_timeout: Duration::from_millis(300),
+        ..RailsConfig::default()
+    };
+    let mut p = pair(rails(2, cfg), Box::new(target));
+    let (hold, release, held, delivered) = {
+        let g = px.lock().unwrap();
+        let x = g
+            .as_ref()
+            .expect("rail 0's endpoint went through the proxy");
+        (
+            x.hold.clone(),
+            x.release.clone(),
+            x.held.clone(),
+            x.delivered.clone(),
+        )
+    };
+    // Rail 0's connections (made) now hold what they are sent. Whole
+    // transfers rotate from rail 0: the first one goes there.
+    hold.store(true, Ordering::SeqCst);
+    p.src.fill(0, SPAN, 0xee).unwrap();
+    run(&mut p, Op::Write, 0, SPAN).expect("the WRITE moves to rail 1 and lands");
+    let moved_at = Instant::now();
+    let s = p.init.rail_stats();
+    assert!(s[0].failures >= 1, "rail 0 never failed: {s:?}");
+    assert!(
+        held.load(Ordering::SeqCst) >= SPAN as usize,
+        "rail 0's network holds the first attempt ({} bytes)",
+        held.load(Ordering::SeqCst)
+    );
+    assert!(p.dst.to_vec().unwrap()[..SPAN as usize]
+        .iter()
+        .all(|&b| b == 0xee));
+    // Newer data over the same bytes.
+    p.src.fill(0, SPAN, 0x33).unwrap();
+    run(&mut p, Op::Write, 0, SPAN).unwrap();
+    assert!(p.dst.to_vec().unwrap()[..SPAN as usize]
+        .iter()
+        .all(|&b| b == 0x33));
+    // 3 s after the move, rail 0's network delivers the first attempt.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(moved_at.elapsed()));
+    release.store(true, Ordering::SeqCst);
+    let end = Instant::now() + Duration::from_secs(10);
+    let fenced = || p.target.tcp_counters().unwrap().connections_fenced;
+    while delivered.load(Ordering::SeqCst) == 0 || fenced() == 0 {
+        assert!(
+            Instant::now() < end,
+            "the held bytes were not refused by a fence (delivered {}, {:?})",
+            delivered.load(Ordering::SeqCst),
+            p.target.tcp_counters()
+        );
+        if p.dst.to_vec().unwrap()[..SPAN as usize].contains(&0xee) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let now = p.dst.to_vec().unwrap();
+    let late = now[..SPAN as usize].iter().filter(|&&b| b != 0x33).count();
+    assert_eq!(
+        late, 0,
+        "{late} bytes of the first attempt landed over newer data, 3 s after the WRITE moved"
+    );
+    assert_eq!(p.init.tcp_counters().unwrap().unfenced_failures, 0);
+}

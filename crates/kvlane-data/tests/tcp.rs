@@ -1849,6 +1849,9 @@ mod many_requests {
     }
 }
 
+#[path = "support/holding_proxy.rs"]
+mod holding_proxy;
+
 /// Issue 41, item 6: bytes of a WRITE that was reported failed never land
 /// later, even when the network (here a store-and-forward proxy) still
 /// holds them and delivers them seconds after the initiator gave up.
@@ -1857,140 +1860,13 @@ mod fences {
         Access, Backend, Completion, DataError, Descriptor, Op, PeerId, Region, RemoteDescriptor,
         RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
     };
-    use std::io::{Read, Write};
-    use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
 
     const LEN: u64 = 64 << 10;
     const SPAN: u64 = 32 << 10;
 
-    /// What the proxy does to its first connection (the initiator's data
-    /// stream) once `hold` is set.
-    #[derive(Clone, Copy, PartialEq, Eq)]
-    enum Then {
-        /// Keeps what the initiator sends; the initiator times out.
-        Hold,
-        /// Keeps what the initiator sends and resets the initiator's side
-        /// as soon as some arrived; the initiator sees a lost connection.
-        HoldAndReset,
-    }
-
-    struct Proxy {
-        addr: SocketAddr,
-        hold: Arc<AtomicBool>,
-        release: Arc<AtomicBool>,
-        /// Bytes held, then bytes delivered late.
-        held: Arc<AtomicUsize>,
-        delivered: Arc<AtomicUsize>,
-    }
-
-    /// A proxy in front of `target`. Every connection is forwarded both
-    /// ways; once `hold` is set, the bytes the first one's client sends
-    /// are kept (and with `HoldAndReset` the client is reset) until
-    /// `release` is set, and then sent on to the target over the
-    /// proxy's still open connection to it (whether or not the client
-    /// is still connected).
-    fn proxy(target: SocketAddr, then: Then) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = Proxy {
-            addr: listener.local_addr().unwrap(),
-            hold: Arc::default(),
-            release: Arc::default(),
-            held: Arc::default(),
-            delivered: Arc::default(),
-        };
-        let (hold, release, held, delivered) = (
-            p.hold.clone(),
-            p.release.clone(),
-            p.held.clone(),
-            p.delivered.clone(),
-        );
-        std::thread::spawn(move || {
-            for (n, client) in listener.incoming().enumerate() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(target) else {
-                    continue;
-                };
-                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 16 << 10];
-                    let (mut from, mut to) = (s2, c2);
-                    while let Ok(k) = from.read(&mut buf) {
-                        if k == 0 || to.write_all(&buf[..k]).is_err() {
-                            break;
-                        }
-                    }
-                });
-                let (hold, release, held, delivered) = (
-                    hold.clone(),
-                    release.clone(),
-                    held.clone(),
-                    delivered.clone(),
-                );
-                std::thread::spawn(move || {
-                    let (mut from, mut to) = (client, server);
-                    let _ = from.set_read_timeout(Some(Duration::from_millis(10)));
-                    let mut kept = Vec::new();
-                    let mut buf = [0u8; 16 << 10];
-                    let mut open = true;
-                    loop {
-                        if !kept.is_empty() && release.load(Ordering::SeqCst) {
-                            if to.write_all(&kept).is_err() {
-                                return;
-                            }
-                            delivered.store(kept.len(), Ordering::SeqCst);
-                            kept.clear();
-                        }
-                        if !open {
-                            if kept.is_empty() {
-                                // Keep the target's side open a while: it
-                                // reads at its own pace.
-                                std::thread::sleep(Duration::from_secs(2));
-                                return;
-                            }
-                            std::thread::sleep(Duration::from_millis(10));
-                            continue;
-                        }
-                        let k = match from.read(&mut buf) {
-                            Ok(0) => {
-                                open = false;
-                                continue;
-                            }
-                            Ok(k) => k,
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                                ) =>
-                            {
-                                continue
-                            }
-                            Err(_) => {
-                                open = false;
-                                continue;
-                            }
-                        };
-                        if n == 0 && hold.load(Ordering::SeqCst) && !release.load(Ordering::SeqCst)
-                        {
-                            kept.extend_from_slice(&buf[..k]);
-                            held.store(kept.len(), Ordering::SeqCst);
-                            if then == Then::HoldAndReset {
-                                let _ =
-                                    socket2::SockRef::from(&from).set_linger(Some(Duration::ZERO));
-                                let _ = from.shutdown(Shutdown::Both);
-                                open = false;
-                            }
-                        } else if to.write_all(&buf[..k]).is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        p
-    }
+    use super::holding_proxy::{proxy, Then};
 
     fn write(peer: PeerId, local: &Region, key: kvlane_data::RemoteKey, len: u64) -> Transfer {
         Transfer::new(
