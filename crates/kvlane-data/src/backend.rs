@@ -265,6 +265,17 @@ pub trait Backend: Send + 'static {
         true
     }
 
+    /// Whether the submitting thread should poll right after a
+    /// submission, instead of waking the driver: the backend does a
+    /// submitted transfer's work in `poll` and nothing outside the process
+    /// has to answer (shm: a `memcpy`), so the thread that submitted it can
+    /// do that work and resolve the handle without a hand-off to another
+    /// thread and back. The driver is still woken when the poll cannot run
+    /// there (the backend is held) or leaves work. Default `false`.
+    fn completes_inline(&self) -> bool {
+        false
+    }
+
     /// Counters of the tcp target side (connections refused, requests
     /// served and refused), summed over the rails of a multi-rail tcp
     /// backend; `None` for other backends.
@@ -363,6 +374,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn poll_after_submit(&self) -> bool {
         (**self).poll_after_submit()
+    }
+    fn completes_inline(&self) -> bool {
+        (**self).completes_inline()
     }
     fn endpoint_per_peer(&self) -> bool {
         (**self).endpoint_per_peer()

@@ -586,6 +586,19 @@ impl Driver {
             Self::Pooled { member, .. } => member.wake(),
         }
     }
+
+    /// Polls on the calling thread when it can (see
+    /// [`Backend::completes_inline`]), else asks the driver to.
+    fn poll_or_kick(&self) {
+        match self {
+            Self::Own { progress, .. } => progress.unpark(),
+            Self::Pooled { member, .. } => {
+                if !member.poll_here() {
+                    member.wake();
+                }
+            }
+        }
+    }
 }
 
 struct ThreadWaker(Thread);
@@ -783,17 +796,19 @@ impl Transport {
                 v.insert(slot.clone());
             }
         }
-        let (r, due) = {
+        let (r, due, inline) = {
             let mut b = lock(&self.shared.backend);
             let r = b.submit_at(transfer, slot.submitted);
-            (r, b.poll_after_submit())
+            (r, b.poll_after_submit(), b.completes_inline())
         };
         // A wake-up per submission cost the driver thousands of context
         // switches a second (tcp hands every chunk to its stream from
         // `submit`; only a deadline or a queued failure needs the poll).
         // Also after a refusal: a driver that
         // skipped the backend while it was locked here is woken.
-        if due || self.shared.take_skipped() {
+        if inline && r.is_ok() {
+            self.driver.poll_or_kick();
+        } else if due || self.shared.take_skipped() {
             self.driver.kick();
         }
         if let Err(e) = r {
@@ -847,8 +862,13 @@ impl Transport {
             return out;
         }
         let mut results = Vec::with_capacity(submit.len());
-        let due = lock(&self.shared.backend).submit_batch(submit, &mut results);
-        if due || self.shared.take_skipped() {
+        let (due, inline) = {
+            let mut b = lock(&self.shared.backend);
+            (b.submit_batch(submit, &mut results), b.completes_inline())
+        };
+        if inline && results.iter().any(Result::is_ok) {
+            self.driver.poll_or_kick();
+        } else if due || self.shared.take_skipped() {
             self.driver.kick();
         }
         debug_assert_eq!(results.len(), at.len(), "one result per transfer");

@@ -168,6 +168,10 @@ impl Backend for Intercept {
     fn poll_after_submit(&self) -> bool {
         self.inner.poll_after_submit()
     }
+
+    fn completes_inline(&self) -> bool {
+        self.inner.completes_inline()
+    }
     fn link_up(&self) -> bool {
         self.inner.link_up() && !self.link.as_ref().is_some_and(|down| down())
     }

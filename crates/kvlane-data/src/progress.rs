@@ -119,7 +119,7 @@ impl Member {
     /// found it needs a poll sooner than its thread plans one (notes held
     /// back, say, or a deadline the thread does not know of): then the
     /// caller wakes the member, and its thread polls and plans again.
-    fn poll_here(&self) -> bool {
+    pub(crate) fn poll_here(&self) -> bool {
         if thread::panicking() || self.retired.load(Ordering::Acquire) {
             return false;
         }

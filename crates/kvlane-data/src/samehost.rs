@@ -395,6 +395,11 @@ impl Backend for SameHost {
         }
     }
 
+    /// After a submission to a peer on shm: its copies are the poll's.
+    fn completes_inline(&self) -> bool {
+        self.last_shm
+    }
+
     fn poll_after_submit(&self) -> bool {
         if self.last_shm {
             self.shm.poll_after_submit()

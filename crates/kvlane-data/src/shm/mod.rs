@@ -782,6 +782,11 @@ impl Backend for ShmBackend {
         *lock(&self.target.shared.waker) = Some(waker);
     }
 
+    /// The copies are `poll`'s: the submitting thread does them.
+    fn completes_inline(&self) -> bool {
+        true
+    }
+
     fn poll_by(&self) -> Option<Instant> {
         if !self.queue.is_empty() || !self.failed.is_empty() {
             return Some(Instant::now());
