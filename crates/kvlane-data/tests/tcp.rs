@@ -1857,8 +1857,8 @@ mod holding_proxy;
 /// holds them and delivers them seconds after the initiator gave up.
 mod fences {
     use kvlane_data::{
-        Access, Backend, Completion, DataError, Descriptor, Op, PeerId, Region, RemoteDescriptor,
-        RemoteRegion, TcpBackend, TcpConfig, TcpEndpoint, Transfer,
+        Access, Backend, Completion, DataError, PeerId, Region, RemoteRegion, TcpBackend,
+        TcpConfig, TcpEndpoint, Transfer,
     };
     use std::sync::atomic::Ordering;
     use std::time::{Duration, Instant};
@@ -1869,20 +1869,7 @@ mod fences {
     use super::holding_proxy::{proxy, Then};
 
     fn write(peer: PeerId, local: &Region, key: kvlane_data::RemoteKey, len: u64) -> Transfer {
-        Transfer::new(
-            peer,
-            Op::Write,
-            vec![Descriptor {
-                region: local.id(),
-                offset: 0,
-                len,
-            }],
-            vec![RemoteDescriptor {
-                key,
-                offset: 0,
-                len,
-            }],
-        )
+        super::faults::write(peer, local, key, 0, len)
     }
 
     fn wait(b: &mut TcpBackend, id: kvlane_data::TransferId, within: Duration) -> Completion {
