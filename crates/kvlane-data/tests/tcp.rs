@@ -1984,6 +1984,46 @@ mod fences {
         drop(target);
     }
 
+    /// A target that removes the peer (revokes its credential, closes its
+    /// connections) with WRITEs in flight: they fail with `PeerLost`, and
+    /// the fence that finds the credential refused counts nothing as
+    /// unfenced (the target closed every connection of it).
+    #[test]
+    fn a_peer_removed_by_its_target_is_not_counted_unfenced() {
+        let mut target = TcpBackend::new(TcpConfig::default()).unwrap();
+        let remote = Region::alloc(64 << 20, Access::ALL).unwrap();
+        let ad = target.register(&remote).unwrap();
+        let mut init = TcpBackend::new(TcpConfig::default()).unwrap();
+        let local = Region::alloc(64 << 20, Access::ALL).unwrap();
+        init.register(&local).unwrap();
+        let (peer, theirs) = kvlane_data::connect_pair(&mut init, &[], &mut target, &[ad]).unwrap();
+        let ids: Vec<_> = (0..64u64)
+            .map(|i| {
+                let mut t = write(peer, &local, ad.key, 1 << 20);
+                t.local[0].offset = i << 20;
+                t.remote[0].offset = i << 20;
+                let id = t.id;
+                init.submit(t).unwrap();
+                id
+            })
+            .collect();
+        target.remove_peer(theirs);
+        let mut lost = 0;
+        let results = kvlane_data::conformance::collect(&mut init, &ids, Duration::from_secs(20));
+        for (r, _) in results.into_values() {
+            match r {
+                Ok(()) => {}
+                Err(e) if e.is_peer_lost() => lost += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(
+            lost > 0,
+            "all 64 MiB landed before the removal: nothing was in flight"
+        );
+        assert_eq!(init.counters().unfenced_failures, 0);
+    }
+
     #[test]
     fn late_bytes_of_a_timed_out_write_never_land() {
         late_bytes_of_a_failed_write_never_land(Then::Hold);

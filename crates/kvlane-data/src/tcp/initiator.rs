@@ -252,6 +252,9 @@ pub(crate) enum Aftermath {
     Reconnect,
 }
 
+/// Ends the `op` of a stream whose target did not accept its hello.
+const AUTHENTICATION: &str = " (authentication)";
+
 fn io_err(op: String, source: io::Error) -> DataError {
     DataError::Io { op, source }
 }
@@ -283,7 +286,7 @@ fn open_stream(
     // per transfer.
     s.set_read_timeout(Some(cfg.timeout))
         .and_then(|()| wire::authenticate(&s, token))
-        .map_err(|e| io_err(format!("{} (authentication)", what()), e))?;
+        .map_err(|e| io_err(format!("{}{AUTHENTICATION}", what()), e))?;
     // This connection's generation: the target's older connections of
     // this peer write no more once it is answered.
     wire::fence(&s, gen)
@@ -814,6 +817,17 @@ impl PeerConn {
                     } else {
                         new.fail("fence done", None, Aftermath::Report);
                     }
+                }
+                // A target that closes the connection on the hello refuses
+                // the credential: it revoked it (the peer was removed
+                // there, and its connections closed) or is a new process.
+                // Either way nothing of the old connection lands.
+                Err(DataError::Io { op, source })
+                    if op.ends_with(AUTHENTICATION)
+                        && source.kind() == io::ErrorKind::UnexpectedEof =>
+                {
+                    tracing::debug!(%peer, addr = %ep.addr, gen,
+                        "the target no longer accepts this peer's credential: nothing to fence");
                 }
                 Err(e) => {
                     shared.unfenced.fetch_add(1, Ordering::Relaxed);
