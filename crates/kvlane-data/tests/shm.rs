@@ -214,17 +214,46 @@ mod hostile {
         }
     }
 
-    #[test]
-    fn notifications_through_a_transport_arrive_after_the_data() {
+    /// A `Transport` over an shm initiator connected to `target`: 1 MiB
+    /// of shared memory on each side, the source filled with `byte`.
+    struct Pair {
+        transport: Transport,
+        target: ShmBackend,
+        src: Region,
+        dst: Region,
+        peer: kvlane_data::PeerId,
+        key: RemoteKey,
+    }
+
+    fn transport_pair(byte: u8) -> Pair {
         let mut init = ShmBackend::new(ShmConfig::default()).unwrap();
         let mut target = ShmBackend::new(ShmConfig::default()).unwrap();
         let src = Region::alloc_shared(1 << 20, Access::ALL).unwrap();
-        src.fill(0, 1 << 20, 0xab).unwrap();
+        src.fill(0, 1 << 20, byte).unwrap();
         let dst = Region::alloc_shared(1 << 20, Access::ALL).unwrap();
         let a = init.register(&src).unwrap();
         let b = target.register(&dst).unwrap();
         let (peer, _) = connect_pair(&mut init, &[a], &mut target, &[b]).unwrap();
-        let transport = Transport::new(init).unwrap();
+        Pair {
+            transport: Transport::new(init).unwrap(),
+            target,
+            src,
+            dst,
+            peer,
+            key: b.key,
+        }
+    }
+
+    #[test]
+    fn notifications_through_a_transport_arrive_after_the_data() {
+        let Pair {
+            transport,
+            mut target,
+            src,
+            dst,
+            peer,
+            key,
+        } = transport_pair(0xab);
         let t = Transfer::new(
             peer,
             Op::Write,
@@ -234,7 +263,7 @@ mod hostile {
                 len: 1 << 20,
             }],
             vec![RemoteDescriptor {
-                key: b.key,
+                key,
                 offset: 0,
                 len: 1 << 20,
             }],
@@ -257,20 +286,19 @@ mod hostile {
     #[test]
     fn shm_transfers_complete_on_the_submitting_thread() {
         use std::sync::{Arc, Mutex};
-        let mut init = ShmBackend::new(ShmConfig::default()).unwrap();
-        let mut target = ShmBackend::new(ShmConfig::default()).unwrap();
-        let src = Region::alloc_shared(1 << 20, Access::ALL).unwrap();
-        src.fill(0, 1 << 20, 0x5a).unwrap();
-        let dst = Region::alloc_shared(1 << 20, Access::ALL).unwrap();
-        let a = init.register(&src).unwrap();
-        let b = target.register(&dst).unwrap();
-        let (peer, _) = connect_pair(&mut init, &[a], &mut target, &[b]).unwrap();
-        let transport = Transport::new(init).unwrap();
+        let Pair {
+            transport,
+            src,
+            dst,
+            peer,
+            key,
+            target: _target,
+        } = transport_pair(0x5a);
         let me = std::thread::current().id();
         let here = Arc::new(Mutex::new(0usize));
         let mut handles = Vec::new();
         for i in 0..200u64 {
-            let mut t = span(&src, b.key, i * 4096, i * 4096, 4096);
+            let mut t = span(&src, key, i * 4096, i * 4096, 4096);
             t.peer = peer;
             let here = here.clone();
             let h = transport

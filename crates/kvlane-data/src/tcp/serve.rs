@@ -105,41 +105,6 @@ impl From<io::Error> for End {
     }
 }
 
-/// [`End::Fenced`] through `fill`'s `io::Result` (see [`ended`]).
-fn fenced(e: End) -> io::Error {
-    match e {
-        End::Fenced { gen, floor } => io::Error::other(Fenced { gen, floor }),
-        End::Io(e) => e,
-        other => io::Error::other(format!("{other:?}")),
-    }
-}
-
-/// An `io::Error` that carries [`End::Fenced`].
-#[derive(Debug)]
-struct Fenced {
-    gen: u64,
-    floor: u64,
-}
-
-impl std::fmt::Display for Fenced {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "generation {} fenced at {}", self.gen, self.floor)
-    }
-}
-
-impl std::error::Error for Fenced {}
-
-/// The end an `io::Error` from `fill` stands for.
-fn ended(e: io::Error) -> End {
-    match e.get_ref().and_then(|i| i.downcast_ref::<Fenced>()) {
-        Some(f) => End::Fenced {
-            gen: f.gen,
-            floor: f.floor,
-        },
-        None => End::Io(e),
-    }
-}
-
 /// Maps a hello and the challenge it answers to the peer it proves (and
 /// that peer's fence).
 pub(crate) type Authenticate<'a> =
@@ -375,19 +340,20 @@ impl ServeConn {
                         return Ok(Drove::Yielded);
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                Err(End::Io(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(End::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.out.flush(s)?;
                     return Ok(Drove::Blocked);
                 }
-                Err(e) => return Err(ended(e)),
+                Err(end) => return Err(end),
             }
         }
     }
 
     /// Reads from the socket: a large WRITE payload straight into region
-    /// memory when nothing is buffered, otherwise into the buffer.
-    fn fill<S: Sock>(&mut self, s: &mut S, input: &mut Input<'_>) -> io::Result<usize> {
+    /// memory when nothing is buffered (unless the connection was fenced:
+    /// [`End::Fenced`]), otherwise into the buffer.
+    fn fill<S: Sock>(&mut self, s: &mut S, input: &mut Input<'_>) -> Result<usize, End> {
         if input.start == input.end {
             input.start = 0;
             input.end = 0;
@@ -403,7 +369,7 @@ impl ServeConn {
                 let region = lease.region();
                 // GPU memory takes the buffered path (staged by `copy_in`).
                 if left >= DIRECT_MIN as u64 && region.device().is_none() {
-                    let _pass = pass(&self.fence, self.gen).map_err(fenced)?;
+                    let _pass = pass(&self.fence, self.gen)?;
                     let n = s.read_into(region, *offset + *done, left)?;
                     *done += n as u64;
                     return Ok(n);
@@ -424,7 +390,7 @@ impl ServeConn {
         if input.end == input.buf.len() {
             // `run` reads only after `consume` took all but a partial
             // header; a full buffer here is a bug, not an end of stream.
-            return Err(io::Error::other("served connection's input buffer is full"));
+            return Err(io::Error::other("served connection's input buffer is full").into());
         }
         let n = s.read(&mut input.buf[input.end..])?;
         input.end += n;
@@ -537,12 +503,11 @@ impl ServeConn {
         let gen = req.offset;
         if let Some(f) = &self.fence {
             // Waits for every write of the peer's connections in progress.
+            // (The floor is never below this connection's own generation:
+            // its own FENCE raised it.)
             let mut floor = f.floor.write().unwrap_or_else(|e| e.into_inner());
-            if gen < *floor || gen < self.gen {
-                return Err(End::Fenced {
-                    gen,
-                    floor: (*floor).max(self.gen),
-                });
+            if gen < *floor {
+                return Err(End::Fenced { gen, floor: *floor });
             }
             *floor = gen;
         }

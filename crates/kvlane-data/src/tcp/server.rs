@@ -455,11 +455,10 @@ pub(crate) struct Credentials {
 
 #[derive(Default)]
 struct CredTable {
-    by_id: HashMap<[u8; ID_LEN], (PeerId, [u8; TOKEN_LEN])>,
+    /// The peer, its token and its fence (see [`wire`](super::wire); kept
+    /// when the credential is re-issued, dropped when it is revoked).
+    by_id: HashMap<[u8; ID_LEN], (PeerId, [u8; TOKEN_LEN], Arc<PeerFence>)>,
     by_peer: FastMap<PeerId, [u8; ID_LEN]>,
-    /// Each credentialed peer's fence (see [`wire`](super::wire)); kept
-    /// when a credential is re-issued, dropped with the credential.
-    fences: FastMap<PeerId, Arc<PeerFence>>,
 }
 
 impl Credentials {
@@ -468,13 +467,13 @@ impl Credentials {
         let token: [u8; TOKEN_LEN] = rand::random();
         let id = credential_id(&token);
         let mut t = self.table.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(old) = t.by_peer.insert(peer, id) {
-            // A peer's live connections keep their admission; callers
-            // issue once per peer and revoke through the server.
-            t.by_id.remove(&old);
-        }
-        t.by_id.insert(id, (peer, token));
-        t.fences.entry(peer).or_default();
+        // A peer's live connections keep their admission (and their
+        // fence); callers issue once per peer and revoke through the server.
+        let fence = match t.by_peer.insert(peer, id) {
+            Some(old) => t.by_id.remove(&old).map(|(_, _, f)| f).unwrap_or_default(),
+            None => Arc::default(),
+        };
+        t.by_id.insert(id, (peer, token, fence));
         token
     }
 
@@ -485,7 +484,6 @@ impl Credentials {
             return false;
         };
         t.by_id.remove(&id);
-        t.fences.remove(&peer);
         true
     }
 
@@ -499,9 +497,10 @@ impl Credentials {
     ) -> Option<(PeerId, Arc<PeerFence>)> {
         let hello = Hello::decode(hello).ok()?;
         let t = self.table.read().unwrap_or_else(|e| e.into_inner());
-        let (peer, token) = t.by_id.get(&hello.id)?;
-        let fence = t.fences.get(peer)?.clone();
-        hello.verify(challenge, token).then_some((*peer, fence))
+        let (peer, token, fence) = t.by_id.get(&hello.id)?;
+        hello
+            .verify(challenge, token)
+            .then(|| (*peer, fence.clone()))
     }
 
     fn is_valid(&self, peer: PeerId) -> bool {
