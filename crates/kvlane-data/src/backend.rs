@@ -110,13 +110,16 @@ pub trait Backend: Send + 'static {
 
     /// Stops serving `region`; later requests for its key are refused.
     ///
-    /// The tcp and loopback backends return only once they no longer read
-    /// or write the region's memory for peers' requests, also for
-    /// requests accepted before (loopback copies under the region table's
-    /// lock; tcp waits a grace period, then cuts what is left: see
-    /// [`TcpBackend`](crate::TcpBackend)'s *Deregistration*), so memory
-    /// registered with [`Region::from_raw`] may be freed once every clone
-    /// of the region is dropped too.
+    /// The tcp, loopback and verbs backends return only once they no
+    /// longer read or write the region's memory for peers' requests, also
+    /// for requests accepted before (loopback copies under the region
+    /// table's lock; tcp waits a grace period, then cuts what is left: see
+    /// [`TcpBackend`](crate::TcpBackend)'s *Deregistration*; verbs
+    /// deregisters the memory registration, which kills its rkey, after
+    /// stopping its own transfers that still use the region: see
+    /// `VerbsConfig::deregister_grace`), so memory registered with
+    /// [`Region::from_raw`] may be freed once every clone of the region is
+    /// dropped too.
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError>;
 
     /// Reserves a peer slot and returns this side's endpoint for it.

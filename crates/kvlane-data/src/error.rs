@@ -7,6 +7,10 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// [`DataError::Rdma`]'s status when the target's NIC refused the access
+/// (`IBV_WC_REM_ACCESS_ERR`).
+pub(crate) const REMOTE_ACCESS_ERROR: &str = "remote access error";
+
 /// Everything that can go wrong in the data plane.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -206,6 +210,18 @@ pub enum DataError {
         /// The target's `host:port`.
         addr: std::net::SocketAddr,
     },
+    /// The transfer's local region was deregistered while the transfer
+    /// was using it, and the transfer did not end within the backend's
+    /// grace: it was stopped (verbs: its queue pairs failed) so that the
+    /// region's memory is reached no more once `deregister` returns. Part
+    /// of the data may have moved.
+    #[error("{region} was deregistered while {id} was using it; the transfer was stopped and may have partly moved")]
+    LocalRegionDeregistered {
+        /// The transfer.
+        id: TransferId,
+        /// The deregistered region.
+        region: RegionId,
+    },
     /// Deregistering a region could not confirm that the backend stopped
     /// touching its memory (an I/O thread did not answer): the region is no
     /// longer served, but its memory must not be freed or reused; keep it
@@ -304,17 +320,20 @@ impl DataError {
     }
 
     /// Whether the target (or the local checks standing in for it) refused
-    /// the request: unknown key, out of bounds, missing access right.
+    /// the request: unknown key, out of bounds, missing access right. Over
+    /// RDMA the target's NIC refuses with a remote access error (a dead or
+    /// wrong rkey, a range outside the memory registration).
     pub fn is_refused(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Self::UnknownKey { .. }
-                | Self::RemoteRegionRevoked { .. }
-                | Self::RemoteOutOfBounds { .. }
-                | Self::OutOfBounds { .. }
-                | Self::AccessDenied { .. }
-                | Self::UnknownRegion(_)
-        )
+            | Self::RemoteRegionRevoked { .. }
+            | Self::RemoteOutOfBounds { .. }
+            | Self::OutOfBounds { .. }
+            | Self::AccessDenied { .. }
+            | Self::UnknownRegion(_) => true,
+            Self::Rdma { status, .. } => *status == REMOTE_ACCESS_ERROR,
+            _ => false,
+        }
     }
 }
 

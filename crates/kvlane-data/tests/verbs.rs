@@ -184,6 +184,7 @@ macro_rules! verbs_conformance {
             queue_full_hands_back,
             removed_peer_fails_in_flight,
             batch_submission,
+            deregister_stops_target_access,
         );
     };
 }
@@ -272,6 +273,63 @@ fn drain(
         assert!(Instant::now() < end, "transfers hung: {done:?}");
     }
     done
+}
+
+/// Deregistering a region that this side's own WRITEs are still reading
+/// (32 x 1 MiB in flight, more than rxe moves in the grace) returns only
+/// once the NIC reads it no more: a pattern written into it afterwards
+/// never reaches the target, and every transfer ends, done or stopped
+/// with `LocalRegionDeregistered` naming the region. (Before, the
+/// in-flight transfers kept the memory registration alive and the NIC
+/// went on reading the memory the application had taken back.)
+#[test]
+#[ignore = "needs an RDMA device: set KVLANE_TEST_VERBS_DEVICE"]
+fn deregistering_a_region_in_local_use_stops_its_transfers() {
+    const PIECE: u64 = 1 << 20;
+    const N: u64 = 32;
+    let mut p = pair_with(config(2), (N * PIECE) as usize);
+    let ids: Vec<TransferId> = (0..N)
+        .map(|i| {
+            let t = write(&p, i * PIECE, i * PIECE, PIECE);
+            let id = t.id;
+            p.init.submit(t).expect("submit");
+            id
+        })
+        .collect();
+    p.init.poll(&mut Vec::new());
+    p.init.deregister(p.src.id()).expect("deregister");
+    // What an application does with memory it got back: no byte of it
+    // may reach the target from now on.
+    p.src
+        .copy_in(0, &vec![0x5a; (N * PIECE) as usize])
+        .expect("fill");
+    let done = drain(&mut p.init, &mut [&mut p.target], &ids);
+    let mut stopped = 0;
+    for c in &done {
+        match &c.result {
+            Ok(()) => {}
+            Err(DataError::LocalRegionDeregistered { id, region }) => {
+                assert_eq!((*id, *region), (c.id, p.src.id()));
+                stopped += 1;
+            }
+            Err(e) => panic!("{}: {e} ({e:?})", c.id),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    p.target.poll(&mut Vec::new());
+    let landed = conformance::contents(&p.dst);
+    let late = landed.iter().filter(|b| **b == 0x5a).count();
+    // Random source bytes are 0x5a about once in 256: a late read of the
+    // pattern would show as a whole run of them.
+    let run = landed
+        .windows(64)
+        .filter(|w| w.iter().all(|b| *b == 0x5a))
+        .count();
+    println!("{stopped} of {N} transfers stopped; {late} bytes 0x5a at the target");
+    assert_eq!(
+        run, 0,
+        "bytes written into the region after deregister returned reached the target"
+    );
 }
 
 /// A verbs endpoint as it travels (msgpack, named fields), for forging

@@ -265,12 +265,17 @@ impl Backend for VerbsBackend {
         Ok(ad)
     }
 
+    /// Returns once the region's memory registration is deregistered: no
+    /// peer reaches the memory any more, and neither does this backend
+    /// (its own transfers that use the region get
+    /// [`VerbsConfig::deregister_grace`] to finish, then are stopped with
+    /// [`DataError::LocalRegionDeregistered`]).
     fn deregister(&mut self, region: RegionId) -> Result<(), DataError> {
-        // In-flight transfers keep their own clone of the registration.
-        self.regions
+        let local = self
+            .regions
             .remove(&region)
-            .map(drop)
-            .ok_or(DataError::UnknownRegion(region))
+            .ok_or(DataError::UnknownRegion(region))?;
+        self.retire_registration(region, local)
     }
 
     fn prepare_peer(&mut self) -> Result<(PeerId, Endpoint), DataError> {

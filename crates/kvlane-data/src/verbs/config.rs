@@ -2,6 +2,7 @@
 
 use super::device::DeviceConfig;
 use super::qp::QpOptions;
+use std::time::Duration;
 
 /// Configuration of a [`VerbsBackend`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +33,11 @@ pub struct VerbsConfig {
     /// `notify_slots` x 4 KiB each, and its share of a completion queue
     /// (CQs are opened as needed, so the cap is this, not one CQ's size).
     pub max_peers: usize,
+    /// How long [`deregister`](crate::Backend::deregister) lets this
+    /// backend's own transfers that use the region (as their local side)
+    /// finish before it stops them; peers' accesses end with the memory
+    /// registration itself. Default 100 ms, as tcp's.
+    pub deregister_grace: Duration,
 }
 
 impl Default for VerbsConfig {
@@ -45,6 +51,7 @@ impl Default for VerbsConfig {
             notify_slots: 64,
             max_in_flight: 4096,
             max_peers: 1024,
+            deregister_grace: Duration::from_millis(100),
         }
     }
 }

@@ -3,12 +3,13 @@
 //! deadlines fail transfers and retire the queue pairs carrying them.
 
 use std::collections::HashSet;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::engine::DRAIN_GRACE;
-use super::state::{seq_le, NotifyState, VerbsBackend};
+use super::state::{seq_le, Local, NotifyState, VerbsBackend};
 use crate::error::DataError;
-use crate::ids::{PeerId, TransferId};
+use crate::ids::{PeerId, RegionId, TransferId};
 
 /// Human name of an `enum ibv_wc_status`.
 fn wc_status(status: u32) -> &'static str {
@@ -21,7 +22,7 @@ fn wc_status(status: u32) -> &'static str {
         7 => "bad response",
         8 => "local access error",
         9 => "remote invalid request",
-        10 => "remote access error",
+        10 => crate::error::REMOTE_ACCESS_ERROR,
         11 => "remote operation error",
         12 => "transport retry counter exceeded",
         13 => "rnr retry counter exceeded",
@@ -177,24 +178,89 @@ impl VerbsBackend {
         }
         self.earliest_deadline = earliest;
         for id in expired {
-            let Some(t) = self.inflight.get_mut(&id) else {
+            let Some(t) = self.inflight.get(&id) else {
                 continue;
             };
-            let peer = t.t.peer;
-            t.error = Some(DataError::Timeout {
+            let error = DataError::Timeout {
                 id,
-                peer,
+                peer: t.t.peer,
                 overdue: now - t.t.deadline,
-            });
-            let carrying: Vec<usize> = self.peers.get(&peer).map_or(Vec::new(), |p| {
-                (0..p.qps.len())
-                    .filter(|&i| p.qps[i].batches.iter().any(|b| b.transfer == id))
-                    .collect()
-            });
-            for qi in carrying {
-                self.break_qp(peer, qi, None, 0, 0);
-            }
-            self.try_finish(id);
+            };
+            self.stop(id, error);
         }
+    }
+
+    /// Fails transfer `id` with `error`: the QPs carrying its work are
+    /// failed (their other transfers re-planned), and it completes once
+    /// their flush drained (or they were destroyed).
+    fn stop(&mut self, id: TransferId, error: DataError) {
+        let Some(t) = self.inflight.get_mut(&id) else {
+            return;
+        };
+        let peer = t.t.peer;
+        t.error = Some(error);
+        let carrying: Vec<usize> = self.peers.get(&peer).map_or(Vec::new(), |p| {
+            (0..p.qps.len())
+                .filter(|&i| p.qps[i].batches.iter().any(|b| b.transfer == id))
+                .collect()
+        });
+        for qi in carrying {
+            self.break_qp(peer, qi, None, 0, 0);
+        }
+        self.try_finish(id);
+    }
+
+    /// Ends a deregistered region's registration and returns once its
+    /// memory registration is gone (its rkey dead on every queue pair, so
+    /// no peer reaches the memory any more). This backend's own transfers
+    /// that use the region as their local side hold the registration: they
+    /// get [`VerbsConfig::deregister_grace`](super::VerbsConfig) to finish,
+    /// then are stopped with [`DataError::LocalRegionDeregistered`], and
+    /// the registration goes once their queue pairs drained.
+    pub(super) fn retire_registration(
+        &mut self,
+        region: RegionId,
+        local: Local,
+    ) -> Result<(), DataError> {
+        let start = Instant::now();
+        let held = |mr: &Arc<_>| Arc::strong_count(mr) > 1;
+        while held(&local.mr) && start.elapsed() < self.config.deregister_grace {
+            self.progress();
+            std::thread::yield_now();
+        }
+        if held(&local.mr) {
+            let users: Vec<TransferId> = self
+                .inflight
+                .iter()
+                .filter(|(_, t)| t.error.is_none() && t.keeps(&local.mr))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in users {
+                self.stop(id, DataError::LocalRegionDeregistered { id, region });
+            }
+            // A flush that does not drain is destroyed at its `drain_by`.
+            let bound = self.config.deregister_grace + DRAIN_GRACE + Duration::from_secs(1);
+            while held(&local.mr) {
+                if start.elapsed() > bound {
+                    let in_flight = self
+                        .inflight
+                        .values()
+                        .filter(|t| t.keeps(&local.mr))
+                        .count();
+                    // Keep the registration (and its memory) alive: the
+                    // NIC may still reach it.
+                    std::mem::forget(local);
+                    return Err(DataError::DeregisterStuck {
+                        region,
+                        in_flight,
+                        waited: start.elapsed(),
+                    });
+                }
+                self.progress();
+                std::thread::yield_now();
+            }
+        }
+        drop(local);
+        Ok(())
     }
 }

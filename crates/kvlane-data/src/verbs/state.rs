@@ -169,6 +169,11 @@ impl Inflight {
             _keep: keep,
         }
     }
+
+    /// Whether the transfer holds memory registration `mr`.
+    pub(crate) fn keeps(&self, mr: &Arc<MemoryRegistration>) -> bool {
+        self._keep.iter().any(|l| Arc::ptr_eq(&l.mr, mr))
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
