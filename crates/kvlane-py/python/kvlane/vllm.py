@@ -61,7 +61,15 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM only
 
 from kvlane import nixl as _nixl
 
-__all__ = ["KvlaneConnector", "KvlaneConnectorWorker", "SUPPORTED_VLLM"]
+__all__ = [
+    "KvlaneConnector",
+    "KvlaneConnectorWorker",
+    "KvlaneControlConnection",
+    "KvlaneControlTransport",
+    "KvlaneDataTransport",
+    "KvlaneP2PTier",
+    "SUPPORTED_VLLM",
+]
 
 #: vLLM release series this connector is tested with (ci/vllm.sh).
 SUPPORTED_VLLM = ("0.32",)
@@ -225,3 +233,20 @@ class KvlaneConnector(NixlPullConnector):
             )
         else:
             raise ValueError(f"kvlane.vllm: unsupported KVConnectorRole {role!r}")
+
+
+#: The P2P KV-offload tier (``secondary_tiers: [{"type": "KvlaneP2PTier",
+#: "module_path": "kvlane.vllm"}]``) and its transports, from
+#: ``kvlane._vllm_p2p``; imported when first named, so the connector above
+#: loads without vLLM's P2P tier code.
+_P2P_NAMES = frozenset(
+    ("KvlaneP2PTier", "KvlaneControlTransport", "KvlaneControlConnection", "KvlaneDataTransport")
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _P2P_NAMES:
+        from kvlane import _vllm_p2p
+
+        return getattr(_vllm_p2p, name)
+    raise AttributeError(f"module 'kvlane.vllm' has no attribute {name!r}")
