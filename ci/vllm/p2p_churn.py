@@ -78,7 +78,7 @@ class ZmqControlTier(_vllm_p2p.KvlaneP2PTier):
     handling of new connections; kvlane's data plane on another port."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["kvlane"] = {"listen": "127.0.0.1:0", "backend": "tcp"}
+        kwargs["kvlane"] = {**kwargs.get("kvlane", {}), "listen": "127.0.0.1:0"}
         super().__init__(*args, **kwargs)
 
     def _make_control(self, local_id: str, host: str, port: int) -> Any:
@@ -87,12 +87,13 @@ class ZmqControlTier(_vllm_p2p.KvlaneP2PTier):
     _accept_new_peers = P2PSecondaryTierManager._accept_new_peers
 
 
-def make_tier(control: str, port: int) -> Any:
+def make_tier(control: str, port: int, liveness_budget: Optional[int] = None) -> Any:
     buf = np.zeros((BLOCKS, BLOCK_LEN), dtype=np.uint8)
     view = memoryview(buf)
     cls = ZmqControlTier if control == "zmq" else _vllm_p2p.KvlaneP2PTier
-    kw = {} if control == "zmq" else {"kvlane": {"backend": "tcp"}}
-    tier = cls(offloading_spec(), view, tier_type="churn", host="127.0.0.1", port=port, **kw)
+    settings = {"backend": "tcp", "liveness_budget": liveness_budget}
+    tier = cls(offloading_spec(), view, tier_type="churn", host="127.0.0.1", port=port,
+               kvlane={k: v for k, v in settings.items() if v is not None})
     return tier, buf
 
 
@@ -109,8 +110,8 @@ def stamp(kvid: str, i: int) -> bytes:
 class Node:
     """One tier and the jobs it runs."""
 
-    def __init__(self, control: str, port: int) -> None:
-        self.tier, self.buf = make_tier(control, port)
+    def __init__(self, control: str, port: int, liveness_budget: Optional[int]) -> None:
+        self.tier, self.buf = make_tier(control, port, liveness_budget)
         self.addr = f"127.0.0.1:{port}"
         self.job_ids = iter(range(1, 1 << 62))
         self.results: Dict[int, bool] = {}
@@ -162,11 +163,11 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def run_s(control: str, port: int, conn: Any) -> None:
+def run_s(control: str, port: int, liveness_budget: Optional[int], conn: Any) -> None:
     """The node that stays up: answers the parent's commands, polling its
     tier about every millisecond."""
     try:
-        node = Node(control, port)
+        node = Node(control, port, liveness_budget)
         conn.send(("up", node.addr))
         pulls: Dict[str, tuple] = {}
         while True:
@@ -198,11 +199,12 @@ def run_s(control: str, port: int, conn: Any) -> None:
         raise
 
 
-def run_r(control: str, port: int, s_addr: str, gen: int, conn: Any) -> None:
+def run_r(control: str, port: int, liveness_budget: Optional[int], s_addr: str, gen: int,
+          conn: Any) -> None:
     """One incarnation of the restarted node: pulls ``s<gen>`` from S,
     serves ``r<gen>`` to S, then waits to be killed or told to exit."""
     try:
-        node = Node(control, port)
+        node = Node(control, port, liveness_budget)
         t0 = time.monotonic()
         node.store(f"r{gen}")
         job, ctx, blocks = node.pull(f"s{gen}", s_addr)
@@ -241,12 +243,16 @@ def expect(conn: Any, kind: str, timeout: float) -> tuple:
     return msg
 
 
-def churn(control: str, restarts: int, log: Any = sys.stderr) -> dict:
+def churn(control: str, restarts: int, liveness_budget: Optional[int] = None,
+          log: Any = sys.stderr) -> dict:
+    """``liveness_budget``: kvlane's (missed pings before a silent peer is
+    dead), for both nodes; a large one shows whether anything waits for it
+    to find a killed process dead."""
     ctx = mp.get_context("fork")
     s_port, r_port = free_port(), free_port()
     r_addr = f"127.0.0.1:{r_port}"
     s_conn, s_child = ctx.Pipe()
-    s_proc = ctx.Process(target=run_s, args=(control, s_port, s_child), daemon=True)
+    s_proc = ctx.Process(target=run_s, args=(control, s_port, liveness_budget, s_child), daemon=True)
     s_proc.start()
     s_addr = expect(s_conn, "up", 60)[1]
     report: Dict[str, Any] = {"control": control, "restarts": 0, "failed_exchanges": 0,
@@ -255,10 +261,10 @@ def churn(control: str, restarts: int, log: Any = sys.stderr) -> dict:
     r_proc = None
     try:
         for gen in range(restarts + 1):
-            expect_stored = s_conn.send(("store", f"s{gen}"))  # noqa: F841
+            s_conn.send(("store", f"s{gen}"))
             expect(s_conn, "stored", 30)
             r_conn, r_child = ctx.Pipe()
-            r_proc = ctx.Process(target=run_r, args=(control, r_port, s_addr, gen, r_child),
+            r_proc = ctx.Process(target=run_r, args=(control, r_port, liveness_budget, s_addr, gen, r_child),
                                  daemon=True)
             r_proc.start()
             _, out, took = expect(r_conn, "exchanged", EXCHANGE_TIMEOUT_S + 30)
@@ -281,8 +287,9 @@ def churn(control: str, restarts: int, log: Any = sys.stderr) -> dict:
             if gen == 0:
                 s_conn.send(("fds",))
                 _, report["s_fds_warm"], _ = expect(s_conn, "fds", 30)
-            # Restart R: SIGKILL on even generations, a clean shutdown on odd.
-            if gen % 2 == 0:
+            # Restart R: SIGKILL on even generations, a clean shutdown on odd
+            # and for the last.
+            if gen % 2 == 0 and gen < restarts:
                 os.kill(r_proc.pid, signal.SIGKILL)
             else:
                 r_conn.send(("exit",))
@@ -290,10 +297,15 @@ def churn(control: str, restarts: int, log: Any = sys.stderr) -> dict:
             r_proc.join(30)
             r_conn.close()
             r_proc = None
-        # Let S find the last R gone, then count.
-        time.sleep(2.0)
-        s_conn.send(("fds",))
-        _, report["s_fds_end"], report["s_sessions_end"] = expect(s_conn, "fds", 30)
+        # Let S find the last R gone (a killed one: after the liveness
+        # budget), then count.
+        end = time.monotonic() + 20
+        while True:
+            s_conn.send(("fds",))
+            _, report["s_fds_end"], report["s_sessions_end"] = expect(s_conn, "fds", 30)
+            if report["s_sessions_end"] == 0 or time.monotonic() > end:
+                break
+            time.sleep(0.5)
         s_conn.send(("quit",))
         expect(s_conn, "bye", 30)
     except RuntimeError as e:
@@ -315,8 +327,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--control", choices=("kvlane", "zmq"), default="kvlane")
     ap.add_argument("--restarts", type=int, default=50)
+    ap.add_argument("--liveness-budget", type=int, default=None,
+                    help="kvlane's missed pings before a silent peer is dead (default: kvlane's)")
     a = ap.parse_args()
-    report = churn(a.control, a.restarts)
+    report = churn(a.control, a.restarts, a.liveness_budget)
     print("CHURN " + json.dumps(report), flush=True)
 
 

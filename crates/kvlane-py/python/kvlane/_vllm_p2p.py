@@ -642,17 +642,23 @@ class KvlaneDataTransport(DataTransport):
             return
         if r.dial.done():
             err = _dial_error(r.dial)
-            p = r.dial.result() if err is None else None
-            if p is not None and p.attached and p.incarnation == r.inc:
+            if err is not None:
+                x.failed = f"connecting to {x.peer_id} ({r.addr}) failed: {err}"
+                return
+            p = r.dial.result()
+            if p.incarnation == r.inc:
+                if not p.attached:
+                    x.failed = f"{x.peer_id} (incarnation {r.inc:#x}) is gone"
+                    return
                 try:
                     x.transfer = p.write_spans(x.local, x.remote_spans)
                     x.posted_at = now
                 except kvlane.Error as e:
                     x.failed = f"posting to {x.peer_id}: {e}"
                 return
-            # The link is down or to another incarnation: take the current
-            # dial (the control connection replaces a link to a process
-            # known gone).
+            # The link is to another process at this address (an earlier one
+            # not found dead yet, whose link the control connection replaces,
+            # or a later one): take the current dial, wait until the deadline.
             r.dial = self._dialer.peer(r.addr)
         if now > x.deadline:
             x.failed = (f"{x.peer_id} (incarnation {r.inc:#x}) not reachable after "
