@@ -87,6 +87,9 @@ REACH_TIMEOUT_S = 30.0
 #: dropped instead of opening a connection.
 RETIRED_PER_PEER = 4
 
+#: Seconds between sweeps of links that are down (closed after two sweeps).
+SWEEP_INTERVAL_S = 1.0
+
 _EMPTY_POLL = PollResult(done=(), failed=())
 
 
@@ -125,6 +128,22 @@ class _Dialer:
         self._dials: "OrderedDict[str, Future]" = OrderedDict()
         self._cap = cap
         self._closed = False
+        #: Incarnations known gone per address (the control transport
+        #: records them when a newer process at the address has spoken).
+        self.retired: "OrderedDict[str, Deque[int]]" = OrderedDict()
+        self._next_sweep = 0.0
+        self._down: set = set()  # addresses whose link was down at the last sweep
+
+    def retire(self, addr: str, inc: int) -> None:
+        seen = self.retired.setdefault(addr, deque(maxlen=RETIRED_PER_PEER))
+        if inc not in seen:
+            seen.append(inc)
+        self.retired.move_to_end(addr)
+        while len(self.retired) > self._cap:
+            self.retired.popitem(last=False)
+
+    def is_retired(self, addr: str, inc: Optional[int]) -> bool:
+        return inc in self.retired.get(addr, ())
 
     def peer(self, addr: str, stale: Optional[int] = None) -> "Future[kvlane.Peer]":
         """The dial of ``addr``. ``stale``: an incarnation known to be gone
@@ -136,9 +155,10 @@ class _Dialer:
         f = self._dials.get(addr)
         old = None
         if f is not None and f.done():
-            if f.cancelled() or f.exception() is not None or not f.result().attached:
+            if f.cancelled() or f.exception() is not None:
                 f = None
-            elif stale is not None and f.result().incarnation == stale:
+            elif not f.result().attached or (stale is not None
+                                             and f.result().incarnation == stale):
                 old, f = f.result(), None
         if f is None:
             f = self._pool.submit(self._connect, addr, old)
@@ -150,6 +170,27 @@ class _Dialer:
                         break
         self._dials.move_to_end(addr)
         return f
+
+    def sweep(self, now: float) -> None:
+        """Closes links that stayed down for a sweep interval (a dead
+        connection keeps its resources until closed) and forgets failed
+        dials; at most once per ``SWEEP_INTERVAL_S``."""
+        if now < self._next_sweep or self._closed:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        down = set()
+        for addr, f in list(self._dials.items()):
+            if not f.done():
+                continue
+            if f.cancelled() or f.exception() is not None:
+                del self._dials[addr]
+            elif not f.result().attached:
+                if addr in self._down:
+                    del self._dials[addr]
+                    self._pool.submit(f.result().disconnect)
+                else:
+                    down.add(addr)
+        self._down = down
 
     def _connect(self, addr: str, old: Optional[kvlane.Peer]) -> kvlane.Peer:
         if old is not None:
@@ -316,7 +357,7 @@ class KvlaneControlConnection(ControlConnection):
         # again once it is down, or at once if that process is known gone.
         if err is not None or not f.result().attached:
             self._dial = self._transport._dialer.peer(self.peer_id)
-        elif f.result().incarnation in self._transport._retired.get(self.peer_id, ()):
+        elif self._transport._dialer.is_retired(self.peer_id, f.result().incarnation):
             self._dial = self._transport._dialer.peer(self.peer_id,
                                                       stale=f.result().incarnation)
         return False
@@ -338,7 +379,6 @@ class KvlaneControlTransport(ControlTransport):
         self._notes = agent.notifications()
         self._reach_timeout_s = float(reach_timeout_s)
         self._conns: Dict[str, KvlaneControlConnection] = {}
-        self._retired: "OrderedDict[str, Deque[int]]" = OrderedDict()
         self._closed = False
         #: Dropped messages by reason (``malformed``, ``stale``, ``cap``).
         self.dropped: Dict[str, int] = {"malformed": 0, "stale": 0, "cap": 0}
@@ -364,6 +404,7 @@ class KvlaneControlTransport(ControlTransport):
         if self._closed:
             return ()
         now = time.monotonic()
+        self._dialer.sweep(now)
         for conn in list(self._conns.values()):
             conn._check(now)
             if not conn.alive:
@@ -412,7 +453,7 @@ class KvlaneControlTransport(ControlTransport):
             if conn.remote_incarnation == env.from_inc:
                 conn._enqueue(env.msg)
                 return None
-        if env.from_inc in self._retired.get(peer_id, ()):
+        if self._dialer.is_retired(peer_id, env.from_inc):
             self.dropped["stale"] += 1  # a late message of an earlier incarnation
             return None
         if conn is not None:
@@ -435,14 +476,8 @@ class KvlaneControlTransport(ControlTransport):
         remembers its incarnation."""
         if self._conns.get(conn.peer_id) is conn:
             del self._conns[conn.peer_id]
-        inc = conn.remote_incarnation
-        if inc is not None:
-            seen = self._retired.setdefault(conn.peer_id, deque(maxlen=RETIRED_PER_PEER))
-            if inc not in seen:
-                seen.append(inc)
-            self._retired.move_to_end(conn.peer_id)
-            while len(self._retired) > MAX_CONNECTIONS:
-                self._retired.popitem(last=False)
+        if conn.remote_incarnation is not None:
+            self._dialer.retire(conn.peer_id, conn.remote_incarnation)
 
     def _forget(self, conn: KvlaneControlConnection) -> None:
         if self._conns.get(conn.peer_id) is conn:
@@ -580,6 +615,7 @@ class KvlaneDataTransport(DataTransport):
             g = self._by_peer.get(peer_id)
             groups = [g] if g else []
         now = time.monotonic()
+        self._dialer.sweep(now)
         done: List[int] = []
         failed: List[int] = []
         for g in groups:
@@ -656,9 +692,12 @@ class KvlaneDataTransport(DataTransport):
                 except kvlane.Error as e:
                     x.failed = f"posting to {x.peer_id}: {e}"
                 return
-            # The link is to another process at this address (an earlier one
-            # not found dead yet, whose link the control connection replaces,
-            # or a later one): take the current dial, wait until the deadline.
+            if not self._dialer.is_retired(r.addr, p.incarnation):
+                # A later process at this address: r.inc is gone.
+                x.failed = f"{x.peer_id} restarted (incarnation {r.inc:#x} -> {p.incarnation})"
+                return
+            # The link is to an earlier process not found dead yet, whose
+            # link the control connection replaces: take the current dial.
             r.dial = self._dialer.peer(r.addr)
         if now > x.deadline:
             x.failed = (f"{x.peer_id} (incarnation {r.inc:#x}) not reachable after "
