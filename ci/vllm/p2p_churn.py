@@ -163,9 +163,11 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def run_s(control: str, port: int, liveness_budget: Optional[int], conn: Any) -> None:
+def run_s(control: str, port: int, liveness_budget: Optional[int], step_s: float,
+          conn: Any) -> None:
     """The node that stays up: answers the parent's commands, polling its
-    tier about every millisecond."""
+    tier about every millisecond, or every ``step_s`` (an engine whose
+    steps take that long polls its tier once per step)."""
     try:
         node = Node(control, port, liveness_budget)
         conn.send(("up", node.addr))
@@ -179,7 +181,7 @@ def run_s(control: str, port: int, liveness_budget: Optional[int], conn: Any) ->
                 if out is not None:
                     del pulls[kvid]
                     conn.send(("pulled", kvid, out, time.monotonic() - t0))
-            if not conn.poll(0.001):
+            if not conn.poll(step_s or 0.001):
                 continue
             cmd = conn.recv()
             if cmd[0] == "store":
@@ -244,18 +246,21 @@ def expect(conn: Any, kind: str, timeout: float) -> tuple:
 
 
 def churn(control: str, restarts: int, liveness_budget: Optional[int] = None,
-          log: Any = sys.stderr) -> dict:
+          step_ms: float = 0.0, log: Any = sys.stderr) -> dict:
     """``liveness_budget``: kvlane's (missed pings before a silent peer is
     dead), for both nodes; a large one shows whether anything waits for it
-    to find a killed process dead."""
+    to find a killed process dead. ``step_ms``: S polls its tier once per
+    that many milliseconds (an engine step), so a restarted R's first
+    message and its previous process's death reach S in the same poll."""
     ctx = mp.get_context("fork")
     s_port, r_port = free_port(), free_port()
     r_addr = f"127.0.0.1:{r_port}"
     s_conn, s_child = ctx.Pipe()
-    s_proc = ctx.Process(target=run_s, args=(control, s_port, liveness_budget, s_child), daemon=True)
+    s_proc = ctx.Process(target=run_s, args=(control, s_port, liveness_budget, step_ms / 1000, s_child), daemon=True)
     s_proc.start()
     s_addr = expect(s_conn, "up", 60)[1]
-    report: Dict[str, Any] = {"control": control, "restarts": 0, "failed_exchanges": 0,
+    report: Dict[str, Any] = {"control": control, "step_ms": step_ms, "restarts": 0,
+                              "failed_exchanges": 0,
                               "first_exchange_s": [], "stale_blocks": 0, "foreign_blocks": 0,
                               "s_crashed": False, "timeouts": 0}
     r_proc = None
@@ -330,8 +335,10 @@ def main() -> None:
     ap.add_argument("--restarts", type=int, default=50)
     ap.add_argument("--liveness-budget", type=int, default=None,
                     help="kvlane's missed pings before a silent peer is dead (default: kvlane's)")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="the stable node polls its tier once per this many ms (default: ~1)")
     a = ap.parse_args()
-    report = churn(a.control, a.restarts, a.liveness_budget)
+    report = churn(a.control, a.restarts, a.liveness_budget, a.step_ms)
     print("CHURN " + json.dumps(report), flush=True)
 
 

@@ -187,20 +187,29 @@ class _Dialer:
             elif not f.result().attached:
                 if addr in self._down:
                     del self._dials[addr]
-                    self._pool.submit(f.result().disconnect)
+                    self._pool.submit(_disconnect, f.result(), addr)
                 else:
                     down.add(addr)
         self._down = down
 
     def _connect(self, addr: str, old: Optional[kvlane.Peer]) -> kvlane.Peer:
         if old is not None:
-            old.disconnect()
+            _disconnect(old, addr)
         return self._agent.connect(addr)
 
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._dials.clear()
+
+
+def _disconnect(peer: kvlane.Peer, addr: str) -> None:
+    """Closes a link that is down or to a process known gone (on the dial
+    pool: its result is nobody's, so a failure is logged here)."""
+    try:
+        peer.disconnect()
+    except kvlane.Error as e:
+        logger.info("kvlane p2p: closing the link to %s: %s", addr, e)
 
 
 def _dial_error(f: Future) -> Optional[BaseException]:
