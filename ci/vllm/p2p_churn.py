@@ -37,7 +37,6 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-import kvlane.vllm  # noqa: F401  (the tier module)
 from kvlane import _vllm_p2p
 from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.tiering.base import TransferJob

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvlane
-from kvlane import _vllm_p2p as p2p
+from kvlane._vllm_p2p import link
 from kvlane.vllm import KvlaneControlTransport, KvlaneDataTransport, KvlaneP2PTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ class Node:
     def __init__(self, addr: str = "", psk: bytes = None) -> None:
         self.addr = addr or free_addr()
         self.agent = kvlane.Agent(engine_id=self.addr, listen=self.addr, backend="tcp", psk=psk)
-        self.dialer = p2p._Dialer(self.agent)
+        self.dialer = link.Dialer(self.agent)
         self.buf = np.zeros((BLOCKS, BLOCK_LEN), dtype=np.uint8)
         self.control = KvlaneControlTransport(self.agent, self.dialer)
         self.data = KvlaneDataTransport(self.agent, memoryview(self.buf), None, self.dialer)
@@ -180,7 +180,7 @@ def test_messages_of_another_incarnation_are_dropped_and_counted(nodes):
     conn.recv()
     peer = b.agent.connect(a.addr)
     # Meant for an earlier process at a's address.
-    stale = p2p._Envelope(p2p.WIRE_VERSION, b.agent.incarnation, a.agent.incarnation ^ 1,
+    stale = link.Envelope(link.WIRE_VERSION, b.agent.incarnation, a.agent.incarnation ^ 1,
                           {"type": "late"})
     peer.notify(msgspec.msgpack.encode(stale))
     peer.notify(b"\xc1 not msgpack")
@@ -201,7 +201,7 @@ def test_without_the_psk_nothing_is_exchanged(nodes):
 
 def test_send_queue_is_bounded(nodes, monkeypatch):
     a = nodes()
-    monkeypatch.setattr(p2p, "MAX_QUEUED_MESSAGES", 3)
+    monkeypatch.setattr(link, "MAX_QUEUED_MESSAGES", 3)
     conn = a.control.connect(free_addr())  # nobody there: nothing is sent
     for i in range(3):
         conn.send({"i": i})

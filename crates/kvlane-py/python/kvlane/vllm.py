@@ -30,6 +30,12 @@ A peer is dead after 10 s of silence (``liveness_budget`` 9, see
 Across hosts, every engine needs ``listen_host`` (``"0.0.0.0"`` or an
 address its peers reach) and the same ``psk`` (or ``KVLANE_PSK``).
 
+vLLM's P2P KV-offload tier on kvlane is ``KvlaneP2PTier`` (with its
+transports ``KvlaneControlTransport``, ``KvlaneControlConnection`` and
+``KvlaneDataTransport``), one entry of the OffloadingConnector's
+``secondary_tiers``: ``{"type": "KvlaneP2PTier", "module_path":
+"kvlane.vllm"}``; see ``kvlane._vllm_p2p``.
+
 Supported vLLM: the 0.32 series (``SUPPORTED_VLLM``). Another version fails
 at load with a message naming it; ``KVLANE_VLLM_ANY_VERSION=1`` tries anyway.
 """
