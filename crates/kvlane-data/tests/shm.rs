@@ -666,7 +666,11 @@ mod process {
             // Transfers to both regions, READ and WRITE, 32 in flight.
             while b.in_flight() < 32 {
                 let key = if i % 4 == 3 { kept } else { doomed };
-                let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+                let op = if i.is_multiple_of(2) {
+                    Op::Write
+                } else {
+                    Op::Read
+                };
                 let off = (i * BLOCK) % LEN as u64;
                 let x = one_span(peer, op, (&local, off), (key, off), BLOCK);
                 if key == doomed {

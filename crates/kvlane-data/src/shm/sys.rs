@@ -396,18 +396,18 @@ pub(crate) fn cross_copy(
 /// attach to it and it has memory there.
 pub(crate) fn probe_attach(pid: libc::pid_t, addr: u64) -> io::Result<()> {
     let mut byte = 0u8;
-    let mut local = libc::iovec {
+    let local = libc::iovec {
         iov_base: (&mut byte as *mut u8).cast(),
         iov_len: 1,
     };
-    let mut remote = libc::iovec {
+    let remote = libc::iovec {
         iov_base: addr as *mut libc::c_void,
         iov_len: 1,
     };
     let n = retry_eintr(|| {
         // SAFETY: the local iovec is `byte`, alive and unborrowed for the
         // call; the kernel checks the remote one.
-        unsafe { libc::process_vm_readv(pid, &mut local, 1, &mut remote, 1, 0) }
+        unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) }
     })?;
     if n == 1 {
         Ok(())
@@ -483,6 +483,86 @@ mod tests {
         let mut b = [0u8; 192];
         region.read(8000, &mut b).unwrap();
         assert_eq!(b, [1; 192]);
+    }
+
+    #[test]
+    fn cross_copy_spans_more_pieces_than_one_call_and_stops_where_memory_ends() {
+        // This process as the "other" one: the kernel allows attaching to
+        // oneself.
+        let me = std::process::id() as libc::pid_t;
+        let src = Region::alloc(3000 * 1000, Access::LOCAL_WRITE).unwrap();
+        let bytes: Vec<u8> = (0..src.len()).map(|i| (i % 251) as u8).collect();
+        src.write(0, &bytes).unwrap();
+        let dst = Region::alloc(3000 * 1000, Access::LOCAL_WRITE).unwrap();
+        // 3000 pieces (three calls of IOV_MAX), reversed order: READ from
+        // `src` "over there" into `dst`.
+        let pieces: Vec<Piece<'_>> = (0..3000u64)
+            .map(|k| Piece {
+                local: &dst,
+                offset: k * 1000,
+                remote: src.addr() + (2999 - k) * 1000,
+                len: 1000,
+            })
+            .collect();
+        cross_copy(me, false, &pieces).unwrap();
+        let got = dst.to_vec().unwrap();
+        for k in 0..3000usize {
+            let r = (2999 - k) * 1000;
+            assert!(
+                got[k * 1000..(k + 1) * 1000] == bytes[r..r + 1000],
+                "piece {k}"
+            );
+        }
+        // A mapping whose second page is gone: the copy stops at its end,
+        // naming the piece and the bytes of it that were copied.
+        let page = 4096usize;
+        // SAFETY: a fresh anonymous mapping of two pages; the second is
+        // unmapped at once and the first with the test's end.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                2 * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        // SAFETY: the second page of the mapping just made.
+        assert_eq!(
+            unsafe { libc::munmap(map.cast::<u8>().add(page).cast(), page) },
+            0
+        );
+        let base = map as u64;
+        let pieces = [
+            Piece {
+                local: &src,
+                offset: 0,
+                remote: base,
+                len: 100,
+            },
+            Piece {
+                local: &src,
+                offset: 100,
+                remote: base + page as u64 - 300,
+                len: 1000,
+            },
+        ];
+        let f = cross_copy(me, true, &pieces).unwrap_err();
+        assert_eq!((f.piece, f.done), (1, 300), "{f:?}");
+        assert_eq!(f.error.raw_os_error(), Some(libc::EFAULT));
+        // A local range outside its region is refused before any syscall.
+        let bad = [Piece {
+            local: &src,
+            offset: src.len() - 10,
+            remote: base,
+            len: 20,
+        }];
+        let f = cross_copy(me, true, &bad).unwrap_err();
+        assert_eq!(f.error.kind(), io::ErrorKind::InvalidInput);
+        // SAFETY: the first page, still mapped, unmapped once.
+        assert_eq!(unsafe { libc::munmap(map, page) }, 0);
     }
 
     #[test]
