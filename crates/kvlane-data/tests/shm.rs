@@ -576,6 +576,28 @@ mod process {
         (b, peer, local)
     }
 
+    /// Waits until every thread of process `pid` is stopped (a signal
+    /// reaches a thread running on another CPU a little later: until then
+    /// the target may still answer a notification).
+    fn wait_stopped(pid: &str) {
+        let until = Instant::now() + Duration::from_secs(10);
+        let stopped = || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .unwrap()
+                .all(|task| {
+                    let stat = std::fs::read_to_string(task.unwrap().path().join("stat"))
+                        .unwrap_or_default();
+                    // The state follows the parenthesised command name.
+                    stat.rsplit_once(") ")
+                        .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+                })
+        };
+        while !stopped() {
+            assert!(Instant::now() < until, "the target never stopped");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Submits `x` and waits for its result.
     fn run(b: &mut ShmBackend, x: kvlane_data::Transfer) -> Result<(), DataError> {
         let id = x.id;
@@ -748,6 +770,7 @@ mod process {
             .status()
             .unwrap()
             .success());
+        wait_stopped(&pid);
         let mut doomed = Vec::new();
         for k in 0..8u64 {
             let x = one_span(
