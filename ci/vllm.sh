@@ -8,6 +8,7 @@
 #   ci/vllm.sh                 # the check (what CI runs)
 #   ci/vllm.sh bench           # prefill call and KV load times: no connector, NIXL, kvlane
 #   ci/vllm.sh check --repeats 20 --connector nixl    # extra args go to pd.py
+#   ci/vllm.sh check --kvlane-backend same-host --cases pd   # kvlane over shm (one host)
 #
 # The venv (vLLM, torch, the real NIXL) comes from ci/vllm-env.sh and is
 # reused across runs (KVLANE_VLLM_CACHE, default ~/.cache/kvlane); kvlane is
