@@ -8,12 +8,12 @@
 #   ci/vllm.sh                 # the check (what CI runs)
 #   ci/vllm.sh bench           # prefill call and KV load times: no connector, NIXL, kvlane
 #   ci/vllm.sh check --repeats 20 --connector nixl    # extra args go to pd.py
-#   ci/vllm.sh p2p             # only the P2P KV-offload tier's tests (ci/vllm/test_p2p.py)
+#   ci/vllm.sh check --kvlane-backend same-host --cases pd   # kvlane over shm (one host)
+#   ci/vllm.sh p2p             # vLLM's P2P KV-offload tier on kvlane (ci/vllm/test_p2p.py:
+#                              # kvlane.vllm.KvlaneP2PTier's transports against vLLM's
+#                              # contracts, 50 restarts of one node through vLLM's own P2P
+#                              # manager and sessions)
 #   ci/vllm.sh p2p-churn --control zmq --restarts 50  # the churn with vLLM's ZmqTransport
-#
-# `check` first runs the P2P tier's tests (kvlane.vllm.KvlaneP2PTier: the
-# transports against vLLM's contracts, and 50 restarts of one node through
-# vLLM's own P2P manager and sessions), then the P/D check.
 #
 # The venv (vLLM, torch, the real NIXL) comes from ci/vllm-env.sh and is
 # reused across runs (KVLANE_VLLM_CACHE, default ~/.cache/kvlane); kvlane is
@@ -74,10 +74,9 @@ cmd=${1:-check}
 if [ "$cmd" = p2p-churn ]; then
   exec "$py" ci/vllm/p2p_churn.py "$@"
 fi
-if [ "$cmd" = check ] || [ "$cmd" = p2p ]; then
+if [ "$cmd" = p2p ]; then
   # ci/vllm-env.sh installed pytest with --no-deps; this brings its own.
   "$py" -m pip --disable-pip-version-check -q install pytest
-  "$py" -m pytest -q -p no:cacheprovider ci/vllm/test_p2p.py
-  [ "$cmd" = p2p ] && exit 0
+  exec "$py" -m pytest -q -p no:cacheprovider ci/vllm/test_p2p.py "$@"
 fi
 exec "$py" ci/vllm/pd.py "$cmd" "$@"

@@ -39,12 +39,15 @@ pub enum BackendChoice {
     Verbs,
     /// Shared memory between processes of one host (Linux): one-sided
     /// copies between the two processes' registered memory. Regions with
-    /// remote rights must be allocated with [`Region::alloc_shared`];
-    /// peers on another host are refused (see [`kvlane_data::shm`]).
+    /// remote rights must be allocated with [`Region::alloc_shared`], unless
+    /// [`AgentBuilder::shm_cross_memory_attach`] opts in to serving other
+    /// host memory; peers on another host are refused (see
+    /// [`kvlane_data::shm`]).
     Shm,
     /// [`Auto`](BackendChoice::Auto), plus shared memory to each peer on
     /// this host when the shm path works and every region this agent and
-    /// the peer serve is shareable ([`Region::alloc_shared`]); other peers
+    /// the peer serve is shareable ([`Region::alloc_shared`], or any host
+    /// memory with [`AgentBuilder::shm_cross_memory_attach`]); other peers
     /// get Auto's backend. Each fallback's reason is logged at `info`;
     /// [`Peer::backend_kind`](crate::Peer::backend_kind) says which a peer
     /// got. Not yet the default: the shm path does not reach its speed
@@ -70,6 +73,7 @@ pub struct AgentBuilder {
     dial_any_data_host: bool,
     transfer_deadline: Duration,
     cpus: Option<CpuPlacement>,
+    shm_cross_memory_attach: bool,
 }
 
 /// Default of [`AgentBuilder::notification_capacity`]: with the default
@@ -110,6 +114,7 @@ impl Default for AgentBuilder {
             dial_any_data_host: false,
             transfer_deadline: crate::DEFAULT_TRANSFER_DEADLINE,
             cpus: None,
+            shm_cross_memory_attach: false,
         }
     }
 }
@@ -176,6 +181,26 @@ impl AgentBuilder {
     /// The data-plane backend.
     pub fn backend(mut self, backend: BackendChoice) -> Self {
         self.backend = backend;
+        self
+    }
+
+    /// With [`BackendChoice::Shm`] or [`BackendChoice::SameHost`]: serve
+    /// regions that are not shareable memory (memory the engine allocated:
+    /// a tensor, a numpy array, [`Region::alloc`], [`Region::from_raw`]) to
+    /// peers on this host by cross-memory attach
+    /// ([`ShmConfig::cross_memory_attach`](kvlane_data::ShmConfig::cross_memory_attach)).
+    /// Default off: `Shm` then refuses such regions, and `SameHost` serves
+    /// them over its other backend.
+    ///
+    /// **Exposes this whole process**, not only its registered regions, to
+    /// every process the kernel lets attach to it (the same user while the
+    /// process is dumpable, or `CAP_SYS_PTRACE`): kvlane's checks keep a
+    /// well-behaved peer inside the registered regions and their rights,
+    /// nothing holds a hostile one. Such processes could already ptrace
+    /// this one; the opt-in hands them the addresses. See
+    /// [`kvlane_data::shm`] (*Cross-memory attach*).
+    pub fn shm_cross_memory_attach(mut self, on: bool) -> Self {
+        self.shm_cross_memory_attach = on;
         self
     }
 
@@ -315,6 +340,7 @@ impl AgentBuilder {
                         &data_listen,
                         self.advertise.as_deref(),
                         &self.rails,
+                        self.shm_cross_memory_attach,
                         &regions,
                     )
                 })?

@@ -33,6 +33,7 @@ pub(crate) fn create(
     data_listen: &str,
     advertise: Option<&str>,
     rails: &RailChoice,
+    shm_attach: bool,
     regions: &[&Region],
 ) -> Result<Box<dyn Backend>, Error> {
     let one = |named: NamedRails| -> Result<Box<dyn Backend>, Error> {
@@ -64,7 +65,7 @@ pub(crate) fn create(
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
         BackendChoice::Tcp => one(tcp_rails()?),
         BackendChoice::Verbs => one(verbs(rails)?),
-        BackendChoice::Shm => shm(),
+        BackendChoice::Shm => shm(shm_attach),
         BackendChoice::Auto | BackendChoice::SameHost => {
             let other = match verbs(rails) {
                 Ok(v) => one(v)?,
@@ -74,7 +75,7 @@ pub(crate) fn create(
                 }
             };
             if choice == BackendChoice::SameHost {
-                Ok(same_host(other))
+                Ok(same_host(other, shm_attach))
             } else {
                 Ok(other)
             }
@@ -82,14 +83,23 @@ pub(crate) fn create(
     }
 }
 
+/// The shm backend's settings; `attach`: cross-memory attach for memory
+/// that is not shareable (opt-in, see `AgentBuilder::shm_cross_memory_attach`).
 #[cfg(target_os = "linux")]
-fn shm() -> Result<Box<dyn Backend>, Error> {
-    use kvlane_data::{ShmBackend, ShmConfig};
-    Ok(Box::new(ShmBackend::new(ShmConfig::default())?))
+fn shm_config(attach: bool) -> kvlane_data::ShmConfig {
+    kvlane_data::ShmConfig {
+        cross_memory_attach: attach,
+        ..kvlane_data::ShmConfig::default()
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn shm(attach: bool) -> Result<Box<dyn Backend>, Error> {
+    Ok(Box::new(kvlane_data::ShmBackend::new(shm_config(attach))?))
 }
 
 #[cfg(not(target_os = "linux"))]
-fn shm() -> Result<Box<dyn Backend>, Error> {
+fn shm(_attach: bool) -> Result<Box<dyn Backend>, Error> {
     Err(Error::msg(
         ErrorKind::Unsupported,
         "shm backend: Linux only (memfd, SCM_RIGHTS)",
@@ -99,9 +109,9 @@ fn shm() -> Result<Box<dyn Backend>, Error> {
 /// `SameHost`: shm to peers on this host beside `other`, when an shm backend
 /// starts here; else `other` alone (the reason is logged).
 #[cfg(target_os = "linux")]
-fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {
-    use kvlane_data::{SameHost, ShmBackend, ShmConfig};
-    match ShmBackend::new(ShmConfig::default()) {
+fn same_host(other: Box<dyn Backend>, attach: bool) -> Box<dyn Backend> {
+    use kvlane_data::{SameHost, ShmBackend};
+    match ShmBackend::new(shm_config(attach)) {
         Ok(shm) => Box::new(SameHost::new(shm, other)),
         Err(e) => {
             tracing::info!(reason = %e, other = %other.kind(),
@@ -112,7 +122,7 @@ fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn same_host(other: Box<dyn Backend>) -> Box<dyn Backend> {
+fn same_host(other: Box<dyn Backend>, _attach: bool) -> Box<dyn Backend> {
     other
 }
 

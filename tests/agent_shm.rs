@@ -3,7 +3,8 @@
 //! moves both ways, a WRITE's notification arrives after its bytes; a
 //! killed target fails in-flight transfers `PeerLost` within the liveness
 //! budget, a restarted one makes old plans `Stale`; a target that tries to
-//! truncate its memory under transfers harms nobody.
+//! truncate its memory under transfers harms nobody; memory the engine
+//! allocated goes over shm with cross-memory attach, over tcp without.
 //!
 //! The target is this test binary run again as `shm_target` (which does
 //! nothing unless `KVLANE_SHM_CHILD` is set).
@@ -56,10 +57,22 @@ fn shared(seed: u8) -> Region {
 }
 
 async fn agent(name: &str, listen: &str, backend: BackendChoice, region: Region) -> Agent {
+    agent_with(name, listen, backend, region, false).await
+}
+
+/// [`agent`], with cross-memory attach opted in when `attach`.
+async fn agent_with(
+    name: &str,
+    listen: &str,
+    backend: BackendChoice,
+    region: Region,
+    attach: bool,
+) -> Agent {
     Agent::builder()
         .engine_id(name)
         .listen(listen)
         .backend(backend)
+        .shm_cross_memory_attach(attach)
         .control_config(control())
         .transfer_deadline(Duration::from_secs(30))
         .register_region(region)
@@ -71,7 +84,9 @@ async fn agent(name: &str, listen: &str, backend: BackendChoice, region: Region)
 /// The target process: an agent on `KVLANE_SHM_LISTEN` (default any port)
 /// serving a shared region filled with `pattern(1)`; prints `ADDR <addr>
 /// <region addr>`, `NOTE <payload> <fnv of the region>` per notification;
-/// runs until its stdin closes. Mode `truncate`: a thread tries to shrink
+/// runs until its stdin closes. Mode `attach`: the region is
+/// `Region::alloc` (not shareable), served with cross-memory attach.
+/// Mode `truncate`: a thread tries to shrink
 /// and grow the region's memory file all along, and `TRUNCATE <done>
 /// <refused>` is printed at the end.
 #[test]
@@ -86,12 +101,20 @@ fn shm_target() {
         .enable_all()
         .build()
         .unwrap();
-    let region = shared(1);
-    let a = rt.block_on(agent(
+    let region = if mode == "attach" {
+        // Memory the engine allocated, served by cross-memory attach.
+        let r = Region::alloc(LEN, Access::ALL).unwrap();
+        r.write(0, &pattern(1)).unwrap();
+        r
+    } else {
+        shared(1)
+    };
+    let a = rt.block_on(agent_with(
         "shm-target",
         &listen,
         BackendChoice::SameHost,
         region.clone(),
+        mode == "attach",
     ));
     let mut notes = a.notifications().unwrap();
     let seen = region.clone();
@@ -333,6 +356,64 @@ async fn same_host_uses_tcp_when_this_side_serves_memory_that_is_not_shareable()
     a.close().await;
 }
 
+/// Memory the engine allocated on both sides, cross-memory attach opted
+/// in on both: `SameHost` picks shm, data moves both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_serves_memory_the_engine_allocated_with_cross_memory_attach() {
+    let target = Target::spawn("attach", "127.0.0.1:0");
+    let mem = Region::alloc(LEN, Access::ALL).unwrap();
+    let a = agent_with(
+        "attach-initiator",
+        "127.0.0.1:0",
+        BackendChoice::SameHost,
+        mem.clone(),
+        true,
+    )
+    .await;
+    let peer = a.connect(&target.addr).await.unwrap();
+    assert_eq!(peer.backend_kind(), Some(BackendKind::Shm));
+    let (local, remote) = spans(&mem, target.region_addr, 0..LEN / BLOCK);
+    let read = peer.prepare_spans(Op::Read, &local, &remote, None).unwrap();
+    peer.post(read).unwrap().await.unwrap();
+    assert!(mem.to_vec().unwrap() == pattern(1), "READ over shm");
+    mem.write(0, &pattern(5)).unwrap();
+    let write = peer
+        .prepare_spans(Op::Write, &local, &remote, Some(b"w1"))
+        .unwrap();
+    peer.post(write).unwrap().await.unwrap();
+    let note = target.expect("NOTE w1 ");
+    assert_eq!(
+        note.parse::<u64>().unwrap(),
+        fnv(&pattern(5)),
+        "WRITE over shm"
+    );
+    a.close().await;
+}
+
+/// The same target, but this side does not opt in while it serves memory
+/// that is not shareable: `SameHost` uses tcp for the peer, and the data
+/// still moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_without_the_opt_in_serves_engine_memory_over_tcp() {
+    let target = Target::spawn("attach", "127.0.0.1:0");
+    let mem = Region::alloc(LEN, Access::ALL).unwrap();
+    let a = Agent::builder()
+        .engine_id("no-attach")
+        .backend(BackendChoice::SameHost)
+        .control_config(control())
+        .register_region(mem.clone())
+        .build()
+        .await
+        .unwrap();
+    let peer = a.connect(&target.addr).await.unwrap();
+    assert_eq!(peer.backend_kind(), Some(BackendKind::Tcp));
+    let (local, remote) = spans(&mem, target.region_addr, 0..4);
+    let read = peer.prepare_spans(Op::Read, &local, &remote, None).unwrap();
+    peer.post(read).unwrap().await.unwrap();
+    assert!(mem.to_vec().unwrap()[..4 * BLOCK] == pattern(1)[..4 * BLOCK]);
+    a.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_shm_is_refused_memory_that_is_not_shareable() {
     let e = Agent::builder()
@@ -342,6 +423,16 @@ async fn backend_shm_is_refused_memory_that_is_not_shareable() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("alloc_shared"), "{e}");
+    assert!(e.to_string().contains("cross_memory_attach"), "{e}");
+    // With the opt-in it is served.
+    let a = Agent::builder()
+        .backend(BackendChoice::Shm)
+        .shm_cross_memory_attach(true)
+        .register_region(Region::alloc(4096, Access::ALL).unwrap())
+        .build()
+        .await
+        .unwrap();
+    a.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,7 @@
 """vLLM prefill/decode (P/D) over a KV connector, checked end to end: the
 engine test behind ci/vllm.sh, and the in-engine measurements.
 
-    python pd.py check --connector kvlane [--repeats N] [--cases ...]
+    python pd.py check --connector kvlane [--repeats N] [--cases ...] [--kvlane-backend same-host]
     python pd.py bench [--connectors none,null,nixl,nixl-placed,kvlane] [--lengths 100,1000,4000]
 
 Every engine is a real vLLM (CPU build) in processes of its own
@@ -298,7 +298,36 @@ class Setup:
             # HERE: nixl_placed.py, for `nixl-placed`.
             env["PYTHONPATH"] = os.pathsep.join([shim, HERE, os.environ.get("PYTHONPATH", "")])
             env["UCX_TLS"] = "tcp"
+        if connector == "kvlane" and getattr(self.a, "kvlane_backend", None):
+            env["KVLANE_BACKEND"] = self.a.kvlane_backend
+            if self.a.kvlane_backend in ("same-host", "shm"):
+                # vLLM's KV cache is torch memory: over shm only by
+                # cross-memory attach (see README, "Same host").
+                env["KVLANE_SHM_CROSS_MEMORY_ATTACH"] = "1"
+                # samehost logs the backend each peer got (checked below).
+                env["KVLANE_LOG"] = "kvlane_data::samehost=info"
         return env
+
+    def check_backend(self) -> None:
+        """With `--kvlane-backend same-host`, every peer of every kvlane
+        engine went over shm: the engines log the choice per peer, and a
+        run that fell back to tcp must not pass as an shm run."""
+        if getattr(self.a, "kvlane_backend", None) != "same-host":
+            return
+        via_shm, other = 0, []
+        for name in sorted(os.listdir(self.logdir)):
+            if "kvlane" not in name:
+                continue
+            with open(os.path.join(self.logdir, name), errors="replace") as f:
+                for line in f:
+                    if "shm: peer via shm" in line:
+                        via_shm += 1
+                    elif "shm: peer via" in line or "shm: falling back" in line:
+                        other.append(f"{name}: {line.strip()}")
+        if other or via_shm == 0:
+            raise Failed(f"--kvlane-backend same-host: {via_shm} peers went over shm; "
+                         f"others: {other or 'none logged'}")
+        log(f"kvlane backend: {via_shm} peer connections over shm, none over another backend")
 
     def reference(self, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
         """A single instance's tokens for the changed prompts; checks that the
@@ -446,8 +475,10 @@ def check_cases(a: argparse.Namespace) -> int:
                 n += pd_pipelined(prefill, decode, prompts, ref, max_tokens,
                                   f"repeat {r} one by one")
                 log(f"pd: repeat {r}: {n} requests correct so far")
+            s.check_backend()
             log(f"PASS pd: {n} requests over {a.repeats} repeats, batched and one by one, "
-                "every one equal to the single instance's tokens for the changed prompt")
+                "every one equal to the single instance's tokens for the changed prompt"
+                + (f" (kvlane backend {a.kvlane_backend})" if a.kvlane_backend else ""))
 
         if "kill-decode" in cases:
             # Blocks decode is loading when it dies, and blocks whose
@@ -652,6 +683,10 @@ def main() -> int:
                             "placement()); shared: both on every core")
     c = sub.choices["check"]
     c.add_argument("--connector", choices=["kvlane", "nixl", "nixl-placed"], default="kvlane")
+    c.add_argument("--kvlane-backend", choices=["auto", "tcp", "same-host", "shm"],
+                   help="KVLANE_BACKEND for the kvlane engines (default: the environment's, "
+                   "else auto); same-host and shm turn on cross-memory attach, and "
+                   "same-host checks that every peer went over shm")
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--cases",
                    default="pd,kill-decode,kill-prefill,stop-prefill,restart-prefill")

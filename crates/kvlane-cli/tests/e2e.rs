@@ -525,6 +525,30 @@ fn bench_over_shm_across_two_processes_reports_memcpy_as_the_ceiling() {
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
+/// `--backend shm --shm-cross-memory-attach` on both sides: plain pools
+/// (as memory an engine allocated) served by cross-memory attach; without
+/// the flag the same target would refuse them.
+#[cfg(target_os = "linux")]
+#[test]
+fn bench_over_shm_with_cross_memory_attach_across_two_processes() {
+    let args = ["--backend", "shm", "--shm-cross-memory-attach"];
+    let BenchRun {
+        first,
+        points: points_seen,
+        rows,
+        stderr,
+    } = bench_two_processes(&args, &args);
+    assert!(first.contains("backend=shm"), "{first}");
+    assert_eq!(
+        points_seen,
+        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
+    );
+    for r in &rows {
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
 /// `--backend shm` in one process: a pair of shm backends on shareable
 /// memory, beside the memcpy rows.
 #[cfg(target_os = "linux")]

@@ -64,6 +64,28 @@ impl Fixture for ShmFixture {
     }
 }
 
+/// Shm backends for the suite with cross-memory attach on; every region
+/// [`Region::alloc`] (memory that is not a file: served by
+/// `process_vm_readv`/`process_vm_writev`, here to this same process).
+#[cfg(target_os = "linux")]
+pub struct ShmAttachFixture;
+
+#[cfg(target_os = "linux")]
+impl Fixture for ShmAttachFixture {
+    type Backend = crate::shm::ShmBackend;
+    fn backends(&self) -> (Self::Backend, Self::Backend) {
+        let config = crate::shm::ShmConfig {
+            queue_depth: 256,
+            cross_memory_attach: true,
+            ..crate::shm::ShmConfig::default()
+        };
+        (
+            crate::shm::ShmBackend::new(config.clone()).expect("start shm backend"),
+            crate::shm::ShmBackend::new(config).expect("start shm backend"),
+        )
+    }
+}
+
 /// Tcp backends for the suite: a queue of 256 and 64 KiB chunks (so the
 /// suite's transfers are split and striped over streams); every region in
 /// the memory the function names (`None`: host).

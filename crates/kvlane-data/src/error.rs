@@ -195,6 +195,26 @@ pub enum DataError {
         /// Why it was refused.
         reason: String,
     },
+    /// A same-host peer's region served by cross-memory attach (shm
+    /// backend) could not be copied at `offset`: the target unmapped or
+    /// freed that memory, mapped it read-only for a WRITE, or the kernel
+    /// refused the attach (`reason` says which and what to do). Bytes
+    /// before `offset` may have been copied.
+    #[error("{backend}: {op} at offset {offset} of region {key} of {peer} failed: {reason}")]
+    RemoteMemoryFault {
+        /// The backend.
+        backend: &'static str,
+        /// The target.
+        peer: PeerId,
+        /// READ or WRITE.
+        op: Op,
+        /// The region's key.
+        key: RemoteKey,
+        /// Where in the region the copy stopped.
+        offset: u64,
+        /// Why, from the kernel's answer.
+        reason: String,
+    },
     /// The target deregistered the region under `key` while this WRITE's
     /// payload was arriving: part of it may have landed, the rest was
     /// dropped. Requests for the key fail with
@@ -327,6 +347,7 @@ impl DataError {
         match self {
             Self::UnknownKey { .. }
             | Self::RemoteRegionRevoked { .. }
+            | Self::RemoteMemoryFault { .. }
             | Self::RemoteOutOfBounds { .. }
             | Self::OutOfBounds { .. }
             | Self::AccessDenied { .. }

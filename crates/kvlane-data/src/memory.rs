@@ -571,7 +571,7 @@ impl Region {
         }
     }
 
-    fn host_ptr(&self, offset: u64, len: u64) -> Result<*mut u8, DataError> {
+    pub(crate) fn host_ptr(&self, offset: u64, len: u64) -> Result<*mut u8, DataError> {
         if self.kind() != MemoryKind::Host {
             return Err(DataError::Unsupported {
                 backend: "host copy",

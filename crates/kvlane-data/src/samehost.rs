@@ -15,12 +15,16 @@
 //!   it initiates; its target serves both paths.
 //! - **Keys.** A region is registered with both backends under the key the
 //!   other backend chose, so one advertisement serves both paths.
-//! - **Which memory.** shm serves only memory allocated with
-//!   [`Region::alloc_shared`]. Once a region with remote rights that is not
-//!   shareable is registered, shm is off for peers prepared from then on
-//!   (they use the other backend both ways; the reason is logged); peers
-//!   already on shm keep it for the regions they were offered. Put every
-//!   served region in shared memory to get shm.
+//! - **Which memory.** shm serves memory allocated with
+//!   [`Region::alloc_shared`], and, when its backend was configured with
+//!   [`cross_memory_attach`](crate::ShmConfig::cross_memory_attach), any
+//!   host memory. Once a region with remote rights that it cannot serve is
+//!   registered, shm is off for peers prepared from then on (they use the
+//!   other backend both ways; the reason is logged); peers already on shm
+//!   keep it for the regions they were offered. Put every served region in
+//!   shared memory (or opt in to cross-memory attach) to get shm. A peer
+//!   whose kernel refuses the attach (another user: `EPERM`) fails the shm
+//!   connect and falls back to the other backend, as any shm failure.
 //!
 //! [`ShmEndpoint`]: crate::ShmEndpoint
 
@@ -174,9 +178,10 @@ impl Backend for SameHost {
         let ad = self.other.register(region)?;
         let served = region.access().contains(Access::REMOTE_READ)
             || region.access().contains(Access::REMOTE_WRITE);
-        if served && !region.is_shared() {
+        if served && !self.shm.serves(region) {
             self.turn_off(format!(
-                "{} has remote rights but is not shareable memory (Region::alloc_shared)",
+                "{} has remote rights but is not shareable memory (Region::alloc_shared), \
+                 and cross-memory attach is off (ShmConfig::cross_memory_attach)",
                 region.id()
             ));
         } else if let Err(e) = self.shm.register_as(region, Some(ad.key)) {

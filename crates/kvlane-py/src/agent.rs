@@ -78,7 +78,8 @@ impl Agent {
     #[new]
     #[pyo3(signature = (engine_id = None, listen = "127.0.0.1:0", backend = "auto", psk = None,
         advertise = None, kv = None, regions = None, keepalive_interval = None, liveness_budget = None,
-        transfer_deadline = None, handshake_timeout = None, cpus = None))]
+        transfer_deadline = None, handshake_timeout = None, cpus = None,
+        shm_cross_memory_attach = false))]
     #[allow(clippy::too_many_arguments)] // the keyword arguments of the Python constructor
     fn py_new(
         py: Python<'_>,
@@ -94,6 +95,7 @@ impl Agent {
         transfer_deadline: Option<f64>,
         handshake_timeout: Option<f64>,
         cpus: Option<String>,
+        shm_cross_memory_attach: bool,
     ) -> PyResult<Self> {
         // Parsed first: a bad value is refused before anything starts.
         let cpus = cpus
@@ -120,6 +122,7 @@ impl Agent {
         let mut b = kvlane::Agent::builder()
             .listen(listen)
             .backend(choice)
+            .shm_cross_memory_attach(shm_cross_memory_attach)
             .cpus(cpus);
         if let Some(id) = engine_id {
             b = b.engine_id(id);

@@ -47,8 +47,12 @@ def main() -> None:
                     got.append([note.sender, note.payload.decode(), sha(buf)])
             return got
     else:
+        # "nixl-shm": numpy memory served to peers on this host by
+        # cross-memory attach (opt-in).
+        shm = mode == "nixl-shm"
         agent = nixl.nixl_agent("target", nixl.nixl_agent_config(
-            backend="tcp", listen_port=int(listen.rsplit(":", 1)[1])))
+            backend="shm" if shm else "tcp", listen_port=int(listen.rsplit(":", 1)[1]),
+            shm_cross_memory_attach=True if shm else None))
         agent.register_memory(agent.get_reg_descs([buf]))
         out({"md": agent.get_agent_metadata().hex(), "buf": buf.ctypes.data, "len": size})
 

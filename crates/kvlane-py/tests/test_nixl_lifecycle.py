@@ -198,7 +198,7 @@ def test_memory_registered_after_the_metadata_is_read_once_the_peer_adds_it_agai
 def test_liveness_settings_from_arguments_and_the_environment(monkeypatch):
     for var in ("KVLANE_KEEPALIVE_INTERVAL", "KVLANE_LIVENESS_BUDGET", "KVLANE_HANDSHAKE_TIMEOUT",
                 "KVLANE_TRANSFER_TIMEOUT", "KVLANE_BACKEND", "KVLANE_ADVERTISE",
-                "KVLANE_NIXL_ADVERTISE", "KVLANE_PSK"):
+                "KVLANE_NIXL_ADVERTISE", "KVLANE_PSK", "KVLANE_SHM_CROSS_MEMORY_ATTACH"):
         monkeypatch.delenv(var, raising=False)
     c = nixl_agent_config()
     assert (c.keepalive_interval, c.liveness_budget, c.handshake_timeout,

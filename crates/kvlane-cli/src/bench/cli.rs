@@ -102,6 +102,13 @@ pub(crate) struct BenchArgs {
     /// advertises another host on purpose needs this).
     #[arg(long)]
     dial_any_data_host: bool,
+    /// With `--backend shm` and `--role target|initiator`: the pool is
+    /// plain host memory (`Region::alloc`, as memory an engine allocated),
+    /// served by cross-memory attach (`process_vm_readv`/`writev`) instead
+    /// of a shared memory file. Opt-in: it exposes the whole process to
+    /// same-user peers (see `kvlane_data::shm`).
+    #[arg(long)]
+    shm_cross_memory_attach: bool,
     /// Peer counts (comma list): for each, that many initiator agents, in
     /// `--peer-procs` processes, against one target agent in this process
     /// (127.0.0.1); one row per count with aggregate GB/s, p99 latency and
@@ -339,6 +346,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         psk: args.psk.clone(),
         advertise: args.advertise.clone(),
         dial_any_data_host: args.dial_any_data_host,
+        shm_cross_memory_attach: args.shm_cross_memory_attach,
         memory: args.memory.0,
         rails: args.rails as usize,
         metrics: args.metrics.clone(),

@@ -55,6 +55,8 @@ pub(crate) struct RemoteOpts {
     pub(crate) advertise: Option<String>,
     /// Dial data endpoints on any host (not only the control host).
     pub(crate) dial_any_data_host: bool,
+    /// shm: serve plain host memory by cross-memory attach (opt-in).
+    pub(crate) shm_cross_memory_attach: bool,
     /// Where the served (target) or moved (initiator) memory lives.
     pub(crate) memory: Option<kvlane_data::GpuDevice>,
     /// Use at most this many rails.
@@ -65,15 +67,17 @@ pub(crate) struct RemoteOpts {
 
 impl RemoteOpts {
     /// Whether the memory must be shareable: the shm backend serves only
-    /// memory allocated with `Region::alloc_shared`.
+    /// memory allocated with `Region::alloc_shared`, unless cross-memory
+    /// attach is on (then plain memory, as an engine's, is the point).
     pub(crate) fn shared(&self) -> bool {
-        self.backend == BackendChoice::Shm
+        self.backend == BackendChoice::Shm && !self.shm_cross_memory_attach
     }
 }
 
 pub(crate) fn builder(opts: &RemoteOpts) -> kvlane::AgentBuilder {
     let mut b = Agent::builder()
         .backend(opts.backend)
+        .shm_cross_memory_attach(opts.shm_cross_memory_attach)
         .dial_any_data_host(opts.dial_any_data_host)
         .max_rails(opts.rails);
     if let Some(k) = &opts.psk {

@@ -1,13 +1,17 @@
 //! The shm backend: one-sided READ and WRITE between processes of one host
-//! through shared memory. **Incomplete** (issue 44): memory the engine
-//! allocated itself cannot be served (see *Not yet* below). The facade's
-//! `auto` runs it beside tcp or verbs through [`SameHost`](crate::SameHost),
-//! per peer.
+//! through shared memory. Memory kvlane allocates for it
+//! ([`Region::alloc_shared`]) is shared as a sealed memory file; memory the
+//! engine allocated itself (a torch tensor, a numpy array, [`Region::alloc`],
+//! [`Region::from_raw`]) is served by cross-memory attach, **opt-in**
+//! ([`ShmConfig::cross_memory_attach`]; see *Cross-memory attach*). The
+//! facade's `auto` runs it beside tcp or verbs through
+//! [`SameHost`](crate::SameHost), per peer.
 //!
 //! # How registered memory becomes reachable
 //!
-//! Only regions made by [`Region::alloc_shared`] are served: host memory
-//! backed by a memfd, its pages allocated up front, sealed against
+//! By default only regions made by [`Region::alloc_shared`] are served
+//! (for the others see *Cross-memory attach*): host memory backed by a
+//! memfd, its pages allocated up front, sealed against
 //! resizing (`F_SEAL_SHRINK | F_SEAL_GROW`), against new writable mappings
 //! when the region grants no [`Access::REMOTE_WRITE`]
 //! (`F_SEAL_FUTURE_WRITE`), and against further seals (`F_SEAL_SEAL`).
@@ -26,7 +30,8 @@
 //!    credential within [`ShmConfig::auth_timeout`] is closed having
 //!    learnt nothing.
 //! 3. The target then passes the memfd of every registered region with a
-//!    remote right (`SCM_RIGHTS`), with its key, length and rights.
+//!    remote right (`SCM_RIGHTS`), with its key, length and rights (a
+//!    region served by cross-memory attach: its address instead).
 //!    Regions registered later are passed to connected peers as they are
 //!    registered; a deregistered region is revoked (see *Trust*).
 //! 4. The initiator maps each descriptor only after checking that it is a
@@ -50,6 +55,69 @@
 //!    as `CLOCK_MONOTONIC`, which every process of the host shares: a
 //!    notification that arrives late is refused, never delivered late.
 //!
+//! # Cross-memory attach (opt-in)
+//!
+//! Memory the engine allocated is anonymous memory of its process: no
+//! file backs it, so there is nothing to pass or map. Three ways were
+//! weighed:
+//!
+//! - **Cross-memory attach** (`process_vm_readv` / `process_vm_writev`):
+//!   one copy, made by the initiator's thread straight between the two
+//!   processes' memory, as for memory files; the target's threads copy
+//!   nothing. The kernel walks the target's page tables itself, so memory
+//!   the target unmaps or frees under a transfer is an error (`EFAULT`),
+//!   never a fault in the initiator. But the kernel's permission is
+//!   ptrace's: it covers the **whole** target process, not its regions.
+//! - **The target copies** into and out of a per-peer shared staging
+//!   buffer, checking every request as the tcp target does: only
+//!   registered regions are ever reachable, but two copies and the
+//!   target's CPU per transfer: what tcp over loopback already does.
+//! - **Remapping the memory into a file** after the fact: Linux cannot
+//!   turn anonymous memory into shared file memory in place.
+//!
+//! So cross-memory attach it is, as an opt-in of the target
+//! ([`ShmConfig::cross_memory_attach`]; the facade's
+//! `AgentBuilder::shm_cross_memory_attach`, Python's
+//! `shm_cross_memory_attach=True`), and without it such regions stay
+//! refused by [`register`] ([`DataError::Unsupported`], naming the
+//! opt-in), so that [`SameHost`](crate::SameHost) serves them over its
+//! other backend, which exposes only registered regions.
+//!
+//! With the opt-in, a region that is not a memory file is granted with its
+//! address in the target's process. The initiator learns the target's pid
+//! from the kernel (`SO_PEERCRED` on the socket: the process that listens
+//! on it), never from a message, so a lying target cannot point it at
+//! another process. Before each copy it checks the key, the bounds and the
+//! rights exactly as for a memory file, then copies with one batch of
+//! `process_vm_readv`/`process_vm_writev` calls per transfer. When the
+//! target's memory is gone the transfer fails with
+//! [`DataError::RemoteMemoryFault`] naming the peer, the region's key, the
+//! offset and the reason (`EFAULT`: unmapped, freed, or read-only for a
+//! WRITE; `EPERM`: the kernel refused the attach); when its process is
+//! gone, with [`DataError::PeerLost`]. Connecting probes each such region
+//! (one byte read), so a refused attach fails the connect (and `SameHost`
+//! falls back to its other backend) rather than the first transfer.
+//!
+//! **What the opt-in exposes.** Every process the kernel lets attach to
+//! the target (the same user, with the target dumpable, which is the
+//! default; or `CAP_SYS_PTRACE`, e.g. root) can read and write **all** of
+//! the target's memory through these calls, whatever it was granted;
+//! kvlane's checks keep a well-behaved peer inside the registered regions
+//! and their rights, but a hostile peer is not held by them, and a
+//! region's missing [`Access::REMOTE_WRITE`] is not enforced by the kernel
+//! for it. Such a process could do the same without kvlane (ptrace,
+//! `/proc/<pid>/mem`), unless the target made itself non-dumpable or Yama
+//! restricts ptrace, which also makes the attach fail (`EPERM`); what the
+//! opt-in adds is that the target hands out the addresses. Memory files
+//! are unaffected: they stay limited by their seals and mappings. The
+//! initiator runs no risk of its own: the kernel reaches only the pid it
+//! names, copies into this side's registered regions only, and reports a
+//! bad remote address as an error. One residual race: if the target dies
+//! and its pid is reused by another process of the same user between the
+//! liveness check (the socket, read before every batch) and the copy, the
+//! copy reaches that process; the kernel hands out pids in order, so that
+//! needs `pid_max` new processes within those microseconds.
+//!
 //! # Liveness
 //!
 //! The socket is the liveness signal: when the target's process ends, the
@@ -64,8 +132,9 @@
 //!
 //! # Trust
 //!
-//! A peer that holds a region's descriptor keeps its mapping for as long
-//! as it likes: revocation (on [`deregister`](Backend::deregister) and
+//! For memory files: a peer that holds a region's descriptor keeps its
+//! mapping for as long as it likes: revocation (on
+//! [`deregister`](Backend::deregister) and
 //! [`remove_peer`](Backend::remove_peer)) is honoured by this backend but
 //! cannot be forced on a hostile process. It never reaches more than the
 //! regions it was granted, and never writes a read-only one. Memory that
@@ -75,20 +144,25 @@
 //! in its file (`fallocate`), which reads as zeros afterwards, no worse
 //! than writing zeros.
 //!
+//! For cross-memory attach (opt-in): a hostile peer that the kernel lets
+//! attach reaches the whole target process (see *What the opt-in
+//! exposes* above); revocation stops well-behaved peers only. Without the
+//! opt-in, memory the engine allocated works as local memory (a READ's
+//! destination, a WRITE's source) but is not served.
+//!
 //! # Not yet
 //!
-//! - Memory the engine allocated (a torch tensor, numpy): [`register`]
-//!   refuses it, with remote rights, as [`DataError::Unsupported`] (it
-//!   works as local memory: a READ's destination or a WRITE's source).
-//!   The plan is an opt-in cross-memory attach (`process_vm_readv` /
-//!   `process_vm_writev`, which exposes the whole process to a same-user
-//!   peer, hence opt-in and documented), else tcp for such regions.
-//! - GPU memory through CUDA/HIP IPC handles.
+//! - GPU memory through CUDA/HIP IPC handles (served or as the local
+//!   side of a cross-memory-attach transfer).
+//! - Cross-memory attach needs the target's pid to be visible in the
+//!   initiator's pid namespace (containers sharing a host but not a pid
+//!   namespace get a clear refusal at connect).
 //!
 //! [`register`]: Backend::register
 
+mod copy;
 mod peer;
-#[allow(unsafe_code)] // sendmsg/recvmsg with SCM_RIGHTS, mmap of peer regions
+#[allow(unsafe_code)] // sendmsg/recvmsg with SCM_RIGHTS, mmap of peer regions, process_vm_*
 mod sys;
 mod target;
 mod wire;
@@ -97,9 +171,9 @@ use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
 use crate::host_registry::HostRegistry;
 use crate::ids::{FastMap, PeerId, RegionId, RemoteKey, TransferId};
-use crate::memory::{Access, Region, RemoteRegion};
-use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Segment, Transfer};
-use peer::{Conn, Event, PeerRegion};
+use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
+use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Segment, Transfer};
+use peer::{Conn, Event};
 use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 use std::collections::VecDeque;
@@ -131,6 +205,17 @@ pub struct ShmConfig {
     /// decides delivery by the deadline, and its answer is on its way.
     /// Default 1 s.
     pub notify_grace: Duration,
+    /// Serve regions that are not memory files (memory the engine
+    /// allocated: [`Region::alloc`], [`Region::from_raw`] over a tensor or
+    /// a numpy array) by cross-memory attach: peers copy with
+    /// `process_vm_readv` / `process_vm_writev` into and out of this
+    /// process. **Exposes the whole process** to every peer that the
+    /// kernel lets attach to it (same user, or `CAP_SYS_PTRACE`): kvlane's
+    /// checks keep a well-behaved peer inside the registered regions and
+    /// their rights, but nothing in the kernel does. See the module docs
+    /// (*Cross-memory attach*). Default false: such regions are refused
+    /// by [`register`](Backend::register) when they have remote rights.
+    pub cross_memory_attach: bool,
 }
 
 impl Default for ShmConfig {
@@ -142,6 +227,7 @@ impl Default for ShmConfig {
             connect_timeout: Duration::from_secs(5),
             auth_timeout: Duration::from_secs(5),
             notify_grace: Duration::from_secs(1),
+            cross_memory_attach: false,
         }
     }
 }
@@ -407,7 +493,7 @@ impl ShmBackend {
         let mut broken = None;
         while *budget > 0 && self.queue.front().is_some_and(|t| t.peer == peer) {
             let t = self.queue.pop_front().expect("front was just read");
-            let result = execute(&t, now, &self.registry, &conn.regions, &mut self.scratch);
+            let result = copy::execute(&t, now, &self.registry, conn, &mut self.scratch);
             *budget = budget.saturating_sub(if result.is_ok() {
                 t.total_len().max(1)
             } else {
@@ -451,6 +537,12 @@ impl ShmBackend {
 }
 
 impl ShmBackend {
+    /// Whether this backend can serve `region` to peers: a memory file,
+    /// or host memory when cross-memory attach is on.
+    pub(crate) fn serves(&self, region: &Region) -> bool {
+        region.is_shared() || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
+    }
+
     /// [`register`](Backend::register) under `key` when given (see
     /// [`SameHost`](crate::SameHost), which serves a region over shm under
     /// the key its other backend chose).
@@ -460,12 +552,22 @@ impl ShmBackend {
         key: Option<RemoteKey>,
     ) -> Result<RemoteRegion, DataError> {
         let served = remote_rights(region.access());
-        if served && !region.is_shared() {
-            return Err(DataError::Unsupported {
-                backend: "shm",
-                what: "a region with remote rights must be shareable memory: allocate it with \
-                       Region::alloc_shared, or use the tcp backend (memory the engine \
-                       allocated cannot be passed to a peer)",
+        if served && !self.serves(region) {
+            return Err(if region.kind() != MemoryKind::Host {
+                DataError::Unsupported {
+                    backend: "shm",
+                    what: "device memory cannot be served to a peer on this host yet: use the \
+                           tcp or verbs backend",
+                }
+            } else {
+                DataError::Unsupported {
+                    backend: "shm",
+                    what: "a region with remote rights must be shareable memory: allocate it \
+                           with Region::alloc_shared, or opt in to cross-memory attach \
+                           (ShmConfig::cross_memory_attach, which exposes this whole process \
+                           to same-user peers) for memory the engine allocated, or use the tcp \
+                           backend",
+                }
             });
         }
         let key = self.registry.register_as("shm", region, key)?;
@@ -536,72 +638,6 @@ fn clone_lost(e: &DataError) -> DataError {
             what: "unexpected error",
         },
     }
-}
-
-/// Checks every segment of `t` against the local registrations and the
-/// target's grants, then copies them all (nothing moves when any check
-/// fails).
-fn execute(
-    t: &Transfer,
-    now: Instant,
-    local: &HostRegistry,
-    remote: &FastMap<RemoteKey, PeerRegion>,
-    plan: &mut Vec<Segment>,
-) -> Result<(), DataError> {
-    if now > t.deadline {
-        return Err(DataError::Timeout {
-            id: t.id,
-            peer: t.peer,
-            overdue: now - t.deadline,
-        });
-    }
-    plan.clear();
-    let lookup = |seg: &Segment| -> Result<(&Region, &PeerRegion), DataError> {
-        let l = local
-            .get(seg.region)
-            .ok_or(DataError::UnknownRegion(seg.region))?;
-        let r = remote.get(&seg.key).ok_or(DataError::UnknownKey {
-            peer: t.peer,
-            key: seg.key,
-        })?;
-        Ok((l, r))
-    };
-    for seg in t.segments()? {
-        let (l, r) = lookup(&seg)?;
-        if t.op == Op::Read && !l.access().contains(Access::LOCAL_WRITE) {
-            return Err(DataError::AccessDenied {
-                op: t.op,
-                target: format!("local {}", seg.region),
-                needed: Access::LOCAL_WRITE,
-                granted: l.access(),
-            });
-        }
-        l.check_range(seg.local_offset, seg.len)?;
-        // The grant's rights and length; WRITE into the mapping only when
-        // the grant has REMOTE_WRITE (the mapping is writable exactly then).
-        r.advert().check(t.peer, t.op, seg.remote_offset, seg.len)?;
-        plan.push(seg);
-    }
-    for seg in plan.iter() {
-        let (l, r) = lookup(seg)?;
-        match t.op {
-            Op::Write => crate::gpu::staging::copy_between(
-                l,
-                seg.local_offset,
-                &r.region,
-                seg.remote_offset,
-                seg.len,
-            )?,
-            Op::Read => crate::gpu::staging::copy_between(
-                &r.region,
-                seg.remote_offset,
-                l,
-                seg.local_offset,
-                seg.len,
-            )?,
-        }
-    }
-    Ok(())
 }
 
 fn remote_rights(access: Access) -> bool {

@@ -1,7 +1,8 @@
 //! The initiator side of the shm backend: a connection to one target,
-//! with the target's regions mapped into this process.
+//! with the target's regions mapped into this process (or, for regions
+//! served by cross-memory attach, their addresses in the target's).
 
-use super::sys::{map_peer, recv_msg, send_msg, MapRefusal};
+use super::sys::{map_peer, peer_pid, probe_attach, recv_msg, send_msg, MapRefusal};
 use super::wire::{self, Granted, NotifyStatus, ToInitiator, ToTarget, MAX_MESSAGE};
 use super::ShmEndpoint;
 use crate::error::DataError;
@@ -14,10 +15,21 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A target's region mapped here, with what the target granted.
+/// How this side reaches a target's region.
+pub(crate) enum Reach {
+    /// Its memory file, mapped here (writable only when the grant allows
+    /// WRITE).
+    Mapped(Region),
+    /// Cross-memory attach: `process_vm_readv` / `process_vm_writev` at
+    /// this address in the target's process (the pid is the connection's).
+    Attached(u64),
+}
+
+/// A target's region as this side reaches it, with what the target
+/// granted.
 pub(crate) struct PeerRegion {
-    /// The mapping (writable only when the grant allows WRITE).
-    pub(crate) region: Region,
+    /// The mapping or the address.
+    pub(crate) reach: Reach,
     /// The grant: key, length, remote rights.
     pub(crate) grant: Granted,
 }
@@ -27,7 +39,10 @@ impl PeerRegion {
     pub(crate) fn advert(&self) -> RemoteRegion {
         RemoteRegion {
             key: self.grant.key,
-            addr: self.region.addr(),
+            addr: match &self.reach {
+                Reach::Mapped(r) => r.addr(),
+                Reach::Attached(addr) => *addr,
+            },
             len: self.grant.len,
             access: self.grant.access,
         }
@@ -47,8 +62,11 @@ pub(crate) struct Conn {
     /// The socket (non-blocking once connected); shared with the I/O
     /// thread, which only watches it.
     pub(crate) sock: Arc<OwnedFd>,
-    /// The target's regions, mapped.
+    /// The target's regions, mapped or attached.
     pub(crate) regions: FastMap<RemoteKey, PeerRegion>,
+    /// The target's pid as the kernel gave it (`SO_PEERCRED`): the process
+    /// that listens on the socket, whose memory attached regions are in.
+    pub(crate) pid: libc::pid_t,
     /// Notifications the socket could not take yet.
     unsent: VecDeque<Vec<u8>>,
 }
@@ -57,41 +75,91 @@ fn io_err(op: String, source: io::Error) -> DataError {
     DataError::Io { op, source }
 }
 
-/// Maps the regions of one grant message.
+/// Maps (or, for cross-memory attach, probes) the regions of one grant
+/// message; `pid` is the target's, from the kernel.
 fn map_grants(
     peer: PeerId,
+    pid: libc::pid_t,
     regions: Vec<Granted>,
     fds: Vec<OwnedFd>,
     into: &mut FastMap<RemoteKey, PeerRegion>,
 ) -> Result<(), DataError> {
-    if regions.len() != fds.len() {
-        return Err(DataError::PeerRegionRefused {
-            backend: "shm",
-            peer,
-            key: regions.first().map_or(RemoteKey(0), |g| g.key),
-            reason: format!(
-                "the grant names {} regions but carries {} descriptors",
-                regions.len(),
+    let refused = |key: RemoteKey, reason: String| DataError::PeerRegionRefused {
+        backend: "shm",
+        peer,
+        key,
+        reason,
+    };
+    let files = regions.iter().filter(|g| g.attach.is_none()).count();
+    if files != fds.len() {
+        return Err(refused(
+            regions.first().map_or(RemoteKey(0), |g| g.key),
+            format!(
+                "the grant names {files} memory files but carries {} descriptors",
                 fds.len()
             ),
-        });
+        ));
     }
-    for (grant, fd) in regions.into_iter().zip(fds) {
-        let region = map_peer(&fd, grant.len, grant.access).map_err(|r| {
-            let reason = match r {
-                MapRefusal::Unsafe(why) => why.to_owned(),
-                MapRefusal::Os(op, e) => format!("{op}: {e}"),
-            };
-            DataError::PeerRegionRefused {
-                backend: "shm",
-                peer,
-                key: grant.key,
-                reason,
+    let mut fds = fds.into_iter();
+    for grant in regions {
+        let reach = match grant.attach {
+            Some(addr) => Reach::Attached(
+                probe(pid, addr, grant.len).map_err(|reason| refused(grant.key, reason))?,
+            ),
+            None => {
+                let fd = fds.next().expect("counted above");
+                Reach::Mapped(map_peer(&fd, grant.len, grant.access).map_err(|r| {
+                    let reason = match r {
+                        MapRefusal::Unsafe(why) => why.to_owned(),
+                        MapRefusal::Os(op, e) => format!("{op}: {e}"),
+                    };
+                    refused(grant.key, reason)
+                })?)
             }
-        })?;
-        into.insert(grant.key, PeerRegion { region, grant });
+        };
+        into.insert(grant.key, PeerRegion { reach, grant });
     }
     Ok(())
+}
+
+/// Checks that a region served by cross-memory attach is reachable: its
+/// range does not wrap, and the kernel lets this process read its first
+/// byte (which proves the permission, so that a connect fails at once,
+/// and `SameHost` falls back to its other backend, where a transfer
+/// would fail later).
+fn probe(pid: libc::pid_t, addr: u64, len: u64) -> Result<u64, String> {
+    if pid <= 0 {
+        return Err(
+            "it is served by cross-memory attach, but the target's process is not \
+                    visible from this pid namespace"
+                .into(),
+        );
+    }
+    if len == 0 || addr.checked_add(len).is_none() {
+        return Err(format!("its range {addr:#x}+{len} is empty or wraps"));
+    }
+    probe_attach(pid, addr)
+        .map(|()| addr)
+        .map_err(|e| attach_refusal(pid, &e))
+}
+
+/// Why the kernel refused a cross-memory attach to `pid`, saying what to
+/// do.
+pub(crate) fn attach_refusal(pid: libc::pid_t, e: &io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EPERM) => format!(
+            "the kernel refused cross-memory attach to the target (pid {pid}): EPERM. This \
+             process may not ptrace it: another user, a target that made itself non-dumpable \
+             (PR_SET_DUMPABLE), or Yama's ptrace_scope; run both as one user, or serve the \
+             region with Region::alloc_shared or over tcp"
+        ),
+        Some(libc::ESRCH) => format!("the target's process (pid {pid}) is gone: ESRCH"),
+        Some(libc::EFAULT) => format!(
+            "the target (pid {pid}) has no memory mapped there (EFAULT): it unmapped or freed \
+             the region, or, for a WRITE, mapped it read-only"
+        ),
+        _ => format!("cross-memory attach to the target (pid {pid}) failed: {e}"),
+    }
 }
 
 impl Conn {
@@ -112,6 +180,8 @@ impl Conn {
             .map_err(|e| io_err(format!("set timeouts for {}", what()), e))?;
         sock.connect(&addr)
             .map_err(|e| io_err(format!("connect to {}", what()), e))?;
+        let pid =
+            peer_pid(sock.as_fd()).map_err(|e| io_err(format!("read the pid of {}", what()), e))?;
         let hello = wire::encode(&ToTarget::Hello {
             version: wire::VERSION,
             token: ep.token.to_vec(),
@@ -137,7 +207,7 @@ impl Conn {
             }
             match wire::decode::<ToInitiator>(&buf[..n]) {
                 Some(ToInitiator::Grant { regions: g, last }) => {
-                    map_grants(peer, g, fds, &mut regions)?;
+                    map_grants(peer, pid, g, fds, &mut regions)?;
                     if last {
                         break;
                     }
@@ -155,6 +225,7 @@ impl Conn {
         Ok(Self {
             sock: Arc::new(sock.into()),
             regions,
+            pid,
             unsent: VecDeque::new(),
         })
     }
@@ -186,7 +257,7 @@ impl Conn {
                 }
                 Some(ToInitiator::Grant { regions, .. }) => {
                     let keys: Vec<_> = regions.iter().map(|g| g.key).collect();
-                    if let Err(e) = map_grants(peer, regions, fds, &mut self.regions) {
+                    if let Err(e) = map_grants(peer, self.pid, regions, fds, &mut self.regions) {
                         // The keys stay unknown: transfers naming them fail
                         // with UnknownKey.
                         tracing::warn!(%peer, ?keys, error = %e, "shm: a late grant was refused");

@@ -1,6 +1,8 @@
 //! The system calls of the shm backend: messages with descriptors over a
-//! `SOCK_SEQPACKET` Unix socket, and mapping a peer's region after
-//! checking that it cannot fault. The only `unsafe` of the backend.
+//! `SOCK_SEQPACKET` Unix socket, mapping a peer's region after checking
+//! that it cannot fault, and cross-memory attach (`process_vm_readv` /
+//! `process_vm_writev`) for regions that are not memory files. The only
+//! `unsafe` of the backend.
 
 use crate::memory::{retry_eintr, Access, MemoryKind, Region};
 use std::io;
@@ -231,6 +233,189 @@ pub(crate) fn map_peer(fd: &OwnedFd, len: u64, access: Access) -> Result<Region,
     .map_err(|_| MapRefusal::Unsafe("its length is 0"))
 }
 
+/// The pid of the process that listens on the other end of `sock` (a
+/// connected Unix socket), as the kernel recorded it when that process
+/// called `listen` (`SO_PEERCRED`): not a claim the peer makes. 0 when
+/// that process is not visible from this pid namespace.
+pub(crate) fn peer_pid(sock: BorrowedFd<'_>) -> io::Result<libc::pid_t> {
+    // SAFETY: ucred is plain data; all-zero is a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is
+    // that long, and sets `len`.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.pid)
+}
+
+/// One piece of a cross-memory copy: `len` bytes at `offset` of a
+/// registered region of this process, and at `remote` in the other
+/// process.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Piece<'a> {
+    /// This process's side.
+    pub(crate) local: &'a Region,
+    /// Offset in `local`.
+    pub(crate) offset: u64,
+    /// The address in the other process.
+    pub(crate) remote: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+}
+
+/// Where a cross-memory copy stopped, and why.
+#[derive(Debug)]
+pub(crate) struct CrossFault {
+    /// The piece it stopped in.
+    pub(crate) piece: usize,
+    /// Bytes of that piece that were copied.
+    pub(crate) done: u64,
+    /// The kernel's answer: `EFAULT` (the other process has no such
+    /// memory there, or it is not writable), `ESRCH` (it is gone),
+    /// `EPERM` (this process may not attach to it); or this side's range
+    /// was refused (bad bounds, device memory) before any syscall.
+    pub(crate) error: io::Error,
+}
+
+/// Copies every piece between this process and process `pid` with
+/// `process_vm_readv` (`to_remote` false: the other process's memory into
+/// this one's regions) or `process_vm_writev`, [`IOV_MAX`](crate::IOV_MAX)
+/// pieces per call, resuming after short counts (the kernel stops at the
+/// first address the other process has not mapped, and caps one call's
+/// bytes). Every local range is checked inside its region first (host
+/// memory, in bounds); nothing is copied when one is not. The kernel
+/// checks that this process may attach to `pid` (same user and dumpable,
+/// or `CAP_SYS_PTRACE`) and walks the other process's page tables itself:
+/// a bad remote address is an error, never a fault here.
+pub(crate) fn cross_copy(
+    pid: libc::pid_t,
+    to_remote: bool,
+    pieces: &[Piece<'_>],
+) -> Result<(), CrossFault> {
+    let mut ptrs = Vec::with_capacity(pieces.len());
+    for (i, p) in pieces.iter().enumerate() {
+        let ptr = p.local.host_ptr(p.offset, p.len).map_err(|e| CrossFault {
+            piece: i,
+            done: 0,
+            error: io::Error::new(io::ErrorKind::InvalidInput, e),
+        })?;
+        ptrs.push(ptr);
+    }
+    let (mut i, mut done) = (0usize, 0u64);
+    let mut local = Vec::with_capacity(pieces.len().min(crate::IOV_MAX));
+    let mut remote = Vec::with_capacity(local.capacity());
+    while i < pieces.len() {
+        if pieces[i].len == done {
+            (i, done) = (i + 1, 0);
+            continue;
+        }
+        local.clear();
+        remote.clear();
+        for (j, p) in pieces[i..].iter().take(crate::IOV_MAX).enumerate() {
+            let skip = if j == 0 { done } else { 0 };
+            // `len` fits in usize: host_ptr checked it against the region.
+            local.push(libc::iovec {
+                iov_base: ptrs[i + j].wrapping_add(skip as usize).cast(),
+                iov_len: (p.len - skip) as usize,
+            });
+            remote.push(libc::iovec {
+                iov_base: p.remote.wrapping_add(skip) as *mut libc::c_void,
+                iov_len: (p.len - skip) as usize,
+            });
+        }
+        let n = retry_eintr(|| {
+            // SAFETY: `local` and `remote` hold `local.len()` (at most
+            // IOV_MAX) iovecs each, alive for the call. Each local iovec
+            // lies inside a registered host region (host_ptr checked the
+            // range), valid for reads and writes by the registration
+            // contract while the caller holds the region; the kernel reads
+            // or writes it as a NIC would, and no Rust reference to it
+            // exists. The kernel checks the remote iovecs against the other
+            // process's mappings (EFAULT where they are not there).
+            unsafe {
+                if to_remote {
+                    libc::process_vm_writev(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    )
+                } else {
+                    libc::process_vm_readv(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    )
+                }
+            }
+        })
+        .map_err(|error| CrossFault {
+            piece: i,
+            done,
+            error,
+        })?;
+        if n == 0 {
+            return Err(CrossFault {
+                piece: i,
+                done,
+                error: io::Error::from_raw_os_error(libc::EFAULT),
+            });
+        }
+        // Advance over what was copied.
+        let mut left = n as u64;
+        while left > 0 && i < pieces.len() {
+            let room = pieces[i].len - done;
+            if left < room {
+                done += left;
+                left = 0;
+            } else {
+                left -= room;
+                (i, done) = (i + 1, 0);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads one byte at `addr` in process `pid`: whether this process may
+/// attach to it and it has memory there.
+pub(crate) fn probe_attach(pid: libc::pid_t, addr: u64) -> io::Result<()> {
+    let mut byte = 0u8;
+    let local = libc::iovec {
+        iov_base: (&mut byte as *mut u8).cast(),
+        iov_len: 1,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 1,
+    };
+    let n = retry_eintr(|| {
+        // SAFETY: the local iovec is `byte`, alive and unborrowed for the
+        // call; the kernel checks the remote one.
+        unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) }
+    })?;
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(libc::EFAULT))
+    }
+}
+
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock `Instant` reads, shared by
 /// every process of the host (a notification's deadline crosses the
 /// process boundary in it).
@@ -298,6 +483,86 @@ mod tests {
         let mut b = [0u8; 192];
         region.read(8000, &mut b).unwrap();
         assert_eq!(b, [1; 192]);
+    }
+
+    #[test]
+    fn cross_copy_spans_more_pieces_than_one_call_and_stops_where_memory_ends() {
+        // This process as the "other" one: the kernel allows attaching to
+        // oneself.
+        let me = std::process::id() as libc::pid_t;
+        let src = Region::alloc(3000 * 1000, Access::LOCAL_WRITE).unwrap();
+        let bytes: Vec<u8> = (0..src.len()).map(|i| (i % 251) as u8).collect();
+        src.write(0, &bytes).unwrap();
+        let dst = Region::alloc(3000 * 1000, Access::LOCAL_WRITE).unwrap();
+        // 3000 pieces (three calls of IOV_MAX), reversed order: READ from
+        // `src` "over there" into `dst`.
+        let pieces: Vec<Piece<'_>> = (0..3000u64)
+            .map(|k| Piece {
+                local: &dst,
+                offset: k * 1000,
+                remote: src.addr() + (2999 - k) * 1000,
+                len: 1000,
+            })
+            .collect();
+        cross_copy(me, false, &pieces).unwrap();
+        let got = dst.to_vec().unwrap();
+        for k in 0..3000usize {
+            let r = (2999 - k) * 1000;
+            assert!(
+                got[k * 1000..(k + 1) * 1000] == bytes[r..r + 1000],
+                "piece {k}"
+            );
+        }
+        // A mapping whose second page is gone: the copy stops at its end,
+        // naming the piece and the bytes of it that were copied.
+        let page = 4096usize;
+        // SAFETY: a fresh anonymous mapping of two pages; the second is
+        // unmapped at once and the first with the test's end.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                2 * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        // SAFETY: the second page of the mapping just made.
+        assert_eq!(
+            unsafe { libc::munmap(map.cast::<u8>().add(page).cast(), page) },
+            0
+        );
+        let base = map as u64;
+        let pieces = [
+            Piece {
+                local: &src,
+                offset: 0,
+                remote: base,
+                len: 100,
+            },
+            Piece {
+                local: &src,
+                offset: 100,
+                remote: base + page as u64 - 300,
+                len: 1000,
+            },
+        ];
+        let f = cross_copy(me, true, &pieces).unwrap_err();
+        assert_eq!((f.piece, f.done), (1, 300), "{f:?}");
+        assert_eq!(f.error.raw_os_error(), Some(libc::EFAULT));
+        // A local range outside its region is refused before any syscall.
+        let bad = [Piece {
+            local: &src,
+            offset: src.len() - 10,
+            remote: base,
+            len: 20,
+        }];
+        let f = cross_copy(me, true, &bad).unwrap_err();
+        assert_eq!(f.error.kind(), io::ErrorKind::InvalidInput);
+        // SAFETY: the first page, still mapped, unmapped once.
+        assert_eq!(unsafe { libc::munmap(map, page) }, 0);
     }
 
     #[test]

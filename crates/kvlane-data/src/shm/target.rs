@@ -1,6 +1,7 @@
 //! The target side of the shm backend: one I/O thread per backend that
 //! accepts peers on the abstract Unix socket, checks their credential,
-//! passes them the descriptors of the registered regions, and takes their
+//! passes them the descriptors of the registered regions (or, for regions
+//! served by cross-memory attach, their addresses), and takes their
 //! notifications. It never copies region bytes: peers do, in their own
 //! threads.
 //!
@@ -454,14 +455,14 @@ impl Io {
                     key: *key,
                     len: r.len(),
                     access: r.access(),
+                    // Not a memory file: registered only because the
+                    // backend was configured for cross-memory attach.
+                    attach: r.shared_fd().is_none().then(|| r.addr()),
                 })
                 .collect(),
             last,
         });
         let fds: Vec<_> = regions.iter().filter_map(|(_, r)| r.shared_fd()).collect();
-        if fds.len() != regions.len() {
-            return Err(io::Error::other("a served region has no memfd"));
-        }
         send_msg(conn.sock.as_fd(), &msg, &fds).map(|_| ())
     }
 

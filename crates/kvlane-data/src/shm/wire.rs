@@ -60,8 +60,9 @@ pub(crate) enum NotifyStatus {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub(crate) enum ToInitiator {
-    /// Regions the peer may map, one descriptor each, in order, attached
-    /// to this message. `last` ends the grants that answer a Hello.
+    /// Regions the peer may map, one descriptor each (those without an
+    /// [`attach`](Granted::attach) address), in order, attached to this
+    /// message. `last` ends the grants that answer a Hello.
     Grant {
         /// The regions.
         regions: Vec<Granted>,
@@ -91,6 +92,13 @@ pub(crate) struct Granted {
     pub(crate) len: u64,
     /// Its remote rights.
     pub(crate) access: Access,
+    /// For a region that is not a memory file, served by cross-memory
+    /// attach (the target opted in): its address in the target's process.
+    /// The target's pid is not sent: the initiator takes it from the
+    /// kernel (`SO_PEERCRED`). Absent for a memory file (its descriptor is
+    /// attached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) attach: Option<u64>,
 }
 
 /// Encodes a message.
@@ -125,6 +133,7 @@ mod tests {
                 key: RemoteKey(3),
                 len: 4096,
                 access: Access::REMOTE_READ,
+                attach: None,
             }],
             last: true,
         };

@@ -212,13 +212,29 @@ class Agent:
         transfer_deadline: Optional[float] = None,
         handshake_timeout: Optional[float] = None,
         cpus: Optional[str] = None,
+        shm_cross_memory_attach: bool = False,
     ) -> None:
         """``backend``: ``"auto"`` (verbs when built with it and a device
         is usable, else tcp), ``"tcp"``, ``"verbs"``, ``"loopback"`` (one
-        process), ``"shm"`` (shared memory, peers on this host only;
-        served memory must be shareable) or ``"same-host"`` (auto, plus
-        shm to peers on this host whose memory is shareable; opt-in).
-        Anything else raises ``InvalidInputError``.
+        process), ``"shm"`` (shared memory, peers on this host only) or
+        ``"same-host"`` (auto, plus shm to peers on this host whose memory
+        shm can serve; opt-in). Anything else raises ``InvalidInputError``.
+
+        ``shm_cross_memory_attach``: with ``"shm"`` or ``"same-host"``,
+        serve the registered buffers (numpy arrays, tensors,
+        ``kvlane.host_buffer``: memory Python allocated, which is never a
+        shareable memory file) to peers on this host by cross-memory
+        attach (``process_vm_readv``/``process_vm_writev``): one copy, by
+        the peer. Default False: ``"shm"`` then refuses them
+        (``UnsupportedError``) and ``"same-host"`` serves them over tcp or
+        verbs. **It exposes this whole process**, not only the registered
+        buffers, to every process the kernel lets attach to it (the same
+        user while the process is dumpable, or root): kvlane keeps a
+        well-behaved peer inside the registered buffers and their rights,
+        nothing holds a hostile one. Such processes could already ptrace
+        this one; the opt-in hands them the addresses. A peer of another
+        user is refused by the kernel (``EPERM``): with ``"same-host"`` it
+        falls back to tcp or verbs.
 
         ``transfer_deadline``: seconds after its post a transfer may run
         before it fails with ``TimeoutError`` (default 30).

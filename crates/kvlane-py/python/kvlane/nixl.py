@@ -36,18 +36,19 @@ Mapping onto kvlane
   counts as unset; a bad value raises ``ValueError`` naming the argument
   or variable and the value; unset means kvlane's default):
 
-  ======================  ===========================  ==================
-  argument                variable                     default
-  ======================  ===========================  ==================
-  ``keepalive_interval``  ``KVLANE_KEEPALIVE_INTERVAL``  1 s
-  ``liveness_budget``     ``KVLANE_LIVENESS_BUDGET``     3 missed pings
-  ``handshake_timeout``   ``KVLANE_HANDSHAKE_TIMEOUT``   5 s
-  ``transfer_deadline``   ``KVLANE_TRANSFER_TIMEOUT``    30 s
-  ``backend``             ``KVLANE_BACKEND``             ``"auto"``
-  ``psk``                 ``KVLANE_PSK``                 none
-  ``listen_host``         ``KVLANE_NIXL_HOST``           ``127.0.0.1``
-  ``advertise_host``      ``KVLANE_ADVERTISE``           the listen host
-  ======================  ===========================  ==================
+  ===========================  ==================================  ===============
+  argument                     variable                            default
+  ===========================  ==================================  ===============
+  ``keepalive_interval``       ``KVLANE_KEEPALIVE_INTERVAL``       1 s
+  ``liveness_budget``          ``KVLANE_LIVENESS_BUDGET``          3 missed pings
+  ``handshake_timeout``        ``KVLANE_HANDSHAKE_TIMEOUT``        5 s
+  ``transfer_deadline``        ``KVLANE_TRANSFER_TIMEOUT``         30 s
+  ``backend``                  ``KVLANE_BACKEND``                  ``"auto"``
+  ``shm_cross_memory_attach``  ``KVLANE_SHM_CROSS_MEMORY_ATTACH``  off
+  ``psk``                      ``KVLANE_PSK``                      none
+  ``listen_host``              ``KVLANE_NIXL_HOST``                ``127.0.0.1``
+  ``advertise_host``           ``KVLANE_ADVERTISE``                the listen host
+  ===========================  ==================================  ===============
 
   Durations are seconds (a number) or strings such as ``"250ms"``,
   ``"2s"``, ``"1m"``; the liveness budget is the number of consecutive
@@ -57,6 +58,19 @@ Mapping onto kvlane
   is passed to ``kvlane.Agent(cpus=...)`` only when given, and
   ``kvlane.Agent`` reads ``KVLANE_CPUS`` itself (kvlane versions without
   CPU placement raise ``TypeError`` for it).
+* Peers on this host: ``backend="same-host"`` adds shared memory to
+  ``"auto"`` for peers on this host, ``backend="shm"`` uses it alone.
+  Registered memory here is always memory Python allocated (numpy, torch,
+  ``kvlane.host_buffer``), which shm serves only with
+  ``shm_cross_memory_attach`` (or ``KVLANE_SHM_CROSS_MEMORY_ATTACH=1``):
+  peers then copy into and out of this process with
+  ``process_vm_readv``/``process_vm_writev``. **This exposes the whole
+  process**, not only the registered memory, to every process the kernel
+  lets attach to it (the same user while the process is dumpable, or
+  root); kvlane keeps well-behaved peers inside the registrations and
+  their rights, nothing holds a hostile one. Without it ``"shm"`` raises
+  ``kvlane.UnsupportedError`` when the agent is built, and ``"same-host"``
+  serves peers over tcp or verbs.
 * ``register_memory``: descriptors become kvlane plain regions
   (``AgentBuilder::register_region``). The kvlane agent is built, with
   everything registered so far, at the first call that needs it
@@ -190,7 +204,7 @@ _SUBSET = (
 )
 
 
-_BACKENDS = ("auto", "tcp", "verbs", "loopback")
+_BACKENDS = ("auto", "tcp", "verbs", "loopback", "shm", "same-host")
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(ms|s|m)?")
 _UNIT = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
 
@@ -235,6 +249,20 @@ def _setting(arg: Any, arg_name: str, env: str, parse: Any) -> Any:
     return parse(raw, env)
 
 
+def _flag(value: Any, what: str) -> bool:
+    """A boolean: True/False, or ``1``/``0``, ``true``/``false``,
+    ``yes``/``no``, ``on``/``off`` (any case) from the environment."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+    raise ValueError(f"kvlane.nixl: {what} is true or false (1/0, yes/no, on/off), not {value!r}")
+
+
 def _backend(value: Any, what: str) -> str:
     if value not in _BACKENDS:
         raise ValueError(
@@ -269,6 +297,7 @@ class nixl_agent_config:
         handshake_timeout: Any = None,
         transfer_deadline: Any = None,
         cpus: Optional[str] = None,
+        shm_cross_memory_attach: Optional[bool] = None,
     ) -> None:
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
@@ -297,11 +326,17 @@ class nixl_agent_config:
         # Forwarded as is; kvlane.Agent validates it and reads KVLANE_CPUS
         # itself when it is None.
         self.cpus = cpus
+        # Opt-in: exposes the whole process to same-user peers (see the
+        # module docstring); passed to kvlane.Agent only when on.
+        self.shm_cross_memory_attach = _setting(
+            shm_cross_memory_attach, "shm_cross_memory_attach",
+            "KVLANE_SHM_CROSS_MEMORY_ATTACH", _flag) or None
 
     def _agent_kwargs(self) -> Dict[str, Any]:
         """kvlane.Agent keywords for the settings given (others: its defaults)."""
         kw = {k: getattr(self, k) for k in (
-            "keepalive_interval", "liveness_budget", "handshake_timeout", "transfer_deadline", "cpus")}
+            "keepalive_interval", "liveness_budget", "handshake_timeout", "transfer_deadline", "cpus",
+            "shm_cross_memory_attach")}
         return {k: v for k, v in kw.items() if v is not None}
 
 
