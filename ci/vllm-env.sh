@@ -60,6 +60,7 @@ PY
 log "installing vLLM's requirements (torch $TORCH_VERSION; several GB on the first run)"
 "${pip[@]}" install -r "$req" >&2
 "${pip[@]}" install --no-deps "$wheel" >&2
-"${pip[@]}" install --no-deps "nixl-cu12==$NIXL_VERSION" 'maturin>=1.7,<2' pytest >&2
+"${pip[@]}" install --no-deps "nixl-cu12==$NIXL_VERSION" 'maturin>=1.7,<2' >&2
+"${pip[@]}" install pytest >&2
 touch "$stamp"
 echo "$venv"

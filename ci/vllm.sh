@@ -9,6 +9,11 @@
 #   ci/vllm.sh bench           # prefill call and KV load times: no connector, NIXL, kvlane
 #   ci/vllm.sh check --repeats 20 --connector nixl    # extra args go to pd.py
 #   ci/vllm.sh check --kvlane-backend same-host --cases pd   # kvlane over shm (one host)
+#   ci/vllm.sh p2p             # vLLM's P2P KV-offload tier on kvlane (ci/vllm/test_p2p.py:
+#                              # kvlane.vllm.KvlaneP2PTier's transports against vLLM's
+#                              # contracts, 50 restarts of one node through vLLM's own P2P
+#                              # manager and sessions)
+#   ci/vllm.sh p2p-churn --control zmq --restarts 50  # the churn with vLLM's ZmqTransport
 #
 # The venv (vLLM, torch, the real NIXL) comes from ci/vllm-env.sh and is
 # reused across runs (KVLANE_VLLM_CACHE, default ~/.cache/kvlane); kvlane is
@@ -66,4 +71,12 @@ print(f"ci/vllm.sh: kvlane.vllm loads with vLLM {vllm.__version__}")
 PY
 cmd=${1:-check}
 [ $# -gt 0 ] && shift
+if [ "$cmd" = p2p-churn ]; then
+  exec "$py" ci/vllm/p2p_churn.py "$@"
+fi
+if [ "$cmd" = p2p ]; then
+  # ci/vllm-env.sh installed pytest with --no-deps; this brings its own.
+  "$py" -m pip --disable-pip-version-check -q install pytest
+  exec "$py" -m pytest -q -p no:cacheprovider ci/vllm/test_p2p.py "$@"
+fi
 exec "$py" ci/vllm/pd.py "$cmd" "$@"

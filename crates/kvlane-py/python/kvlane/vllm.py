@@ -30,6 +30,12 @@ A peer is dead after 10 s of silence (``liveness_budget`` 9, see
 Across hosts, every engine needs ``listen_host`` (``"0.0.0.0"`` or an
 address its peers reach) and the same ``psk`` (or ``KVLANE_PSK``).
 
+vLLM's P2P KV-offload tier on kvlane is ``KvlaneP2PTier`` (with its
+transports ``KvlaneControlTransport``, ``KvlaneControlConnection`` and
+``KvlaneDataTransport``), one entry of the OffloadingConnector's
+``secondary_tiers``: ``{"type": "KvlaneP2PTier", "module_path":
+"kvlane.vllm"}``; see ``kvlane._vllm_p2p``.
+
 Supported vLLM: the 0.32 series (``SUPPORTED_VLLM``). Another version fails
 at load with a message naming it; ``KVLANE_VLLM_ANY_VERSION=1`` tries anyway.
 """
@@ -61,7 +67,15 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM only
 
 from kvlane import nixl as _nixl
 
-__all__ = ["KvlaneConnector", "KvlaneConnectorWorker", "SUPPORTED_VLLM"]
+__all__ = [
+    "KvlaneConnector",
+    "KvlaneConnectorWorker",
+    "KvlaneControlConnection",
+    "KvlaneControlTransport",
+    "KvlaneDataTransport",
+    "KvlaneP2PTier",
+    "SUPPORTED_VLLM",
+]
 
 #: vLLM release series this connector is tested with (ci/vllm.sh).
 SUPPORTED_VLLM = ("0.32",)
@@ -225,3 +239,20 @@ class KvlaneConnector(NixlPullConnector):
             )
         else:
             raise ValueError(f"kvlane.vllm: unsupported KVConnectorRole {role!r}")
+
+
+#: The P2P KV-offload tier (``secondary_tiers: [{"type": "KvlaneP2PTier",
+#: "module_path": "kvlane.vllm"}]``) and its transports, from
+#: ``kvlane._vllm_p2p``; imported when first named, so the connector above
+#: loads without vLLM's P2P tier code.
+_P2P_NAMES = frozenset(
+    ("KvlaneP2PTier", "KvlaneControlTransport", "KvlaneControlConnection", "KvlaneDataTransport")
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _P2P_NAMES:
+        from kvlane import _vllm_p2p
+
+        return getattr(_vllm_p2p, name)
+    raise AttributeError(f"module 'kvlane.vllm' has no attribute {name!r}")
