@@ -109,6 +109,7 @@ mod driver;
 mod error;
 mod eviction;
 mod group;
+mod hedge;
 mod ids;
 mod keepalive;
 mod peer;

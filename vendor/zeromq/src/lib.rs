@@ -358,6 +358,19 @@ pub struct SocketOptions {
     pub(crate) handshake_timeout: Option<Duration>,
     pub(crate) max_connections: Option<usize>,
     pub(crate) eviction_policy: Option<EvictionPolicy>,
+    // kvlane patch: fresh connect attempts while the first goes unanswered.
+    pub(crate) hedged_connect: Option<HedgedConnect>,
+}
+
+/// kvlane patch. When `connect` starts another connection attempt, on a new
+/// socket, beside the ones still in flight (see
+/// [`SocketOptions::hedged_connect`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HedgedConnect {
+    /// How long the first attempt runs alone; each later gap doubles.
+    pub(crate) after: Duration,
+    /// Attempts in all (the first included).
+    pub(crate) attempts: usize,
 }
 
 /// kvlane patch. What the accept loop knows of one open accepted connection
@@ -399,6 +412,7 @@ impl Default for SocketOptions {
             handshake_timeout: None,
             max_connections: None,
             eviction_policy: None,
+            hedged_connect: None,
         }
     }
 }
@@ -498,6 +512,29 @@ impl SocketOptions {
     /// `max_connections` (default: the oldest accepted).
     pub fn eviction_policy(&mut self, policy: EvictionPolicy) -> &mut Self {
         self.eviction_policy = Some(policy);
+        self
+    }
+
+    /// kvlane patch. `connect` over TCP starts a fresh attempt, on a new
+    /// socket, when no attempt has finished its connect and ZMTP greeting
+    /// exchange within `after` (then `2 * after`, `4 * after`, ... after the
+    /// previous one), up to `attempts` in all (the first included); the
+    /// first to finish its greeting goes on to READY, the
+    /// others are closed (none of them sent READY, so the listener never
+    /// registered them as peers).
+    ///
+    /// A listener whose accept queue is full drops a new SYN; the kernel
+    /// resends it only after its initial retransmission timeout (1 s on
+    /// Linux), and a connection whose final ACK was dropped waits on
+    /// retransmissions too. A fresh SYN gets in as soon as the queue has
+    /// room. An attempt that fails (refused, reset) does not start another:
+    /// when every attempt in flight has failed, `connect` goes on as
+    /// without this option (a refused connect is retried with backoff, any
+    /// other error returned): a listener that refuses connections sees no
+    /// more than before, one that does not answer at most `attempts` from
+    /// one `connect` at a time. `attempts` of 1 or less turns it off.
+    pub fn hedged_connect(&mut self, after: Duration, attempts: usize) -> &mut Self {
+        self.hedged_connect = (attempts > 1).then_some(HedgedConnect { after, attempts });
         self
     }
 }
@@ -680,9 +717,12 @@ pub trait Socket: Sized + Send {
         let connect_timeout = backend.socket_options().connect_timeout;
 
         let (socket, endpoint, peer_id) = util::run_with_timeout(connect_timeout, async {
+            // kvlane patch: connect and greeting together, hedged when
+            // `hedged_connect` is set (as `connect_forever` then the
+            // greeting when it is not).
             let (mut socket, endpoint) =
-                util::connect_forever(endpoint, Arc::clone(backend.socket_options())).await?;
-            let peer_id = util::peer_handshake(&mut socket, backend.clone()).await?;
+                util::connect_and_greet(endpoint, Arc::clone(backend.socket_options())).await?;
+            let peer_id = util::peer_ready(&mut socket, backend.clone()).await?;
             Ok((socket, endpoint, peer_id))
         })
         .await?;

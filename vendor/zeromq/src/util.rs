@@ -206,6 +206,14 @@ pub(crate) async fn peer_handshake(
     backend: Arc<dyn MultiPeerBackend>,
 ) -> ZmqResult<PeerIdentity> {
     greet_exchange(raw_socket).await?;
+    peer_ready(raw_socket, backend).await
+}
+
+/// kvlane patch: the READY half of `peer_handshake`, after the greetings.
+pub(crate) async fn peer_ready(
+    raw_socket: &mut FramedIo,
+    backend: Arc<dyn MultiPeerBackend>,
+) -> ZmqResult<PeerIdentity> {
     let mut props = None;
     if let Some(identity) = &backend.socket_options().peer_id {
         let mut connect_ops = HashMap::new();
@@ -244,6 +252,100 @@ pub(crate) async fn connect_forever(
     endpoint: Endpoint,
     options: Arc<crate::SocketOptions>,
 ) -> ZmqResult<(FramedIo, Endpoint)> {
+    // kvlane patch: the backoff loop is `retry_refused`, shared with
+    // `connect_and_greet`.
+    retry_refused(&endpoint, || transport::connect(&endpoint, Arc::clone(&options))).await
+}
+
+/// kvlane patch. Connects to `endpoint` and exchanges ZMTP greetings. With
+/// `SocketOptions::hedged_connect`, each try is a round of hedged attempts
+/// (`hedged_attempts`); without it, `connect_forever` then the greeting.
+/// Either way a refused connect is retried with the same backoff.
+pub(crate) async fn connect_and_greet(
+    endpoint: Endpoint,
+    options: Arc<crate::SocketOptions>,
+) -> ZmqResult<(FramedIo, Endpoint)> {
+    let Some(hedge) = options.hedged_connect else {
+        let (mut socket, endpoint) = connect_forever(endpoint, options).await?;
+        greet_exchange(&mut socket).await?;
+        return Ok((socket, endpoint));
+    };
+    retry_refused(&endpoint, || hedged_attempts(&endpoint, &options, hedge)).await
+}
+
+/// kvlane patch. One connect attempt (a new socket) and its greeting
+/// exchange.
+async fn connect_greeted(
+    endpoint: &Endpoint,
+    options: Arc<crate::SocketOptions>,
+) -> ZmqResult<(FramedIo, Endpoint)> {
+    let (mut socket, resolved) = transport::connect(endpoint, options).await?;
+    greet_exchange(&mut socket).await?;
+    Ok((socket, resolved))
+}
+
+/// kvlane patch. Up to `hedge.attempts` connect-and-greet attempts, each on
+/// a new socket: the first at once, the next when none has finished
+/// `hedge.after` later, each later one after twice the previous gap. The
+/// first to finish wins; the others are dropped (closed) with this future.
+/// A failed attempt starts none: the round fails with the last error once
+/// every attempt it started has failed.
+///
+/// Why: a SYN that a listener drops (its accept queue full) is resent by
+/// the kernel only after its initial retransmission timeout, 1 s on Linux;
+/// an accepted connection whose final ACK was dropped waits on resends as
+/// well. A fresh SYN gets in as soon as the queue has room.
+async fn hedged_attempts(
+    endpoint: &Endpoint,
+    options: &Arc<crate::SocketOptions>,
+    hedge: crate::HedgedConnect,
+) -> ZmqResult<(FramedIo, Endpoint)> {
+    use futures::stream::FuturesUnordered;
+    use futures::FutureExt;
+
+    let mut running = FuturesUnordered::new();
+    running.push(connect_greeted(endpoint, Arc::clone(options)));
+    let mut started = 1;
+    let mut gap = hedge.after;
+    let mut next_at = std::time::Instant::now() + gap;
+    loop {
+        let wait = next_at.saturating_duration_since(std::time::Instant::now());
+        let more = started < hedge.attempts;
+        let hedge_due = async move {
+            if more {
+                async_rt::task::sleep(wait).await;
+            } else {
+                futures::future::pending::<()>().await;
+            }
+        }
+        .fuse();
+        futures::pin_mut!(hedge_due);
+        futures::select! {
+            done = running.next() => match done {
+                Some(Ok(connected)) => return Ok(connected),
+                Some(Err(e)) if running.is_empty() => return Err(e),
+                Some(Err(e)) => log::debug!("connect attempt failed, others in flight: {e}"),
+                None => return Err(ZmqError::Other("no connect attempt")),
+            },
+            () = hedge_due => {
+                log::debug!("no connect attempt finished in {gap:?}: starting another");
+                running.push(connect_greeted(endpoint, Arc::clone(options)));
+                started += 1;
+                gap *= 2;
+                next_at = std::time::Instant::now() + gap;
+            }
+        }
+    }
+}
+
+/// kvlane patch (the loop of 0.7.0's `connect_forever`, shared): runs
+/// `connect` until it does not fail with a retryable error (a refused
+/// connect), sleeping with backoff between tries.
+async fn retry_refused<T, F, Fut>(endpoint: &Endpoint, mut connect: F) -> ZmqResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ZmqResult<T>>,
+{
     // Exponential backoff that starts small and grows, so a peer whose port is
     // not bound yet (ConnectionRefused) is reached after a few short sleeps
     // rather than waiting out a large opening delay. Mirrors the semantics of
@@ -252,9 +354,9 @@ pub(crate) async fn connect_forever(
     const MAX: Duration = Duration::from_secs(30);
     let mut delay = INITIAL;
     loop {
-        match transport::connect(&endpoint, Arc::clone(&options)).await {
+        match connect().await {
             Ok(res) => return Ok(res),
-            Err(e) if is_retryable_connect_error(&endpoint, &e) => {
+            Err(e) if is_retryable_connect_error(endpoint, &e) => {
                 let jitter = rand::rng().random_range(0.0f64..0.1f64);
                 async_rt::task::sleep(delay + delay.mul_f64(jitter)).await;
                 delay = (delay * 2).min(MAX);

@@ -43,6 +43,7 @@ use super::{Channel, ChannelEvent};
 use crate::config::Config;
 use crate::error::ControlError;
 use crate::eviction::{Eviction, Unproven};
+use crate::hedge::{HEDGE_AFTER, HEDGE_ATTEMPTS};
 use crate::ids::ConnectionId;
 use crate::registry::Link;
 
@@ -603,8 +604,12 @@ async fn dial(
     side: mpsc::UnboundedSender<Side>,
 ) {
     let mut opts = SocketOptions::default();
+    // A connect or greeting unanswered for 200 ms gets a fresh connection
+    // beside it (the `hedge` module: a SYN dropped by a full accept queue
+    // is resent by the kernel only after 1 s).
     opts.connect_timeout(connect_timeout)
-        .max_message_size(max_message);
+        .max_message_size(max_message)
+        .hedged_connect(HEDGE_AFTER, HEDGE_ATTEMPTS);
     if let Ok(pid) = PeerIdentity::try_from(rid) {
         opts.peer_identity(pid);
     }
