@@ -160,6 +160,9 @@ impl DeviceMemory {
         let d = self.context().driver();
         let base = self.addr() + offset;
         let issue = |k: usize, (pos, n): (u64, usize)| {
+            // `f` may have bound another device on this thread (a copy
+            // between two devices' memory stages into the other one).
+            self.context().bind()?;
             let h = &st.halves[k % 2];
             // SAFETY: `base+pos..+n` is inside the registered device range
             // (the caller checked the bounds); `h.buf` holds CHUNK >= n
@@ -212,6 +215,8 @@ impl DeviceMemory {
             if let Err(e) = f(chunk) {
                 return Ok(Err(e));
             }
+            // As in `read_chunks`: `f` may have bound another device.
+            self.context().bind()?;
             // SAFETY: the device range is in bounds (checked by the caller);
             // the buffer is not touched again before its stream is
             // synchronized.

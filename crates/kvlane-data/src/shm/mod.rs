@@ -538,9 +538,12 @@ impl ShmBackend {
 
 impl ShmBackend {
     /// Whether this backend can serve `region` to peers: a memory file,
-    /// or host memory when cross-memory attach is on.
+    /// GPU memory registered through its runtime (by IPC handle), or host
+    /// memory when cross-memory attach is on.
     pub(crate) fn serves(&self, region: &Region) -> bool {
-        region.is_shared() || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
+        region.is_shared()
+            || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
+            || region.gpu().is_some()
     }
 
     /// [`register`](Backend::register) under `key` when given (see
@@ -556,8 +559,9 @@ impl ShmBackend {
             return Err(if region.kind() != MemoryKind::Host {
                 DataError::Unsupported {
                     backend: "shm",
-                    what: "device memory cannot be served to a peer on this host yet: use the \
-                           tcp or verbs backend",
+                    what: "device memory is served by CUDA/HIP IPC handle, which needs its \
+                           runtime: register it with Region::alloc_device or \
+                           Region::from_device_ptr, or use the verbs backend",
                 }
             } else {
                 DataError::Unsupported {
@@ -570,9 +574,19 @@ impl ShmBackend {
                 }
             });
         }
+        // GPU memory: its IPC handle, made once, here, so that a driver
+        // that cannot is a refusal of the registration.
+        let gpu = match region.gpu() {
+            Some(mem) if served => Some(gpu_grant(mem)?),
+            _ => None,
+        };
         let key = self.registry.register_as("shm", region, key)?;
         if served {
-            lock(&self.target.shared.regions).insert(key, region.clone());
+            let served = target::Served {
+                region: region.clone(),
+                gpu,
+            };
+            lock(&self.target.shared.regions).insert(key, served);
             self.target.send(Cmd::Grant(key));
         }
         Ok(region.advert(key))
@@ -618,6 +632,27 @@ impl ShmBackend {
         };
         Ok((peer, ep.to_endpoint()))
     }
+}
+
+/// What a peer needs to map a region of GPU memory: the IPC handle of the
+/// allocation that holds it, the region's offset in it, and the device's
+/// PCI address.
+fn gpu_grant(mem: &crate::gpu::DeviceMemory) -> Result<wire::GpuGrant, DataError> {
+    let device = mem.device();
+    let export = mem.export_ipc()?;
+    let info = crate::gpu::gpu_devices(device.runtime)?
+        .into_iter()
+        .find(|i| i.device == device)
+        .ok_or(crate::gpu::GpuError::Unsupported {
+            device,
+            why: crate::gpu::GpuUnavailable::Operation("the driver no longer lists the device"),
+        })?;
+    Ok(wire::GpuGrant {
+        runtime: device.runtime,
+        pci_bus_id: info.pci_bus_id,
+        handle: export.handle.0.to_vec(),
+        offset: export.offset,
+    })
 }
 
 /// A copy of a lost-peer error for each transfer it fails.
