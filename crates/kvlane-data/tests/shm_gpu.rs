@@ -58,32 +58,68 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
-/// Device `ordinal` of `runtime`, after pointing the loader at its mock.
-fn mock_device(runtime: GpuRuntime, ordinal: u32) -> GpuDevice {
-    let first = match runtime {
-        GpuRuntime::Cuda => use_mock_cuda(),
-        GpuRuntime::Rocm => use_mock_hip(HIP),
-    };
-    GpuDevice { ordinal, ..first }
+/// Which GPUs a test runs on: a mock runtime (two devices), or a real
+/// device (`KVLANE_TEST_GPU`, for the ignored test), which then holds both
+/// of the target's regions.
+#[derive(Clone, Copy, Debug)]
+enum Gpus {
+    Mock(GpuRuntime),
+    Real(GpuDevice),
 }
 
-/// IPC mappings open in this process (`kvlane_mock_ipc_open_count` of the
-/// mock that `runtime` loaded).
-fn ipc_open_count(runtime: GpuRuntime) -> i32 {
-    let var = match runtime {
-        GpuRuntime::Cuda => "KVLANE_CUDA_LIBRARY",
-        GpuRuntime::Rocm => "KVLANE_HIP_LIBRARY",
-    };
-    let path = std::env::var_os(var).expect("mock loaded first");
-    // SAFETY: the mock this process already loaded (one more reference);
-    // its initializers have no preconditions.
-    let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock");
-    // SAFETY: the symbol is `int kvlane_mock_ipc_open_count(void)`.
-    unsafe {
-        let f: libloading::Symbol<unsafe extern "C" fn() -> c_int> = lib
-            .get(b"kvlane_mock_ipc_open_count\0")
-            .expect("the mock exports kvlane_mock_ipc_open_count");
-        f()
+impl Gpus {
+    /// Device `ordinal` (a mock has two; a real run uses its one device),
+    /// after pointing the loader at the mock.
+    fn device(self, ordinal: u32) -> GpuDevice {
+        match self {
+            Self::Mock(GpuRuntime::Cuda) => GpuDevice {
+                ordinal,
+                ..use_mock_cuda()
+            },
+            Self::Mock(GpuRuntime::Rocm) => GpuDevice {
+                ordinal,
+                ..use_mock_hip(HIP)
+            },
+            Self::Real(d) => d,
+        }
+    }
+
+    /// How the target process is told (`KVLANE_SHM_GPU_CHILD`).
+    fn to_env(self) -> String {
+        match self {
+            Self::Mock(r) => format!("mock-{r}"),
+            Self::Real(d) => d.to_string(),
+        }
+    }
+
+    fn from_env(s: &str) -> Self {
+        match s {
+            "mock-cuda" => Self::Mock(GpuRuntime::Cuda),
+            "mock-rocm" => Self::Mock(GpuRuntime::Rocm),
+            d => Self::Real(d.parse().expect("a GPU device")),
+        }
+    }
+
+    /// IPC mappings open in this process (`kvlane_mock_ipc_open_count` of
+    /// the mock); `None` on a real GPU.
+    fn ipc_open_count(self) -> Option<i32> {
+        let var = match self {
+            Self::Mock(GpuRuntime::Cuda) => "KVLANE_CUDA_LIBRARY",
+            Self::Mock(GpuRuntime::Rocm) => "KVLANE_HIP_LIBRARY",
+            Self::Real(_) => return None,
+        };
+        self.device(0);
+        let path = std::env::var_os(var).expect("mock loaded first");
+        // SAFETY: the mock this process already loaded (one more
+        // reference); its initializers have no preconditions.
+        let lib = unsafe { libloading::Library::new(&path) }.expect("load the mock");
+        // SAFETY: the symbol is `int kvlane_mock_ipc_open_count(void)`.
+        Some(unsafe {
+            let f: libloading::Symbol<unsafe extern "C" fn() -> c_int> = lib
+                .get(b"kvlane_mock_ipc_open_count\0")
+                .expect("the mock exports kvlane_mock_ipc_open_count");
+            f()
+        })
     }
 }
 
@@ -97,12 +133,11 @@ fn ipc_open_count(runtime: GpuRuntime) -> i32 {
 #[test]
 #[ignore = "the target process of the tests in this file; does nothing unless KVLANE_SHM_GPU_CHILD is set"]
 fn gpu_target() {
-    let runtime = match std::env::var("KVLANE_SHM_GPU_CHILD").as_deref() {
-        Ok("cuda") => GpuRuntime::Cuda,
-        Ok("rocm") => GpuRuntime::Rocm,
-        _ => return,
+    let Ok(gpus) = std::env::var("KVLANE_SHM_GPU_CHILD") else {
+        return;
     };
-    let (dev0, dev1) = (mock_device(runtime, 0), mock_device(runtime, 1));
+    let gpus = Gpus::from_env(&gpus);
+    let (dev0, dev1) = (gpus.device(0), gpus.device(1));
     let mut b = ShmBackend::new(ShmConfig::default()).unwrap();
     let whole = Region::alloc_device(dev0, GUARD + LEN + GUARD, Access::ALL).unwrap();
     whole.copy_in(0, &vec![0xEE; GUARD + LEN + GUARD]).unwrap();
@@ -175,11 +210,11 @@ impl Drop for Target {
 }
 
 impl Target {
-    fn spawn(runtime: GpuRuntime) -> Self {
+    fn spawn(gpus: Gpus) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "gpu_target", "--ignored", "--nocapture"])
             .args(["--test-threads=1"])
-            .env("KVLANE_SHM_GPU_CHILD", runtime.name())
+            .env("KVLANE_SHM_GPU_CHILD", gpus.to_env())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -234,8 +269,8 @@ impl Target {
 
 /// An initiator with a host region (`pattern(7)`) and a region on its own
 /// device 0 (`pattern(9)`), connected to `t`.
-fn initiator(runtime: GpuRuntime, t: &Target) -> (ShmBackend, PeerId, Region, Region) {
-    let dev = mock_device(runtime, 0);
+fn initiator(gpus: Gpus, t: &Target) -> (ShmBackend, PeerId, Region, Region) {
+    let dev = gpus.device(0);
     let mut b = ShmBackend::new(ShmConfig::default()).unwrap();
     let host = Region::alloc(LEN, Access::LOCAL_WRITE).unwrap();
     host.write(0, &pattern(7, LEN)).unwrap();
@@ -274,16 +309,12 @@ fn contents(r: &Region) -> Vec<u8> {
 /// this side's device memory; notifications after the data; nothing
 /// outside the served slice touched; the read-only region refuses WRITE;
 /// revocation and drop close the IPC mappings.
-fn roundtrip(runtime: GpuRuntime) {
-    let mut t = Target::spawn(runtime);
-    mock_device(runtime, 0);
-    let before = ipc_open_count(runtime);
-    let (mut b, peer, host, gpu) = initiator(runtime, &t);
-    assert_eq!(
-        ipc_open_count(runtime),
-        before + 2,
-        "one mapping per region"
-    );
+fn roundtrip(gpus: Gpus) {
+    let mut t = Target::spawn(gpus);
+    let before = gpus.ipc_open_count();
+    let open = |n: i32| before.map(|b| b + n);
+    let (mut b, peer, host, gpu) = initiator(gpus, &t);
+    assert_eq!(gpus.ipc_open_count(), open(2), "one mapping per region");
     let (key0, key1) = (t.regions[0].key, t.regions[1].key);
     let half = (LEN / 2) as u64;
 
@@ -365,36 +396,51 @@ fn roundtrip(runtime: GpuRuntime) {
         assert!(Instant::now() < deadline, "never revoked: {r:?}");
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert_eq!(
-        ipc_open_count(runtime),
-        before + 1,
-        "revoked mapping closed"
-    );
+    assert_eq!(gpus.ipc_open_count(), open(1), "revoked mapping closed");
     run(
         &mut b,
         one_span(peer, Op::Read, (&back, 0), (key0, 0), 4096),
     )
     .unwrap();
     drop(b);
-    assert_eq!(ipc_open_count(runtime), before, "mappings closed on drop");
+    assert_eq!(gpus.ipc_open_count(), open(0), "mappings closed on drop");
 }
 
 #[test]
 fn cuda_device_memory_moves_both_ways_across_processes() {
     let _g = serial();
-    roundtrip(GpuRuntime::Cuda);
+    roundtrip(Gpus::Mock(GpuRuntime::Cuda));
 }
 
 #[test]
 fn hip_device_memory_moves_both_ways_across_processes() {
     let _g = serial();
-    roundtrip(GpuRuntime::Rocm);
+    roundtrip(Gpus::Mock(GpuRuntime::Rocm));
+}
+
+/// The roundtrip on a real GPU: `KVLANE_TEST_GPU=cuda:0 cargo test -p
+/// kvlane-data --test shm_gpu -- --ignored real_gpu`. Fails loudly
+/// without the variable or without the device.
+#[test]
+#[ignore = "needs a GPU: KVLANE_TEST_GPU=cuda:N or rocm:N"]
+fn real_gpu_device_memory_moves_both_ways_across_processes() {
+    let _g = serial();
+    let dev: GpuDevice = std::env::var("KVLANE_TEST_GPU")
+        .expect("KVLANE_TEST_GPU names no device: set it to cuda:N or rocm:N")
+        .parse()
+        .expect("KVLANE_TEST_GPU is cuda:N or rocm:N");
+    let found = kvlane_data::gpu_devices(dev.runtime).expect("the GPU driver works");
+    assert!(
+        found.iter().any(|i| i.device == dev),
+        "{dev} is not among {found:?}"
+    );
+    roundtrip(Gpus::Real(dev));
 }
 
 #[test]
 fn wrong_keys_and_out_of_range_offsets_are_refused_and_move_nothing() {
     let _g = serial();
-    let rt = GpuRuntime::Cuda;
+    let rt = Gpus::Mock(GpuRuntime::Cuda);
     let mut t = Target::spawn(rt);
     let (mut b, peer, host, gpu) = initiator(rt, &t);
     let key = t.regions[0].key;
@@ -467,7 +513,7 @@ fn wait_stopped(pid: &str) {
 #[test]
 fn a_killed_target_fails_in_flight_transfers_with_peer_lost() {
     let _g = serial();
-    let rt = GpuRuntime::Cuda;
+    let rt = Gpus::Mock(GpuRuntime::Cuda);
     let t = Target::spawn(rt);
     let (mut b, peer, host, gpu) = initiator(rt, &t);
     let key = t.regions[0].key;
