@@ -19,7 +19,7 @@
  * the real drivers' does. Opening a handle again in one process returns
  * the same address and counts a reference (as CUDA documents); closing
  * drops one, the last unmaps. A handle made in this process is refused
- * here, as the real drivers refuse it.
+ * (unless KVLANE_MOCK_IPC_SAME_PROCESS is set, for unit tests).
  *
  * Not a header of any library: included once by each mock, which defines
  * MOCK_NAME (for messages) before including it.
@@ -311,7 +311,10 @@ static int ipc_get(struct ipc_handle *h, uintptr_t base) {
 /* Maps the allocation `h` names on `device`; *out is its base here. */
 static int ipc_open(uintptr_t *out, const struct ipc_handle *h, int device) {
     if (h->magic != IPC_MAGIC || h->len == 0 || h->fd < 0) return IPC_INVALID;
-    if (h->pid == (int32_t)getpid()) return IPC_SAME_PROCESS;
+    /* KVLANE_MOCK_IPC_SAME_PROCESS: a test knob (unit tests of the
+     * initiator's checks in one process); no driver has it. */
+    if (h->pid == (int32_t)getpid() && !getenv("KVLANE_MOCK_IPC_SAME_PROCESS"))
+        return IPC_SAME_PROCESS;
     pthread_mutex_lock(&lock);
     for (int i = 0; i < MAX_ALLOCS; i++) {
         struct alloc a = allocs[i];

@@ -339,3 +339,57 @@ impl Conn {
         !self.unsent.is_empty()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::GpuRuntime;
+
+    /// What a target's grant of GPU memory can get wrong, against the mock
+    /// CUDA driver (which opens a handle in the process that made it only
+    /// with `KVLANE_MOCK_IPC_SAME_PROCESS`, a test knob).
+    #[test]
+    fn gpu_grants_outside_their_allocation_or_with_bad_handles_are_refused() {
+        let dev = crate::conformance::use_mock_cuda();
+        std::env::set_var("KVLANE_MOCK_IPC_SAME_PROCESS", "1");
+        let region = Region::alloc_device(dev, 8192, Access::ALL).unwrap();
+        region.copy_in(100, b"device bytes").unwrap();
+        let export = region.gpu().unwrap().export_ipc().unwrap();
+        let pci = crate::gpu::gpu_devices(GpuRuntime::Cuda).unwrap()[0]
+            .pci_bus_id
+            .clone();
+        let grant = |offset: u64| GpuGrant {
+            runtime: GpuRuntime::Cuda,
+            pci_bus_id: pci.clone(),
+            handle: export.handle.0.to_vec(),
+            offset,
+        };
+        // Inside the allocation: mapped, the bytes are the target's.
+        let mapped = open_gpu(&grant(100), 12, Access::ALL).unwrap();
+        let mut buf = [0u8; 12];
+        mapped.copy_out(0, &mut buf).unwrap();
+        assert_eq!(&buf, b"device bytes");
+        // Past the end, straddling it, wrapping, empty.
+        for (offset, len) in [(8192, 1), (4096, 8192), (u64::MAX - 10, 20), (0, 0)] {
+            let err = open_gpu(&grant(offset), len, Access::ALL).unwrap_err();
+            assert!(
+                err.contains("outside the allocation"),
+                "{offset}+{len}: {err}"
+            );
+        }
+        // A handle of the wrong length, a forged one, a device not here.
+        let mut short = grant(0);
+        short.handle.pop();
+        assert!(open_gpu(&short, 16, Access::ALL)
+            .unwrap_err()
+            .contains("not 64"));
+        let mut forged = grant(0);
+        forged.handle = vec![0x42; 64];
+        let err = open_gpu(&forged, 16, Access::ALL).unwrap_err();
+        assert!(err.contains("cuIpcOpenMemHandle_v2"), "{err}");
+        let mut elsewhere = grant(0);
+        elsewhere.pci_bus_id = "0000:ff:1f.7".into();
+        let err = open_gpu(&elsewhere, 16, Access::ALL).unwrap_err();
+        assert!(err.contains("does not see"), "{err}");
+    }
+}
