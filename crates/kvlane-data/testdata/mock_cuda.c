@@ -238,6 +238,7 @@ CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t len, 
     return NOT_SUPPORTED;
 }
 
+#ifndef MOCK_CUDA_NO_IPC /* defined: a driver without IPC (build_mock_cuda_without_ipc) */
 static CUresult ipc_rc(int rc) {
     switch (rc) {
     case IPC_OK: return OK;
@@ -284,6 +285,8 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     if (rc) return rc;
     return ipc_rc(ipc_close((uintptr_t)p));
 }
+
+#endif /* MOCK_CUDA_NO_IPC */
 
 /* Test helpers (not CUDA): direct access to "device" memory. */
 int kvlane_mock_cuda_allocations(void) {

@@ -279,7 +279,7 @@ enum { IPC_OK, IPC_INVALID, IPC_NO_MEMORY, IPC_SAME_PROCESS };
 
 /* The allocation that contains p: its base and length; device memory
  * only. */
-static int address_range(uintptr_t p, uintptr_t *base, size_t *len) {
+__attribute__((unused)) static int address_range(uintptr_t p, uintptr_t *base, size_t *len) {
     struct alloc a;
     if (!find(p, 1, &a) || a.device < 0) return IPC_INVALID;
     *base = a.base;
@@ -289,7 +289,7 @@ static int address_range(uintptr_t p, uintptr_t *base, size_t *len) {
 
 /* A handle of the device allocation that starts at `base` (exactly: the
  * strictest reading of the drivers' documentation), made here. */
-static int ipc_get(struct ipc_handle *h, uintptr_t base) {
+__attribute__((unused)) static int ipc_get(struct ipc_handle *h, uintptr_t base) {
     int rc = IPC_INVALID;
     pthread_mutex_lock(&lock);
     for (int i = 0; i < MAX_ALLOCS; i++) {
@@ -309,7 +309,7 @@ static int ipc_get(struct ipc_handle *h, uintptr_t base) {
 }
 
 /* Maps the allocation `h` names on `device`; *out is its base here. */
-static int ipc_open(uintptr_t *out, const struct ipc_handle *h, int device) {
+__attribute__((unused)) static int ipc_open(uintptr_t *out, const struct ipc_handle *h, int device) {
     if (h->magic != IPC_MAGIC || h->len == 0 || h->fd < 0) return IPC_INVALID;
     /* KVLANE_MOCK_IPC_SAME_PROCESS: a test knob (unit tests of the
      * initiator's checks in one process); no driver has it. */
@@ -352,7 +352,7 @@ static int ipc_open(uintptr_t *out, const struct ipc_handle *h, int device) {
 
 /* Drops one reference to an IPC mapping; the last unmaps it (after every
  * queued copy ran, as the drivers synchronize). */
-static int ipc_close(uintptr_t base) {
+__attribute__((unused)) static int ipc_close(uintptr_t base) {
     drain_all();
     pthread_mutex_lock(&lock);
     for (int i = 0; i < MAX_ALLOCS; i++) {

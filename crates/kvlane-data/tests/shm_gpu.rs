@@ -560,3 +560,45 @@ fn a_killed_target_fails_in_flight_transfers_with_peer_lost() {
     let r = run(&mut b, one_span(peer, Op::Read, (&gpu, 0), (key, 0), 64));
     assert!(r.as_ref().is_err_and(DataError::is_peer_lost), "{r:?}");
 }
+
+/// Run as a child process by `a_driver_without_ipc_refuses_to_serve_gpu_memory`:
+/// its CUDA driver is the mock built without the IPC functions.
+#[test]
+#[ignore = "run by a_driver_without_ipc_refuses_to_serve_gpu_memory; does nothing unless KVLANE_SHM_GPU_NO_IPC_CHILD is set"]
+fn no_ipc_child() {
+    let Some(dir) = std::env::var_os("KVLANE_SHM_GPU_NO_IPC_CHILD") else {
+        return;
+    };
+    let lib = kvlane_data::conformance::build_mock_cuda_without_ipc(dir.as_ref()).unwrap();
+    std::env::set_var("KVLANE_CUDA_LIBRARY", lib);
+    let mut b = ShmBackend::new(ShmConfig::default()).unwrap();
+    let r = Region::alloc_device(GpuDevice::cuda(0), 4096, Access::ALL).unwrap();
+    let err = b.register(&r).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(&err, DataError::Gpu(g) if g.is_unsupported()),
+        "{err:?}"
+    );
+    assert!(msg.contains("lacks cuMemGetAddressRange_v2"), "{msg}");
+    // Memory without remote rights is still local memory of transfers.
+    let local = Region::alloc_device(GpuDevice::cuda(0), 4096, Access::LOCAL_WRITE).unwrap();
+    b.register(&local).unwrap();
+    println!("NO-IPC-OK {msg}");
+}
+
+#[test]
+fn a_driver_without_ipc_refuses_to_serve_gpu_memory() {
+    let dir = std::env::temp_dir().join(format!("kvlane-mock-cuda-noipc-{}", std::process::id()));
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "no_ipc_child", "--ignored", "--nocapture"])
+        .env("KVLANE_SHM_GPU_NO_IPC_CHILD", &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("NO-IPC-OK"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

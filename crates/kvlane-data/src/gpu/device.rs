@@ -131,12 +131,20 @@ pub(crate) struct IpcExport {
 /// Maps a failed IPC call: a driver without the call, or one that says it
 /// cannot, is unsupported.
 fn ipc_error(e: CallError, device: GpuDevice) -> GpuError {
-    if e.is_unsupported() {
+    if e.code == super::MISSING_SYMBOL {
+        GpuError::Unsupported {
+            device,
+            why: GpuUnavailable::MissingSymbol {
+                runtime: device.runtime,
+                symbol: e.call,
+            },
+        }
+    } else if e.is_unsupported() {
         GpuError::Unsupported {
             device,
             why: GpuUnavailable::Operation(
-                "CUDA/HIP IPC (cuIpcGetMemHandle / cuIpcOpenMemHandle_v2 / cuMemGetAddressRange_v2, \
-                 hipIpc*): the driver does not export it or does not support it",
+                "CUDA/HIP IPC (cuIpcGetMemHandle / cuIpcOpenMemHandle_v2, hipIpc*): the driver \
+                 does not support it for this memory",
             ),
         }
     } else {
