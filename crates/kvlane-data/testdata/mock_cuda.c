@@ -14,6 +14,8 @@
  *    sides of async copies inside one cuMemHostAlloc'ed buffer
  *    (CUDA_ERROR_INVALID_VALUE otherwise);
  *  - streams must be live;
+ *  - device-to-device copies (cuMemcpyDtoDAsync_v2) stay inside device
+ *    allocations, of any device (unified addressing);
  *  - async copies run only when their stream is synchronized (mock_gpu.h);
  *  - IPC between processes (cuIpcGetMemHandle of an allocation's base,
  *    cuIpcOpenMemHandle_v2 with the lazy-peer-access flag, refused in the
@@ -230,6 +232,19 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t len, CUst
 
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t len, CUstream s) {
     return copy((uintptr_t)src, (uintptr_t)dst, len, s, 0);
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t len, CUstream s) {
+    struct alloc a;
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (!live_stream(s)) return INVALID_HANDLE;
+    /* Both sides inside one device allocation each (any device: unified
+     * addressing). */
+    if (!find((uintptr_t)dst, len, &a) || a.device < 0) return INVALID_VALUE;
+    if (!find((uintptr_t)src, len, &a) || a.device < 0) return INVALID_VALUE;
+    int i = (int)((char *)s - streams);
+    return enqueue(i, (uintptr_t)dst, (uintptr_t)src, len) ? OK : 2;
 }
 
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t len, int type,

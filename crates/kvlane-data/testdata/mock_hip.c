@@ -243,6 +243,16 @@ hipError_t hipMemcpyDtoHAsync(void *dst, void *src, size_t len, hipStream_t s) {
     return copy((uintptr_t)src, (uintptr_t)dst, len, s, 0);
 }
 
+hipError_t hipMemcpyDtoDAsync(void *dst, void *src, size_t len, hipStream_t s) {
+    struct alloc a;
+    if (!initialized) return hipErrorNotInitialized;
+    if (stream_device(s) < 0) return hipErrorInvalidHandle;
+    if (!find((uintptr_t)dst, len, &a) || a.device < 0) return hipErrorInvalidValue;
+    if (!find((uintptr_t)src, len, &a) || a.device < 0) return hipErrorInvalidValue;
+    int i = (int)((int *)s - streams);
+    return enqueue(i, (uintptr_t)dst, (uintptr_t)src, len) ? hipSuccess : hipErrorOutOfMemory;
+}
+
 static hipError_t ipc_rc(int rc) {
     switch (rc) {
     case IPC_OK: return hipSuccess;

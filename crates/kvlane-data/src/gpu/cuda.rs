@@ -54,6 +54,7 @@ struct Fns {
     memcpy_htod_async:
         unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, CuStream) -> CuResult,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, CuStream) -> CuResult,
+    memcpy_dtod_async: unsafe extern "C" fn(CuDevicePtr, CuDevicePtr, usize, CuStream) -> CuResult,
     /// CUDA 11.7+; absent from older drivers.
     get_handle_for_address_range:
         Option<unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, c_int, u64) -> CuResult>,
@@ -127,6 +128,7 @@ impl Cuda {
             stream_synchronize: sym!("cuStreamSynchronize"),
             memcpy_htod_async: sym!("cuMemcpyHtoDAsync_v2"),
             memcpy_dtoh_async: sym!("cuMemcpyDtoHAsync_v2"),
+            memcpy_dtod_async: sym!("cuMemcpyDtoDAsync_v2"),
             // SAFETY: as in `sym!`.
             get_handle_for_address_range: unsafe { lib.get(b"cuMemGetHandleForAddressRange\0") }
                 .ok()
@@ -378,6 +380,19 @@ impl Driver for Cuda {
         // SAFETY: forwarded from this function's contract.
         self.check("cuMemcpyDtoHAsync_v2", unsafe {
             (self.f.memcpy_dtoh_async)(dst.cast(), src, len, stream.0 as CuStream)
+        })
+    }
+
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError> {
+        // SAFETY: forwarded from this function's contract.
+        self.check("cuMemcpyDtoDAsync_v2", unsafe {
+            (self.f.memcpy_dtod_async)(dst, src, len, stream.0 as CuStream)
         })
     }
 

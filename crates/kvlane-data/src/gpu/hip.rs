@@ -47,6 +47,7 @@ struct Fns {
     stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
     memcpy_htod_async: unsafe extern "C" fn(u64, *const c_void, usize, HipStream) -> HipError,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, HipStream) -> HipError,
+    memcpy_dtod_async: unsafe extern "C" fn(u64, u64, usize, HipStream) -> HipError,
     /// ROCm 6.2+.
     get_handle_for_address_range:
         Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> HipError>,
@@ -114,6 +115,7 @@ impl Hip {
             stream_synchronize: sym!("hipStreamSynchronize"),
             memcpy_htod_async: sym!("hipMemcpyHtoDAsync"),
             memcpy_dtoh_async: sym!("hipMemcpyDtoHAsync"),
+            memcpy_dtod_async: sym!("hipMemcpyDtoDAsync"),
             // SAFETY: as in `sym!`.
             get_handle_for_address_range: unsafe { lib.get(b"hipMemGetHandleForAddressRange\0") }
                 .ok()
@@ -346,6 +348,19 @@ impl Driver for Hip {
         // SAFETY: forwarded from this function's contract.
         self.check("hipMemcpyDtoHAsync", unsafe {
             (self.f.memcpy_dtoh_async)(dst.cast(), src, len, stream.0 as HipStream)
+        })
+    }
+
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError> {
+        // SAFETY: forwarded from this function's contract.
+        self.check("hipMemcpyDtoDAsync", unsafe {
+            (self.f.memcpy_dtod_async)(dst, src, len, stream.0 as HipStream)
         })
     }
 

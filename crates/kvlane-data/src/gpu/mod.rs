@@ -314,6 +314,17 @@ pub(crate) trait Driver: Send + Sync {
         len: usize,
         stream: Stream,
     ) -> Result<(), CallError>;
+    /// # Safety
+    /// `dst..dst+len` and `src..src+len` are device memory (of the bound
+    /// device, or reachable from it), valid until the stream is
+    /// synchronized, and not otherwise written before then.
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError>;
     /// Exports `addr..addr+len` (page-aligned) as a dma-buf. A driver or
     /// kernel that cannot fails with [`CallError::is_unsupported`].
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd, CallError>;

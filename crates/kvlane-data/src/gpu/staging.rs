@@ -229,6 +229,39 @@ impl DeviceMemory {
     }
 }
 
+impl DeviceMemory {
+    /// Copies `len` bytes from `src` at `src_offset` to this memory at
+    /// `offset` with one device-to-device copy on this device's stream;
+    /// returns once it is done. Both ranges are in bounds and on the same
+    /// device.
+    fn copy_from_device(
+        &self,
+        offset: u64,
+        src: &DeviceMemory,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuError> {
+        let lent = Lent::new(self)?;
+        let st = lent.st();
+        let d = self.context().driver();
+        let h = &st.halves[0];
+        // SAFETY: both ranges are device memory of this (bound) device,
+        // in bounds (checked by the caller); the copy is synchronized
+        // below (or by `Lent::drop` when issuing fails) before either
+        // region can be released. In bounds of an allocation: fits usize.
+        unsafe {
+            d.dtod_async(
+                self.addr() + offset,
+                src.addr() + src_offset,
+                len as usize,
+                h.stream,
+            )
+        }
+        .map_err(|e| e.on(self.device()))?;
+        st.sync(0)
+    }
+}
+
 impl Region {
     /// The device memory behind a GPU region; `None` for host memory.
     fn staged(&self) -> Result<Option<&Arc<DeviceMemory>>, DataError> {
@@ -326,8 +359,11 @@ impl Region {
     }
 }
 
-/// Copies `len` bytes between two regions of any memory kinds (loopback).
+/// Copies `len` bytes between two regions of any memory kinds (loopback,
+/// shm): host to host by `memcpy`, between two regions of one device by
+/// one device-to-device copy, otherwise staged through pinned buffers.
 /// Both ranges are checked first; nothing moves when either is bad.
+/// Returns once every byte is in `dst`.
 pub(crate) fn copy_between(
     src: &Region,
     src_offset: u64,
@@ -335,11 +371,21 @@ pub(crate) fn copy_between(
     dst_offset: u64,
     len: u64,
 ) -> Result<(), DataError> {
-    if src.staged()?.is_none() && dst.staged()?.is_none() {
+    let (s, d) = (src.staged()?, dst.staged()?);
+    if s.is_none() && d.is_none() {
         return src.copy_to(src_offset, dst, dst_offset, len);
     }
     src.check_range(src_offset, len)?;
     dst.check_range(dst_offset, len)?;
+    // Both on one device: one copy by the device, no staging.
+    if let (Some(s), Some(d)) = (s, d) {
+        if s.device() == d.device() {
+            if len > 0 {
+                d.copy_from_device(dst_offset, s, src_offset, len)?;
+            }
+            return Ok(());
+        }
+    }
     let mut at = dst_offset;
     src.read_chunks(src_offset, len, |chunk| {
         dst.copy_in(at, chunk)?;

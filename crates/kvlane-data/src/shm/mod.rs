@@ -142,10 +142,12 @@
 //! allocation as its own driver reports it: a lying target cannot stretch
 //! a region past the memory the handle maps. Every segment is checked as
 //! for host memory (key, bounds, rights, local range); the copies are the
-//! driver's, in the initiator's thread: remote device to local host or
-//! local device and back, through pinned staging buffers on the device's
-//! streams (as [`Region::read_chunks`] does), every stream synchronized before the
-//! transfer completes and before its notification is sent. A failing
+//! driver's, in the initiator's thread: between the remote region and a
+//! local region of the same device, one device-to-device copy
+//! (`cuMemcpyDtoDAsync_v2` / `hipMemcpyDtoDAsync`); with local host memory
+//! or another device, through pinned staging buffers on the device's
+//! streams (as [`Region::read_chunks`] does). Every stream is synchronized
+//! before the transfer completes and before its notification is sent. A failing
 //! driver call fails the transfer with [`DataError::RemoteMemoryFault`]
 //! naming the peer, the key, the offset, the device and the call. The
 //! mapping is closed (`cuIpcCloseMemHandle` / `hipIpcCloseMemHandle`) when
@@ -166,8 +168,9 @@
 //! Limits: the target and the initiator must be different processes
 //! (opening a handle in the process that made it is not what the IPC
 //! calls are for, and the mocks refuse it; two agents in one process fall
-//! back, under `SameHost`, to the other backend). A device-to-device copy goes through host staging buffers
-//! (two copies), not a peer-to-peer copy. Memory the IPC calls do not
+//! back, under `SameHost`, to the other backend). A copy between two different
+//! devices goes through host staging buffers (two copies), not a
+//! peer-to-peer copy. Memory the IPC calls do not
 //! cover (CUDA virtual memory management, `cudaMallocAsync` pools without
 //! IPC) is refused at registration. **All of this ran only against the
 //! mock CUDA driver and mock HIP runtime** (`testdata/`: "device" memory in
