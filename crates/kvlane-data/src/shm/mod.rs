@@ -168,13 +168,14 @@
 //! Limits: the target and the initiator must be different processes
 //! (opening a handle in the process that made it is not what the IPC
 //! calls are for, and the mocks refuse it; two agents in one process fall
-//! back, under `SameHost`, to the other backend). A copy between two different
-//! devices goes through host staging buffers (two copies), not a
-//! peer-to-peer copy. Memory the IPC calls do not
-//! cover (CUDA virtual memory management, `cudaMallocAsync` pools without
-//! IPC) is refused at registration. **All of this ran only against the
-//! mock CUDA driver and mock HIP runtime** (`testdata/`: "device" memory in
-//! memfds, handles opened through `/proc/<pid>/fd`), never on a GPU.
+//! back, under `SameHost`, to the other backend). A copy between two
+//! different devices goes through host staging buffers (two copies), not
+//! a peer-to-peer copy. Memory the legacy IPC calls do not cover (CUDA
+//! virtual memory management, `cudaMallocAsync` pools) should fail at
+//! registration with the driver's error from `cuIpcGetMemHandle`; not
+//! verified. **All of this ran only against the mock CUDA driver and mock
+//! HIP runtime** (`testdata/`: "device" memory in memfds, handles opened
+//! through `/proc/<pid>/fd`), never on a GPU.
 //!
 //! # Liveness
 //!
