@@ -237,7 +237,7 @@ impl DeviceMemory {
     fn copy_from_device(
         &self,
         offset: u64,
-        src: &DeviceMemory,
+        src: &Self,
         src_offset: u64,
         len: u64,
     ) -> Result<(), GpuError> {
