@@ -152,7 +152,11 @@
 //! naming the peer, the key, the offset, the device and the call. The
 //! mapping is closed (`cuIpcCloseMemHandle` / `hipIpcCloseMemHandle`) when
 //! the region is revoked, when the connection ends, and when the backend
-//! drops.
+//! drops. A peer closes a revoked region's mapping when it next reads its
+//! connection; free GPU memory only after deregistering it, and expect a
+//! peer's driver to keep what it mapped until it closes it (what a driver
+//! does when the exporter frees memory still open elsewhere is the
+//! driver's to define; not tested here).
 //!
 //! **What the handle exposes: the whole allocation that contains the
 //! region.** The drivers map allocations, not ranges: a region that is a
