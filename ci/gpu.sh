@@ -32,6 +32,9 @@
 #      with every region in GPU memory, byte-checked; registration by
 #      pointer; dma-buf export (supported or the typed Unsupported); what
 #      verbs registration does without a NIC;
+#   2b. GPU memory served by the shm backend through CUDA IPC handles
+#      (crates/kvlane-data/tests/shm_gpu.rs, ignored test `real_gpu_...`):
+#      two processes, READ and WRITE from host and GPU memory, byte-checked;
 #   3. the Python package (crates/kvlane-py/tests/gpu_flow.py torch): torch
 #      CUDA tensors and a CuPy array registered, WRITE over tcp in one
 #      process and between two processes (sha256-checked in the target
@@ -70,6 +73,9 @@ build() {
   exe=$(cargo test --release -p kvlane-data "${feat[@]}" --test gpu --no-run \
           --message-format=json-render-diagnostics | cargo_exe)
   strip --strip-debug -o "$out/gpu-tests" "$exe"
+  exe=$(cargo test --release -p kvlane-data "${feat[@]}" --test shm_gpu --no-run \
+          --message-format=json-render-diagnostics | cargo_exe)
+  strip --strip-debug -o "$out/shm-gpu-tests" "$exe"
   log "building the wheel (maturin, release, stripped)"
   local venv=target/py-venv
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -78,8 +84,8 @@ build() {
   "$venv/bin/maturin" build --release --strip -q -m crates/kvlane-py/Cargo.toml -o "$out"
   cp crates/kvlane-py/tests/gpu_flow.py "$out/"
   local kib
-  kib=$(du -sk "$out/kvlane" "$out/gpu-tests" "$out"/kvlane-*.whl "$out/gpu_flow.py" | awk '{s += $1} END {print s}')
-  log "built into $out: $(cd "$out" && echo kvlane gpu-tests kvlane-*.whl gpu_flow.py) ($((kib / 1024)) MiB)"
+  kib=$(du -sk "$out/kvlane" "$out/gpu-tests" "$out/shm-gpu-tests" "$out"/kvlane-*.whl "$out/gpu_flow.py" | awk '{s += $1} END {print s}')
+  log "built into $out: $(cd "$out" && echo kvlane gpu-tests shm-gpu-tests kvlane-*.whl gpu_flow.py) ($((kib / 1024)) MiB)"
   [ "$kib" -le $((60 * 1024)) ] || die "$out holds $((kib / 1024)) MiB: too much to carry to a device machine (64 MiB with the repository)"
 }
 
@@ -87,7 +93,7 @@ run() {
   local dir dev=${GPU_DEVICE:-cuda:0} dur=${GPU_DURATION:-1s} py=${PYTHON:-python3}
   local mock=${MOCK:-0} flow=torch failed=()
   dir=$(realpath "$1")
-  for f in kvlane gpu-tests gpu_flow.py; do [ -e "$dir/$f" ] || die "$dir/$f missing: run ci/gpu.sh build $1 first"; done
+  for f in kvlane gpu-tests shm-gpu-tests gpu_flow.py; do [ -e "$dir/$f" ] || die "$dir/$f missing: run ci/gpu.sh build $1 first"; done
   ls "$dir"/kvlane-*.whl >/dev/null 2>&1 || die "no wheel in $dir: run ci/gpu.sh build $1 first"
   local t0; t0=$(date +%s)
   # A step that fails is named at the end; the next one still runs.
@@ -124,6 +130,10 @@ run() {
   echo "===== Rust GPU tests on $dev (loopback, tcp, by pointer, dma-buf, verbs without a NIC)"
   step "Rust GPU tests" env KVLANE_TEST_GPU="$dev" timeout 240 "$dir/gpu-tests" --ignored \
     --test-threads=2 --nocapture
+
+  echo "===== shm: GPU memory between two processes by IPC handle on $dev (crates/kvlane-data/tests/shm_gpu.rs)"
+  step "shm GPU IPC" env KVLANE_TEST_GPU="$dev" timeout 120 "$dir/shm-gpu-tests" --ignored \
+    --exact real_gpu_device_memory_moves_both_ways_across_processes --nocapture
 
   echo "===== Python ($flow): GPU arrays, two processes over tcp, kvlane.nixl VRAM"
   rm -rf "$dir/site"

@@ -39,15 +39,18 @@ pub enum BackendChoice {
     Verbs,
     /// Shared memory between processes of one host (Linux): one-sided
     /// copies between the two processes' registered memory. Regions with
-    /// remote rights must be allocated with [`Region::alloc_shared`], unless
-    /// [`AgentBuilder::shm_cross_memory_attach`] opts in to serving other
-    /// host memory; peers on another host are refused (see
+    /// remote rights must be allocated with [`Region::alloc_shared`] or be
+    /// GPU memory registered through its runtime (served by CUDA/HIP IPC
+    /// handle, which exposes the whole allocation holding the region),
+    /// unless [`AgentBuilder::shm_cross_memory_attach`] opts in to serving
+    /// other host memory; peers on another host are refused (see
     /// [`kvlane_data::shm`]).
     Shm,
     /// [`Auto`](BackendChoice::Auto), plus shared memory to each peer on
     /// this host when the shm path works and every region this agent and
-    /// the peer serve is shareable ([`Region::alloc_shared`], or any host
-    /// memory with [`AgentBuilder::shm_cross_memory_attach`]); other peers
+    /// the peer serve is shareable ([`Region::alloc_shared`], GPU memory
+    /// by IPC handle, or any host memory with
+    /// [`AgentBuilder::shm_cross_memory_attach`]); other peers
     /// get Auto's backend. Each fallback's reason is logged at `info`;
     /// [`Peer::backend_kind`](crate::Peer::backend_kind) says which a peer
     /// got. Not yet the default: the shm path does not reach its speed

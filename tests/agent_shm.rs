@@ -4,7 +4,9 @@
 //! killed target fails in-flight transfers `PeerLost` within the liveness
 //! budget, a restarted one makes old plans `Stale`; a target that tries to
 //! truncate its memory under transfers harms nobody; memory the engine
-//! allocated goes over shm with cross-memory attach, over tcp without.
+//! allocated goes over shm with cross-memory attach, over tcp without;
+//! GPU memory (the MOCK CUDA driver, not a GPU) goes over shm by IPC
+//! handle.
 //!
 //! The target is this test binary run again as `shm_target` (which does
 //! nothing unless `KVLANE_SHM_CHILD` is set).
@@ -12,6 +14,7 @@
 #![cfg(target_os = "linux")]
 
 use kvlane::control::Config;
+use kvlane::data::conformance::{contents, use_mock_cuda};
 use kvlane::data::{Access, BackendKind, Op, Region};
 use kvlane::{Agent, BackendChoice, MemSpan, PeerEventKind};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -86,6 +89,7 @@ async fn agent_with(
 /// <region addr>`, `NOTE <payload> <fnv of the region>` per notification;
 /// runs until its stdin closes. Mode `attach`: the region is
 /// `Region::alloc` (not shareable), served with cross-memory attach.
+/// Mode `gpu`: the region is memory of the mock CUDA driver's `cuda:0`.
 /// Mode `truncate`: a thread tries to shrink
 /// and grow the region's memory file all along, and `TRUNCATE <done>
 /// <refused>` is printed at the end.
@@ -106,6 +110,11 @@ fn shm_target() {
         let r = Region::alloc(LEN, Access::ALL).unwrap();
         r.write(0, &pattern(1)).unwrap();
         r
+    } else if mode == "gpu" {
+        // GPU memory (the MOCK CUDA driver), served by IPC handle.
+        let r = Region::alloc_device(use_mock_cuda(), LEN, Access::ALL).unwrap();
+        r.copy_in(0, &pattern(1)).unwrap();
+        r
     } else {
         shared(1)
     };
@@ -120,7 +129,7 @@ fn shm_target() {
     let seen = region.clone();
     rt.spawn(async move {
         while let Some(n) = notes.recv().await {
-            let sum = fnv(&seen.to_vec().unwrap());
+            let sum = fnv(&contents(&seen));
             println!("NOTE {} {sum}", String::from_utf8_lossy(&n.payload));
             std::io::stdout().flush().unwrap();
         }
@@ -377,6 +386,42 @@ async fn same_host_serves_memory_the_engine_allocated_with_cross_memory_attach()
     peer.post(read).unwrap().await.unwrap();
     assert!(mem.to_vec().unwrap() == pattern(1), "READ over shm");
     mem.write(0, &pattern(5)).unwrap();
+    let write = peer
+        .prepare_spans(Op::Write, &local, &remote, Some(b"w1"))
+        .unwrap();
+    peer.post(write).unwrap().await.unwrap();
+    let note = target.expect("NOTE w1 ");
+    assert_eq!(
+        note.parse::<u64>().unwrap(),
+        fnv(&pattern(5)),
+        "WRITE over shm"
+    );
+    a.close().await;
+}
+
+/// GPU memory on both sides (the MOCK CUDA driver, not a GPU):
+/// `SameHost` picks shm, which maps the target's memory by IPC handle;
+/// data moves both ways between the two processes' device memory, the
+/// notification after the bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_host_serves_gpu_memory_by_ipc_handle() {
+    let target = Target::spawn("gpu", "127.0.0.1:0");
+    let mem = Region::alloc_device(use_mock_cuda(), LEN, Access::ALL).unwrap();
+    mem.copy_in(0, &pattern(9)).unwrap();
+    let a = agent(
+        "gpu-initiator",
+        "127.0.0.1:0",
+        BackendChoice::SameHost,
+        mem.clone(),
+    )
+    .await;
+    let peer = a.connect(&target.addr).await.unwrap();
+    assert_eq!(peer.backend_kind(), Some(BackendKind::Shm));
+    let (local, remote) = spans(&mem, target.region_addr, 0..LEN / BLOCK);
+    let read = peer.prepare_spans(Op::Read, &local, &remote, None).unwrap();
+    peer.post(read).unwrap().await.unwrap();
+    assert!(contents(&mem) == pattern(1), "READ over shm");
+    mem.copy_in(0, &pattern(5)).unwrap();
     let write = peer
         .prepare_spans(Op::Write, &local, &remote, Some(b"w1"))
         .unwrap();

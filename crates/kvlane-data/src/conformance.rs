@@ -1196,6 +1196,20 @@ pub fn build_mock_cuda(dir: &std::path::Path) -> std::io::Result<std::path::Path
     build_mock(dir, "CUDA driver", MOCK_CUDA_SOURCE, "libcuda.so.1", &[])
 }
 
+/// The mock CUDA driver without its IPC functions (`cuIpcGetMemHandle`,
+/// `cuIpcOpenMemHandle_v2`, `cuIpcCloseMemHandle`,
+/// `cuMemGetAddressRange_v2`), as a driver that lacks them; compiled with
+/// `cc` into `dir`, returns the library's path.
+pub fn build_mock_cuda_without_ipc(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+    build_mock(
+        dir,
+        "CUDA driver",
+        MOCK_CUDA_SOURCE,
+        "libcuda.so.1",
+        &["-DMOCK_CUDA_NO_IPC".to_owned()],
+    )
+}
+
 /// What both mocks include (`testdata/mock_gpu.h`): the allocation table
 /// and asynchronous copies that run only when their stream is synchronized.
 const MOCK_GPU_HEADER: &str = include_str!("../testdata/mock_gpu.h");

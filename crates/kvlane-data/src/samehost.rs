@@ -16,7 +16,9 @@
 //! - **Keys.** A region is registered with both backends under the key the
 //!   other backend chose, so one advertisement serves both paths.
 //! - **Which memory.** shm serves memory allocated with
-//!   [`Region::alloc_shared`], and, when its backend was configured with
+//!   [`Region::alloc_shared`], GPU memory registered through its runtime
+//!   (by CUDA/HIP IPC handle; a driver that cannot export it turns shm off
+//!   as below), and, when its backend was configured with
 //!   [`cross_memory_attach`](crate::ShmConfig::cross_memory_attach), any
 //!   host memory. Once a region with remote rights that it cannot serve is
 //!   registered, shm is off for peers prepared from then on (they use the

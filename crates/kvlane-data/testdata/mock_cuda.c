@@ -14,7 +14,12 @@
  *    sides of async copies inside one cuMemHostAlloc'ed buffer
  *    (CUDA_ERROR_INVALID_VALUE otherwise);
  *  - streams must be live;
- *  - async copies run only when their stream is synchronized (mock_gpu.h).
+ *  - device-to-device copies (cuMemcpyDtoDAsync_v2) stay inside device
+ *    allocations, of any device (unified addressing);
+ *  - async copies run only when their stream is synchronized (mock_gpu.h);
+ *  - IPC between processes (cuIpcGetMemHandle of an allocation's base,
+ *    cuIpcOpenMemHandle_v2 with the lazy-peer-access flag, refused in the
+ *    exporting process; see mock_gpu.h).
  *
  * KVLANE_MOCK_CUDA_DEVICES sets the device count (default 1).
  */
@@ -143,11 +148,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t len) {
     CUresult rc = ready();
     if (rc) return rc;
     if (len == 0) return INVALID_VALUE;
-    void *m = malloc(len);
+    void *m = device_alloc(len, current, 0xA5);
     if (!m) return 2; /* OUT_OF_MEMORY */
-    /* Garbage, as fresh device memory is: tests must not rely on zeros. */
-    memset(m, 0xA5, len);
-    if (!track(m, len, current)) { free(m); return 2; }
     *p = (CUdeviceptr)(uintptr_t)m;
     return OK;
 }
@@ -156,8 +158,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     CUresult rc = ready();
     if (rc) return rc;
     drain_all(); /* as cuMemFree synchronizes */
-    if (!untrack((uintptr_t)p, 1)) return INVALID_VALUE;
-    free((void *)(uintptr_t)p);
+    if (!device_free((uintptr_t)p)) return INVALID_VALUE;
     return OK;
 }
 
@@ -233,11 +234,74 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t len, CUstream s
     return copy((uintptr_t)src, (uintptr_t)dst, len, s, 0);
 }
 
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t len, CUstream s) {
+    struct alloc a;
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (!live_stream(s)) return INVALID_HANDLE;
+    /* Both sides inside one device allocation each (any device: unified
+     * addressing). */
+    if (!find((uintptr_t)dst, len, &a) || a.device < 0) return INVALID_VALUE;
+    if (!find((uintptr_t)src, len, &a) || a.device < 0) return INVALID_VALUE;
+    int i = (int)((char *)s - streams);
+    return enqueue(i, (uintptr_t)dst, (uintptr_t)src, len) ? OK : 2;
+}
+
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t len, int type,
                                        unsigned long long flags) {
     (void)handle; (void)p; (void)len; (void)type; (void)flags;
     return NOT_SUPPORTED;
 }
+
+#ifndef MOCK_CUDA_NO_IPC /* defined: a driver without IPC (build_mock_cuda_without_ipc) */
+static CUresult ipc_rc(int rc) {
+    switch (rc) {
+    case IPC_OK: return OK;
+    case IPC_NO_MEMORY: return 2;
+    case IPC_SAME_PROCESS: return INVALID_CONTEXT;
+    default: return INVALID_VALUE;
+    }
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *len, CUdeviceptr p) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    uintptr_t b;
+    size_t n;
+    rc = ipc_rc(address_range((uintptr_t)p, &b, &n));
+    if (rc) return rc;
+    if (base) *base = (CUdeviceptr)b;
+    if (len) *len = n;
+    return OK;
+}
+
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    return ipc_rc(ipc_get((struct ipc_handle *)h, (uintptr_t)p));
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    if (flags != 1 /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, the only flag */) return INVALID_VALUE;
+    struct ipc_handle ih;
+    memcpy(&ih, &h, sizeof ih);
+    uintptr_t m;
+    rc = ipc_rc(ipc_open(&m, &ih, current));
+    if (rc == OK) *p = (CUdeviceptr)m;
+    return rc;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    CUresult rc = ready();
+    if (rc) return rc;
+    return ipc_rc(ipc_close((uintptr_t)p));
+}
+
+#endif /* MOCK_CUDA_NO_IPC */
 
 /* Test helpers (not CUDA): direct access to "device" memory. */
 int kvlane_mock_cuda_allocations(void) {

@@ -11,14 +11,31 @@
  * wrong bytes here, and its tests fail. Freeing a pinned buffer that a
  * queued copy still uses aborts the process (kvlane promises never to).
  *
+ * "Device" allocations are memfds mapped shared, so that IPC works between
+ * two processes as it does on one GPU: an IPC handle (64 bytes, opaque to
+ * kvlane) carries {magic, pid, fd, length}; opening it in another process
+ * maps /proc/<pid>/fd/<fd> (which needs the right to ptrace-read the
+ * exporter: the same user). The mapping covers the WHOLE allocation, as
+ * the real drivers' does. Opening a handle again in one process returns
+ * the same address and counts a reference (as CUDA documents); closing
+ * drops one, the last unmaps. A handle made in this process is refused
+ * (unless KVLANE_MOCK_IPC_SAME_PROCESS is set, for unit tests).
+ *
  * Not a header of any library: included once by each mock, which defines
  * MOCK_NAME (for messages) before including it.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create */
+#endif
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define MAX_ALLOCS 4096
 #define MAX_STREAMS 1024
@@ -27,6 +44,9 @@ struct alloc {
     uintptr_t base;
     size_t len;
     int device; /* -1: pinned host */
+    int fd;     /* device memory made here: its memfd; else -1 */
+    int ipc_refs; /* > 0: another process's allocation, opened by IPC */
+    int src_pid, src_fd; /* for those: the exporter's pid and memfd */
 };
 
 /* One queued copy. */
@@ -56,7 +76,7 @@ static int track(void *p, size_t len, int device) {
     pthread_mutex_lock(&lock);
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (allocs[i].base == 0) {
-            allocs[i] = (struct alloc){(uintptr_t)p, len, device};
+            allocs[i] = (struct alloc){(uintptr_t)p, len, device, -1, 0, 0, -1};
             pthread_mutex_unlock(&lock);
             return 1;
         }
@@ -193,4 +213,171 @@ static void no_queued_copy_uses(uintptr_t base, size_t len, const char *call) {
         }
     }
     pthread_mutex_unlock(&lock);
+}
+
+/* ---- Device memory as memfds, and IPC between processes ---- */
+
+/* Allocates `len` bytes of "device" memory for `device`: a memfd mapped
+ * shared, filled with `garbage`, tracked. NULL when out of memory. */
+static void *device_alloc(size_t len, int device, int garbage) {
+    int fd = memfd_create("kvlane-mock-gpu", MFD_CLOEXEC);
+    if (fd < 0) return NULL;
+    if (ftruncate(fd, (off_t)len) != 0) { close(fd); return NULL; }
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) { close(fd); return NULL; }
+    /* Garbage, as fresh device memory is: tests must not rely on zeros. */
+    memset(m, garbage, len);
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == 0) {
+            allocs[i] = (struct alloc){(uintptr_t)m, len, device, fd, 0, 0, -1};
+            pthread_mutex_unlock(&lock);
+            return m;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    munmap(m, len);
+    close(fd);
+    return NULL;
+}
+
+/* Frees device memory device_alloc made (not an IPC mapping); 0 when `p`
+ * is no such allocation. */
+static int device_free(uintptr_t p) {
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base == p && a.device >= 0 && a.ipc_refs == 0) {
+            allocs[i].base = 0;
+            for (int j = 0; j < MAX_ALLOCS; j++) {
+                if (copied_out[j].base == p) copied_out[j] = (struct copied_out){0, 0};
+            }
+            pthread_mutex_unlock(&lock);
+            munmap((void *)a.base, a.len);
+            close(a.fd);
+            return 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+#define IPC_MAGIC 0x4b564c49u /* "KVLI" */
+
+/* The mock's IPC handle: 64 bytes, as CUipcMemHandle and hipIpcMemHandle_t. */
+struct ipc_handle {
+    uint32_t magic;
+    int32_t pid;
+    int32_t fd;
+    uint32_t pad;
+    uint64_t len;
+    char reserved[40];
+};
+_Static_assert(sizeof(struct ipc_handle) == 64, "IPC handles are 64 bytes");
+
+enum { IPC_OK, IPC_INVALID, IPC_NO_MEMORY, IPC_SAME_PROCESS };
+
+/* The allocation that contains p: its base and length; device memory
+ * only. */
+__attribute__((unused)) static int address_range(uintptr_t p, uintptr_t *base, size_t *len) {
+    struct alloc a;
+    if (!find(p, 1, &a) || a.device < 0) return IPC_INVALID;
+    *base = a.base;
+    *len = a.len;
+    return IPC_OK;
+}
+
+/* A handle of the device allocation that starts at `base` (exactly: the
+ * strictest reading of the drivers' documentation), made here. */
+__attribute__((unused)) static int ipc_get(struct ipc_handle *h, uintptr_t base) {
+    int rc = IPC_INVALID;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && a.base == base && a.device >= 0 && a.fd >= 0) {
+            memset(h, 0, sizeof *h);
+            h->magic = IPC_MAGIC;
+            h->pid = (int32_t)getpid();
+            h->fd = a.fd;
+            h->len = a.len;
+            rc = IPC_OK;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+/* Maps the allocation `h` names on `device`; *out is its base here. */
+__attribute__((unused)) static int ipc_open(uintptr_t *out, const struct ipc_handle *h, int device) {
+    if (h->magic != IPC_MAGIC || h->len == 0 || h->fd < 0) return IPC_INVALID;
+    /* KVLANE_MOCK_IPC_SAME_PROCESS: a test knob (unit tests of the
+     * initiator's checks in one process); no driver has it. */
+    if (h->pid == (int32_t)getpid() && !getenv("KVLANE_MOCK_IPC_SAME_PROCESS"))
+        return IPC_SAME_PROCESS;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && a.ipc_refs > 0 && a.src_pid == h->pid && a.src_fd == h->fd &&
+            a.device == device) {
+            allocs[i].ipc_refs++;
+            *out = a.base;
+            pthread_mutex_unlock(&lock);
+            return IPC_OK;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)h->pid, (int)h->fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return IPC_INVALID;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < h->len) { close(fd); return IPC_INVALID; }
+    void *m = mmap(NULL, (size_t)h->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return IPC_NO_MEMORY;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].base == 0) {
+            allocs[i] = (struct alloc){(uintptr_t)m, (size_t)h->len, device, -1, 1, h->pid, h->fd};
+            pthread_mutex_unlock(&lock);
+            *out = (uintptr_t)m;
+            return IPC_OK;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    munmap(m, (size_t)h->len);
+    return IPC_NO_MEMORY;
+}
+
+/* Drops one reference to an IPC mapping; the last unmaps it (after every
+ * queued copy ran, as the drivers synchronize). */
+__attribute__((unused)) static int ipc_close(uintptr_t base) {
+    drain_all();
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        struct alloc a = allocs[i];
+        if (a.base && a.base == base && a.ipc_refs > 0) {
+            if (--allocs[i].ipc_refs == 0) {
+                allocs[i].base = 0;
+                pthread_mutex_unlock(&lock);
+                munmap((void *)a.base, a.len);
+                return IPC_OK;
+            }
+            pthread_mutex_unlock(&lock);
+            return IPC_OK;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return IPC_INVALID;
+}
+
+/* Test helper (not in any runtime): IPC mappings open in this process
+ * (references counted once each). */
+int kvlane_mock_ipc_open_count(void) {
+    int n = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_ALLOCS; i++) n += allocs[i].base != 0 && allocs[i].ipc_refs > 0;
+    pthread_mutex_unlock(&lock);
+    return n;
 }

@@ -23,6 +23,8 @@
  *  - hipGetDeviceCount with no device is hipErrorNoDevice;
  *  - async copies run only when their stream is synchronized (mock_gpu.h),
  *    and hipFree synchronizes first;
+ *  - IPC between processes (hipIpcGetMemHandle of an allocation's base,
+ *    hipIpcOpenMemHandle, refused in the exporting process; mock_gpu.h);
  *  - hipMemGetHandleForAddressRange exists from ROCm 6.2 only. Here it
  *    returns a real file descriptor (a memfd of the range's size) for a
  *    page-aligned range inside one device allocation.
@@ -159,11 +161,8 @@ hipError_t hipMalloc(void **p, size_t len) {
     /* Page-aligned and a whole number of pages, as the runtime's
      * allocations are (what a page-rounded dma-buf export relies on). */
     size_t page = (size_t)sysconf(_SC_PAGESIZE), whole = (len + page - 1) / page * page;
-    void *m = NULL;
-    if (posix_memalign(&m, page, whole) != 0) return hipErrorOutOfMemory;
-    /* Garbage, as fresh device memory is: tests must not rely on zeros. */
-    memset(m, 0x5A, whole);
-    if (!track(m, whole, current)) { free(m); return hipErrorOutOfMemory; }
+    void *m = device_alloc(whole, current, 0x5A);
+    if (!m) return hipErrorOutOfMemory;
     *p = m;
     return hipSuccess;
 }
@@ -171,8 +170,7 @@ hipError_t hipMalloc(void **p, size_t len) {
 hipError_t hipFree(void *p) {
     if (!initialized) return hipErrorNotInitialized;
     drain_all(); /* as hipFree synchronizes */
-    if (!untrack((uintptr_t)p, 1)) return hipErrorInvalidValue;
-    free(p);
+    if (!device_free((uintptr_t)p)) return hipErrorInvalidValue;
     return hipSuccess;
 }
 
@@ -243,6 +241,58 @@ hipError_t hipMemcpyHtoDAsync(void *dst, void *src, size_t len, hipStream_t s) {
 
 hipError_t hipMemcpyDtoHAsync(void *dst, void *src, size_t len, hipStream_t s) {
     return copy((uintptr_t)src, (uintptr_t)dst, len, s, 0);
+}
+
+hipError_t hipMemcpyDtoDAsync(void *dst, void *src, size_t len, hipStream_t s) {
+    struct alloc a;
+    if (!initialized) return hipErrorNotInitialized;
+    if (stream_device(s) < 0) return hipErrorInvalidHandle;
+    if (!find((uintptr_t)dst, len, &a) || a.device < 0) return hipErrorInvalidValue;
+    if (!find((uintptr_t)src, len, &a) || a.device < 0) return hipErrorInvalidValue;
+    int i = (int)((int *)s - streams);
+    return enqueue(i, (uintptr_t)dst, (uintptr_t)src, len) ? hipSuccess : hipErrorOutOfMemory;
+}
+
+static hipError_t ipc_rc(int rc) {
+    switch (rc) {
+    case IPC_OK: return hipSuccess;
+    case IPC_NO_MEMORY: return hipErrorOutOfMemory;
+    default: return hipErrorInvalidValue;
+    }
+}
+
+hipError_t hipMemGetAddressRange(void **base, size_t *len, void *p) {
+    if (!initialized) return hipErrorNotInitialized;
+    uintptr_t b;
+    size_t n;
+    hipError_t rc = ipc_rc(address_range((uintptr_t)p, &b, &n));
+    if (rc) return rc;
+    if (base) *base = (void *)b;
+    if (len) *len = n;
+    return hipSuccess;
+}
+
+typedef struct { char reserved[64]; } hipIpcMemHandle_t;
+
+hipError_t hipIpcGetMemHandle(hipIpcMemHandle_t *h, void *p) {
+    if (!initialized) return hipErrorNotInitialized;
+    return ipc_rc(ipc_get((struct ipc_handle *)h, (uintptr_t)p));
+}
+
+hipError_t hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t h, unsigned flags) {
+    if (!initialized) return hipErrorNotInitialized;
+    if (flags & ~1u) return hipErrorInvalidValue;
+    struct ipc_handle ih;
+    memcpy(&ih, &h, sizeof ih);
+    uintptr_t m;
+    hipError_t rc = ipc_rc(ipc_open(&m, &ih, current));
+    if (rc == hipSuccess) *p = (void *)m;
+    return rc;
+}
+
+hipError_t hipIpcCloseMemHandle(void *p) {
+    if (!initialized) return hipErrorNotInitialized;
+    return ipc_rc(ipc_close((uintptr_t)p));
 }
 
 #if MOCK_HIP_VERSION >= 60200000

@@ -5,8 +5,8 @@
 //! old 32-bit ABI).
 
 use super::{
-    dmabuf_fd, CallError, Driver, GpuDevice, GpuInfo, GpuRuntime, GpuUnavailable, PointerKind,
-    Stream,
+    dmabuf_fd, CallError, Driver, GpuDevice, GpuInfo, GpuRuntime, GpuUnavailable, IpcHandle,
+    PointerKind, Stream,
 };
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -27,6 +27,7 @@ const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
 /// Environment variable naming the library to load instead of `libcuda.so.1`.
 pub(crate) const ENV: &str = "KVLANE_CUDA_LIBRARY";
@@ -53,9 +54,19 @@ struct Fns {
     memcpy_htod_async:
         unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, CuStream) -> CuResult,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, CuStream) -> CuResult,
+    memcpy_dtod_async: unsafe extern "C" fn(CuDevicePtr, CuDevicePtr, usize, CuStream) -> CuResult,
     /// CUDA 11.7+; absent from older drivers.
     get_handle_for_address_range:
         Option<unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, c_int, u64) -> CuResult>,
+    /// IPC (`cuIpc*`) and `cuMemGetAddressRange_v2`: optional, so that a
+    /// driver without them still serves everything else; their absence is
+    /// an unsupported error where they are needed.
+    mem_get_address_range:
+        Option<unsafe extern "C" fn(*mut CuDevicePtr, *mut usize, CuDevicePtr) -> CuResult>,
+    ipc_get_mem_handle: Option<unsafe extern "C" fn(*mut IpcHandle, CuDevicePtr) -> CuResult>,
+    ipc_open_mem_handle:
+        Option<unsafe extern "C" fn(*mut CuDevicePtr, IpcHandle, c_uint) -> CuResult>,
+    ipc_close_mem_handle: Option<unsafe extern "C" fn(CuDevicePtr) -> CuResult>,
 }
 
 /// The loaded driver. Primary contexts are retained on first use and kept
@@ -117,8 +128,25 @@ impl Cuda {
             stream_synchronize: sym!("cuStreamSynchronize"),
             memcpy_htod_async: sym!("cuMemcpyHtoDAsync_v2"),
             memcpy_dtoh_async: sym!("cuMemcpyDtoHAsync_v2"),
+            memcpy_dtod_async: sym!("cuMemcpyDtoDAsync_v2"),
             // SAFETY: as in `sym!`.
             get_handle_for_address_range: unsafe { lib.get(b"cuMemGetHandleForAddressRange\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as in `sym!` (prototypes from `cuda.h`, CUDA 12; the
+            // header maps cuMemGetAddressRange and cuIpcOpenMemHandle to
+            // these `_v2` symbols).
+            mem_get_address_range: unsafe { lib.get(b"cuMemGetAddressRange_v2\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as above.
+            ipc_get_mem_handle: unsafe { lib.get(b"cuIpcGetMemHandle\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            ipc_open_mem_handle: unsafe { lib.get(b"cuIpcOpenMemHandle_v2\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as above.
+            ipc_close_mem_handle: unsafe { lib.get(b"cuIpcCloseMemHandle\0") }
                 .ok()
                 .map(|s| *s),
         };
@@ -355,6 +383,19 @@ impl Driver for Cuda {
         })
     }
 
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError> {
+        // SAFETY: forwarded from this function's contract.
+        self.check("cuMemcpyDtoDAsync_v2", unsafe {
+            (self.f.memcpy_dtod_async)(dst, src, len, stream.0 as CuStream)
+        })
+    }
+
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd, CallError> {
         let call = "cuMemGetHandleForAddressRange";
         let f = self
@@ -373,5 +414,49 @@ impl Driver for Cuda {
             )
         })?;
         dmabuf_fd(call, fd)
+    }
+
+    fn address_range(&self, addr: u64) -> Result<(u64, u64), CallError> {
+        let call = "cuMemGetAddressRange_v2";
+        let f = self
+            .f
+            .mem_get_address_range
+            .ok_or(CallError::missing(call))?;
+        let (mut base, mut size): (CuDevicePtr, usize) = (0, 0);
+        // SAFETY: two valid out pointers.
+        self.check(call, unsafe { f(&mut base, &mut size, addr) })?;
+        Ok((base, size as u64))
+    }
+
+    fn ipc_handle(&self, base: u64) -> Result<IpcHandle, CallError> {
+        let call = "cuIpcGetMemHandle";
+        let f = self.f.ipc_get_mem_handle.ok_or(CallError::missing(call))?;
+        let mut h = IpcHandle([0; super::IPC_HANDLE_LEN]);
+        // SAFETY: `h` is a valid out pointer to a `CUipcMemHandle`.
+        self.check(call, unsafe { f(&mut h, base) })?;
+        Ok(h)
+    }
+
+    fn ipc_open(&self, handle: &IpcHandle) -> Result<u64, CallError> {
+        let call = "cuIpcOpenMemHandle_v2";
+        let f = self.f.ipc_open_mem_handle.ok_or(CallError::missing(call))?;
+        let mut p: CuDevicePtr = 0;
+        // SAFETY: `p` is a valid out pointer; the handle is passed by value.
+        self.check(call, unsafe {
+            f(&mut p, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        })?;
+        Ok(p)
+    }
+
+    unsafe fn ipc_close(&self, base: u64) {
+        let call = "cuIpcCloseMemHandle";
+        let Some(f) = self.f.ipc_close_mem_handle else {
+            return;
+        };
+        // SAFETY: forwarded from this function's contract.
+        let rc = unsafe { f(base) };
+        if let Err(e) = self.check(call, rc) {
+            tracing::warn!(addr = format_args!("{base:#x}"), "{}: {}", e.call, e.name);
+        }
     }
 }

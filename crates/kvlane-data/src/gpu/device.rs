@@ -1,7 +1,10 @@
 //! Loaded drivers, per-device contexts and device allocations.
 
 use super::staging::Stager;
-use super::{cuda, hip, Driver, GpuDevice, GpuError, GpuRuntime, GpuUnavailable, PointerKind};
+use super::{
+    cuda, hip, CallError, Driver, GpuDevice, GpuError, GpuRuntime, GpuUnavailable, IpcHandle,
+    PointerKind,
+};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -100,7 +103,53 @@ pub(crate) struct DeviceMemory {
     ctx: Arc<DeviceContext>,
     addr: u64,
     len: usize,
-    owned: bool,
+    release: Release,
+}
+
+/// What dropping a [`DeviceMemory`] releases.
+#[derive(Debug)]
+enum Release {
+    /// Nothing: foreign memory.
+    Nothing,
+    /// `free`: kvlane allocated it.
+    Free,
+    /// `ipc_close` of this base: another process's allocation, mapped here
+    /// through an IPC handle.
+    IpcClose(u64),
+}
+
+/// What another process needs to map the allocation that holds a region
+/// (see [`DeviceMemory::export_ipc`]).
+#[derive(Clone, Debug)]
+pub(crate) struct IpcExport {
+    /// The driver's handle of the whole allocation.
+    pub(crate) handle: IpcHandle,
+    /// The region's first byte, from the allocation's base.
+    pub(crate) offset: u64,
+}
+
+/// Maps a failed IPC call: a driver without the call, or one that says it
+/// cannot, is unsupported.
+fn ipc_error(e: CallError, device: GpuDevice) -> GpuError {
+    if e.code == super::MISSING_SYMBOL {
+        GpuError::Unsupported {
+            device,
+            why: GpuUnavailable::MissingSymbol {
+                runtime: device.runtime,
+                symbol: e.call,
+            },
+        }
+    } else if e.is_unsupported() {
+        GpuError::Unsupported {
+            device,
+            why: GpuUnavailable::Operation(
+                "CUDA/HIP IPC (cuIpcGetMemHandle / cuIpcOpenMemHandle_v2, hipIpc*): the driver \
+                 does not support it for this memory",
+            ),
+        }
+    } else {
+        e.on(device)
+    }
 }
 
 impl std::fmt::Debug for DeviceMemory {
@@ -118,7 +167,7 @@ impl DeviceMemory {
             ctx,
             addr,
             len,
-            owned: true,
+            release: Release::Free,
         })
     }
 
@@ -160,7 +209,7 @@ impl DeviceMemory {
             ctx,
             addr,
             len,
-            owned: false,
+            release: Release::Nothing,
         })
     }
 
@@ -177,6 +226,11 @@ impl DeviceMemory {
     /// The device address of the first byte.
     pub(crate) fn addr(&self) -> u64 {
         self.addr
+    }
+
+    /// Its length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     /// Exports the memory as a dma-buf: the page-aligned range around it,
@@ -200,18 +254,101 @@ impl DeviceMemory {
     }
 }
 
+impl DeviceMemory {
+    /// An IPC handle of the allocation that contains this memory, and the
+    /// offset of the first byte inside it. The handle names the **whole**
+    /// allocation: a process that opens it maps all of it.
+    pub(crate) fn export_ipc(&self) -> Result<IpcExport, GpuError> {
+        let device = self.ctx.device;
+        self.ctx.bind()?;
+        let d = &self.ctx.driver;
+        let (base, size) = d
+            .address_range(self.addr)
+            .map_err(|e| ipc_error(e, device))?;
+        if self.addr < base || self.addr - base + self.len as u64 > size {
+            return Err(GpuError::NotDeviceMemory {
+                device,
+                addr: self.addr,
+                len: self.len as u64,
+                found: format!("not inside one allocation (the driver says {base:#x}+{size})"),
+            });
+        }
+        let handle = d.ipc_handle(base).map_err(|e| ipc_error(e, device))?;
+        Ok(IpcExport {
+            handle,
+            offset: self.addr - base,
+        })
+    }
+
+    /// Maps `len` bytes at `offset` of the allocation another process of
+    /// this host exported as `handle`, on the context's device. The whole
+    /// allocation is mapped (the driver knows no less); what is returned
+    /// covers the range asked for, checked against the allocation's length
+    /// as the driver reports it here, and closes the mapping on drop.
+    pub(crate) fn open_ipc(
+        ctx: Arc<DeviceContext>,
+        handle: &IpcHandle,
+        offset: u64,
+        len: u64,
+    ) -> Result<Self, GpuError> {
+        let device = ctx.device;
+        ctx.bind()?;
+        let base = ctx
+            .driver
+            .ipc_open(handle)
+            .map_err(|e| ipc_error(e, device))?;
+        let mut mem = Self {
+            ctx,
+            addr: base,
+            len: 0,
+            release: Release::IpcClose(base),
+        };
+        let (_, size) = mem
+            .ctx
+            .driver
+            .address_range(base)
+            .map_err(|e| ipc_error(e, device))?;
+        let end = offset.checked_add(len);
+        if len == 0 || end.is_none_or(|end| end > size) {
+            // Dropping `mem` closes the mapping.
+            return Err(GpuError::NotDeviceMemory {
+                device,
+                addr: base.wrapping_add(offset),
+                len,
+                found: format!("outside the allocation the handle maps ({size} bytes)"),
+            });
+        }
+        let len = usize::try_from(len).map_err(|_| GpuError::NotDeviceMemory {
+            device,
+            addr: base,
+            len,
+            found: "a range longer than the address space".into(),
+        })?;
+        mem.addr = base + offset;
+        mem.len = len;
+        Ok(mem)
+    }
+}
+
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        if !self.owned {
+        if matches!(self.release, Release::Nothing) {
             return;
         }
         if let Err(e) = self.ctx.bind() {
             tracing::warn!("leaking {self:?}: {e}");
             return;
         }
-        // SAFETY: `addr` came from `alloc` on this device and is freed once,
-        // here; the region that held this value (and every backend's clone)
-        // is gone, so no copy uses it.
-        unsafe { self.ctx.driver.free(self.addr) }
+        match self.release {
+            Release::Nothing => {}
+            // SAFETY: `addr` came from `alloc` on this device and is freed
+            // once, here; the region that held this value (and every
+            // backend's clone) is gone, so no copy uses it (staged copies
+            // are synchronized before they return).
+            Release::Free => unsafe { self.ctx.driver.free(self.addr) },
+            // SAFETY: `base` came from `ipc_open` and is closed once, here;
+            // as above, no copy uses it.
+            Release::IpcClose(base) => unsafe { self.ctx.driver.ipc_close(base) },
+        }
     }
 }

@@ -5,8 +5,8 @@
 //! (`testdata/mock_hip.c`) built as ROCm 6.2 and as ROCm 5.7.
 
 use super::{
-    dmabuf_fd, CallError, Driver, GpuDevice, GpuInfo, GpuRuntime, GpuUnavailable, PointerKind,
-    Stream,
+    dmabuf_fd, CallError, Driver, GpuDevice, GpuInfo, GpuRuntime, GpuUnavailable, IpcHandle,
+    PointerKind, Stream,
 };
 use libloading::Library;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -22,6 +22,7 @@ const HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
 const HIP_HOST_MALLOC_PORTABLE: c_uint = 1;
 const HIP_STREAM_NON_BLOCKING: c_uint = 1;
 const HIP_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+const HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
 /// Environment variable naming the library to load instead of `libamdhip64.so`.
 pub(crate) const ENV: &str = "KVLANE_HIP_LIBRARY";
@@ -46,9 +47,16 @@ struct Fns {
     stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
     memcpy_htod_async: unsafe extern "C" fn(u64, *const c_void, usize, HipStream) -> HipError,
     memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, HipStream) -> HipError,
+    memcpy_dtod_async: unsafe extern "C" fn(u64, u64, usize, HipStream) -> HipError,
     /// ROCm 6.2+.
     get_handle_for_address_range:
         Option<unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> HipError>,
+    /// IPC (`hipIpc*`) and `hipMemGetAddressRange`: optional, their
+    /// absence an unsupported error where they are needed.
+    mem_get_address_range: Option<unsafe extern "C" fn(*mut u64, *mut usize, u64) -> HipError>,
+    ipc_get_mem_handle: Option<unsafe extern "C" fn(*mut IpcHandle, u64) -> HipError>,
+    ipc_open_mem_handle: Option<unsafe extern "C" fn(*mut u64, IpcHandle, c_uint) -> HipError>,
+    ipc_close_mem_handle: Option<unsafe extern "C" fn(u64) -> HipError>,
 }
 
 /// The loaded HIP runtime.
@@ -107,8 +115,24 @@ impl Hip {
             stream_synchronize: sym!("hipStreamSynchronize"),
             memcpy_htod_async: sym!("hipMemcpyHtoDAsync"),
             memcpy_dtoh_async: sym!("hipMemcpyDtoHAsync"),
+            memcpy_dtod_async: sym!("hipMemcpyDtoDAsync"),
             // SAFETY: as in `sym!`.
             get_handle_for_address_range: unsafe { lib.get(b"hipMemGetHandleForAddressRange\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as in `sym!` (device pointers are `void *`, passed as
+            // 64-bit addresses).
+            mem_get_address_range: unsafe { lib.get(b"hipMemGetAddressRange\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as above.
+            ipc_get_mem_handle: unsafe { lib.get(b"hipIpcGetMemHandle\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            ipc_open_mem_handle: unsafe { lib.get(b"hipIpcOpenMemHandle\0") }
+                .ok()
+                .map(|s| *s),
+            // SAFETY: as above.
+            ipc_close_mem_handle: unsafe { lib.get(b"hipIpcCloseMemHandle\0") }
                 .ok()
                 .map(|s| *s),
         };
@@ -327,6 +351,19 @@ impl Driver for Hip {
         })
     }
 
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError> {
+        // SAFETY: forwarded from this function's contract.
+        self.check("hipMemcpyDtoDAsync", unsafe {
+            (self.f.memcpy_dtod_async)(dst, src, len, stream.0 as HipStream)
+        })
+    }
+
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd, CallError> {
         let call = "hipMemGetHandleForAddressRange";
         let f = self
@@ -345,5 +382,48 @@ impl Driver for Hip {
             )
         })?;
         dmabuf_fd(call, fd)
+    }
+
+    fn address_range(&self, addr: u64) -> Result<(u64, u64), CallError> {
+        let call = "hipMemGetAddressRange";
+        let f = self
+            .f
+            .mem_get_address_range
+            .ok_or(CallError::missing(call))?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: two valid out pointers.
+        self.check(call, unsafe { f(&mut base, &mut size, addr) })?;
+        Ok((base, size as u64))
+    }
+
+    fn ipc_handle(&self, base: u64) -> Result<IpcHandle, CallError> {
+        let call = "hipIpcGetMemHandle";
+        let f = self.f.ipc_get_mem_handle.ok_or(CallError::missing(call))?;
+        let mut h = IpcHandle([0; super::IPC_HANDLE_LEN]);
+        // SAFETY: `h` is a valid out pointer to a `hipIpcMemHandle_t`.
+        self.check(call, unsafe { f(&mut h, base) })?;
+        Ok(h)
+    }
+
+    fn ipc_open(&self, handle: &IpcHandle) -> Result<u64, CallError> {
+        let call = "hipIpcOpenMemHandle";
+        let f = self.f.ipc_open_mem_handle.ok_or(CallError::missing(call))?;
+        let mut p = 0u64;
+        // SAFETY: `p` is a valid out pointer; the handle is passed by value.
+        self.check(call, unsafe {
+            f(&mut p, *handle, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        })?;
+        Ok(p)
+    }
+
+    unsafe fn ipc_close(&self, base: u64) {
+        let Some(f) = self.f.ipc_close_mem_handle else {
+            return;
+        };
+        // SAFETY: forwarded from this function's contract.
+        let rc = unsafe { f(base) };
+        if let Err(e) = self.check("hipIpcCloseMemHandle", rc) {
+            tracing::warn!(addr = format_args!("{base:#x}"), "{}: {}", e.call, e.name);
+        }
     }
 }

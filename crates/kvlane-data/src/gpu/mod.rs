@@ -186,6 +186,20 @@ pub fn gpu_device_of(runtime: GpuRuntime, addr: u64) -> Result<Option<GpuDevice>
     }
 }
 
+/// The device of `runtime` at PCI address `pci_bus_id` (as
+/// [`GpuInfo::pci_bus_id`] spells it), as this process numbers it; `None`
+/// when this process sees no such device (`CUDA_VISIBLE_DEVICES`,
+/// `HIP_VISIBLE_DEVICES`, a container).
+pub(crate) fn gpu_device_at(
+    runtime: GpuRuntime,
+    pci_bus_id: &str,
+) -> Result<Option<GpuDevice>, GpuError> {
+    Ok(gpu_devices(runtime)?
+        .into_iter()
+        .find(|i| i.pci_bus_id.eq_ignore_ascii_case(pci_bus_id))
+        .map(|i| i.device))
+}
+
 /// Where a pointer lives, per the driver's pointer attributes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum PointerKind {
@@ -300,10 +314,47 @@ pub(crate) trait Driver: Send + Sync {
         len: usize,
         stream: Stream,
     ) -> Result<(), CallError>;
+    /// # Safety
+    /// `dst..dst+len` and `src..src+len` are device memory (of the bound
+    /// device, or reachable from it), valid until the stream is
+    /// synchronized, and not otherwise written before then.
+    unsafe fn dtod_async(
+        &self,
+        dst: u64,
+        src: u64,
+        len: usize,
+        stream: Stream,
+    ) -> Result<(), CallError>;
     /// Exports `addr..addr+len` (page-aligned) as a dma-buf. A driver or
     /// kernel that cannot fails with [`CallError::is_unsupported`].
     fn export_dmabuf(&self, addr: u64, len: usize) -> Result<OwnedFd, CallError>;
+    /// The allocation that contains `addr`: its base and length
+    /// (`cuMemGetAddressRange_v2` / `hipMemGetAddressRange`).
+    fn address_range(&self, addr: u64) -> Result<(u64, u64), CallError>;
+    /// An IPC handle for the allocation that starts at `base`
+    /// (`cuIpcGetMemHandle` / `hipIpcGetMemHandle`): 64 bytes, opaque,
+    /// that another process of this host opens with
+    /// [`ipc_open`](Self::ipc_open). It names the **whole** allocation.
+    fn ipc_handle(&self, base: u64) -> Result<IpcHandle, CallError>;
+    /// Maps the allocation another process exported as `handle` into this
+    /// process, on the bound device; its base address here
+    /// (`cuIpcOpenMemHandle_v2` / `hipIpcOpenMemHandle`).
+    fn ipc_open(&self, handle: &IpcHandle) -> Result<u64, CallError>;
+    /// # Safety
+    /// `base` came from [`ipc_open`](Self::ipc_open), is closed once, and
+    /// no copy into or out of it is in flight.
+    unsafe fn ipc_close(&self, base: u64);
 }
+
+/// Bytes of a CUDA or HIP IPC memory handle (`CU_IPC_HANDLE_SIZE`,
+/// `HIP_IPC_HANDLE_SIZE`).
+pub(crate) const IPC_HANDLE_LEN: usize = 64;
+
+/// `CUipcMemHandle` / `hipIpcMemHandle_t`: passed by value to the open
+/// call, so laid out as the C struct.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct IpcHandle(pub(crate) [u8; IPC_HANDLE_LEN]);
 
 #[cfg(test)]
 mod tests {

@@ -3,6 +3,7 @@
 
 use super::device::{DeviceContext, DeviceMemory};
 use super::GpuDevice;
+use super::IpcHandle;
 use crate::error::DataError;
 use crate::memory::{Access, MemoryKind, Region};
 use std::any::Any;
@@ -113,5 +114,37 @@ impl Region {
         })?;
         let (fd, offset, len) = mem.export_dmabuf()?;
         Ok(DmaBuf { fd, offset, len })
+    }
+
+    /// Maps `len` bytes at `offset` of an allocation another process of
+    /// this host exported as `handle` (`cuIpcGetMemHandle` /
+    /// `hipIpcGetMemHandle`), on `device` (as this process numbers it). The
+    /// driver maps the whole allocation; the region covers the range asked
+    /// for, which must lie inside it. The mapping is closed with the last
+    /// clone of the region.
+    pub(crate) fn from_ipc(
+        device: GpuDevice,
+        handle: &IpcHandle,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Self, DataError> {
+        let ctx = DeviceContext::get(device)?;
+        let mem = Arc::new(DeviceMemory::open_ipc(ctx, handle, offset, len)?);
+        // SAFETY: the range is inside the allocation the driver mapped
+        // (checked by `open_ipc`), which stays mapped until `mem`, held by
+        // the region until its last clone drops, closes it; the CPU never
+        // dereferences it (kind `Gpu`).
+        let region = unsafe {
+            Self::from_raw(
+                mem.addr() as *mut u8,
+                mem.len(),
+                MemoryKind::Gpu { device },
+                access,
+                None,
+            )
+        }?;
+        region.set_gpu(mem);
+        Ok(region)
     }
 }

@@ -160,6 +160,9 @@ impl DeviceMemory {
         let d = self.context().driver();
         let base = self.addr() + offset;
         let issue = |k: usize, (pos, n): (u64, usize)| {
+            // `f` may have bound another device on this thread (a copy
+            // between two devices' memory stages into the other one).
+            self.context().bind()?;
             let h = &st.halves[k % 2];
             // SAFETY: `base+pos..+n` is inside the registered device range
             // (the caller checked the bounds); `h.buf` holds CHUNK >= n
@@ -212,6 +215,8 @@ impl DeviceMemory {
             if let Err(e) = f(chunk) {
                 return Ok(Err(e));
             }
+            // As in `read_chunks`: `f` may have bound another device.
+            self.context().bind()?;
             // SAFETY: the device range is in bounds (checked by the caller);
             // the buffer is not touched again before its stream is
             // synchronized.
@@ -221,6 +226,39 @@ impl DeviceMemory {
         // Completion semantics: every byte is in device memory on return.
         st.sync_all()?;
         Ok(Ok(()))
+    }
+}
+
+impl DeviceMemory {
+    /// Copies `len` bytes from `src` at `src_offset` to this memory at
+    /// `offset` with one device-to-device copy on this device's stream;
+    /// returns once it is done. Both ranges are in bounds and on the same
+    /// device.
+    fn copy_from_device(
+        &self,
+        offset: u64,
+        src: &Self,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), GpuError> {
+        let lent = Lent::new(self)?;
+        let st = lent.st();
+        let d = self.context().driver();
+        let h = &st.halves[0];
+        // SAFETY: both ranges are device memory of this (bound) device,
+        // in bounds (checked by the caller); the copy is synchronized
+        // below (or by `Lent::drop` when issuing fails) before either
+        // region can be released. In bounds of an allocation: fits usize.
+        unsafe {
+            d.dtod_async(
+                self.addr() + offset,
+                src.addr() + src_offset,
+                len as usize,
+                h.stream,
+            )
+        }
+        .map_err(|e| e.on(self.device()))?;
+        st.sync(0)
     }
 }
 
@@ -321,8 +359,11 @@ impl Region {
     }
 }
 
-/// Copies `len` bytes between two regions of any memory kinds (loopback).
+/// Copies `len` bytes between two regions of any memory kinds (loopback,
+/// shm): host to host by `memcpy`, between two regions of one device by
+/// one device-to-device copy, otherwise staged through pinned buffers.
 /// Both ranges are checked first; nothing moves when either is bad.
+/// Returns once every byte is in `dst`.
 pub(crate) fn copy_between(
     src: &Region,
     src_offset: u64,
@@ -330,11 +371,21 @@ pub(crate) fn copy_between(
     dst_offset: u64,
     len: u64,
 ) -> Result<(), DataError> {
-    if src.staged()?.is_none() && dst.staged()?.is_none() {
+    let (s, d) = (src.staged()?, dst.staged()?);
+    if s.is_none() && d.is_none() {
         return src.copy_to(src_offset, dst, dst_offset, len);
     }
     src.check_range(src_offset, len)?;
     dst.check_range(dst_offset, len)?;
+    // Both on one device: one copy by the device, no staging.
+    if let (Some(s), Some(d)) = (s, d) {
+        if s.device() == d.device() {
+            if len > 0 {
+                d.copy_from_device(dst_offset, s, src_offset, len)?;
+            }
+            return Ok(());
+        }
+    }
     let mut at = dst_offset;
     src.read_chunks(src_offset, len, |chunk| {
         dst.copy_in(at, chunk)?;

@@ -67,20 +67,25 @@ pub(super) fn execute(
     for seg in plan.iter() {
         let (l, r) = lookup(seg)?;
         match (&r.reach, t.op) {
+            // Host memory by memcpy; GPU memory (either side) by the
+            // driver, through pinned staging buffers, every stream
+            // synchronized before the call returns.
             (Reach::Mapped(m), Op::Write) => crate::gpu::staging::copy_between(
                 l,
                 seg.local_offset,
                 m,
                 seg.remote_offset,
                 seg.len,
-            )?,
+            )
+            .map_err(|e| driver_fault(e, t, seg))?,
             (Reach::Mapped(m), Op::Read) => crate::gpu::staging::copy_between(
                 m,
                 seg.remote_offset,
                 l,
                 seg.local_offset,
                 seg.len,
-            )?,
+            )
+            .map_err(|e| driver_fault(e, t, seg))?,
             (Reach::Attached(addr), _) => {
                 pieces.push(sys::Piece {
                     local: l,
@@ -116,4 +121,21 @@ pub(super) fn execute(
             reason: attach_refusal(conn.pid, &f.error),
         }
     })
+}
+
+/// A GPU driver's failure while copying `seg`, as an error that names the
+/// peer, the region's key and the offset (the device and the call are in
+/// the reason).
+fn driver_fault(e: DataError, t: &Transfer, seg: &Segment) -> DataError {
+    match e {
+        DataError::Gpu(g) => DataError::RemoteMemoryFault {
+            backend: "shm",
+            peer: t.peer,
+            op: t.op,
+            key: seg.key,
+            offset: seg.remote_offset,
+            reason: format!("the GPU driver failed to copy {} bytes: {g}", seg.len),
+        },
+        other => other,
+    }
 }

@@ -3,9 +3,10 @@
 //! ([`Region::alloc_shared`]) is shared as a sealed memory file; memory the
 //! engine allocated itself (a torch tensor, a numpy array, [`Region::alloc`],
 //! [`Region::from_raw`]) is served by cross-memory attach, **opt-in**
-//! ([`ShmConfig::cross_memory_attach`]; see *Cross-memory attach*). The
-//! facade's `auto` runs it beside tcp or verbs through
-//! [`SameHost`](crate::SameHost), per peer.
+//! ([`ShmConfig::cross_memory_attach`]; see *Cross-memory attach*); GPU
+//! memory registered through its runtime is served by CUDA or HIP IPC
+//! handle (see *GPU memory*). The facade's `auto` runs it beside tcp or
+//! verbs through [`SameHost`](crate::SameHost), per peer.
 //!
 //! # How registered memory becomes reachable
 //!
@@ -32,8 +33,10 @@
 //! 3. The target then passes the memfd of every registered region with a
 //!    remote right (`SCM_RIGHTS`), with its key, length and rights (a
 //!    region served by cross-memory attach: its address instead).
-//!    Regions registered later are passed to connected peers as they are
-//!    registered; a deregistered region is revoked (see *Trust*).
+//!    For GPU memory: the driver's IPC handle of its allocation instead
+//!    (see *GPU memory*). Regions registered later are passed to connected
+//!    peers as they are registered; a deregistered region is revoked (see
+//!    *Trust*).
 //! 4. The initiator maps each descriptor only after checking that it is a
 //!    memory file sealed against shrinking and at least as long as the
 //!    region: every byte of the mapping then stays backed whatever the
@@ -118,6 +121,66 @@
 //! copy reaches that process; the kernel hands out pids in order, so that
 //! needs `pid_max` new processes within those microseconds.
 //!
+//! # GPU memory (CUDA / HIP IPC)
+//!
+//! A region of GPU memory registered through its runtime
+//! ([`Region::alloc_device`], [`Region::from_device_ptr`]) is served by
+//! the driver's IPC handle (`cuIpcGetMemHandle` / `hipIpcGetMemHandle`),
+//! made once when the region is registered; a driver without the IPC
+//! calls refuses the registration ([`DataError::Gpu`], unsupported). The
+//! grant carries the handle (64 bytes, opaque to kvlane), the runtime, the
+//! device's PCI address (ordinals differ between processes:
+//! `CUDA_VISIBLE_DEVICES`), and the region's offset inside its allocation
+//! (`cuMemGetAddressRange_v2` / `hipMemGetAddressRange`), beside its key,
+//! length and rights, as for host regions.
+//!
+//! The initiator opens the handle once per region
+//! (`cuIpcOpenMemHandle_v2` / `hipIpcOpenMemHandle`) on its device with
+//! that PCI address, and refuses the grant (connect fails, typed, naming
+//! the key and the reason) when it sees no such device, when the driver
+//! refuses the handle, or when the granted range is not inside the
+//! allocation as its own driver reports it: a lying target cannot stretch
+//! a region past the memory the handle maps. Every segment is checked as
+//! for host memory (key, bounds, rights, local range); the copies are the
+//! driver's, in the initiator's thread: between the remote region and a
+//! local region of the same device, one device-to-device copy
+//! (`cuMemcpyDtoDAsync_v2` / `hipMemcpyDtoDAsync`); with local host memory
+//! or another device, through pinned staging buffers on the device's
+//! streams (as [`Region::read_chunks`] does). Every stream is synchronized
+//! before the transfer completes and before its notification is sent. A failing
+//! driver call fails the transfer with [`DataError::RemoteMemoryFault`]
+//! naming the peer, the key, the offset, the device and the call. The
+//! mapping is closed (`cuIpcCloseMemHandle` / `hipIpcCloseMemHandle`) when
+//! the region is revoked, when the connection ends, and when the backend
+//! drops. A peer closes a revoked region's mapping when it next reads its
+//! connection; free GPU memory only after deregistering it, and expect a
+//! peer's driver to keep what it mapped until it closes it (what a driver
+//! does when the exporter frees memory still open elsewhere is the
+//! driver's to define; not tested here).
+//!
+//! **What the handle exposes: the whole allocation that contains the
+//! region.** The drivers map allocations, not ranges: a region that is a
+//! slice of a larger `cudaMalloc` (a tensor inside PyTorch's caching
+//! allocator's segment, one layer of a KV cache allocated in one piece)
+//! gives a peer's driver the whole allocation, read-write (IPC mappings
+//! have no read-only mode). kvlane's checks keep a well-behaved peer
+//! inside the granted range and rights; a hostile peer process with the
+//! handle is held by nothing, as with a memory file's descriptor. Serve a
+//! region that is its own allocation ([`Region::alloc_device`]) to expose
+//! exactly it.
+//!
+//! Limits: the target and the initiator must be different processes
+//! (opening a handle in the process that made it is not what the IPC
+//! calls are for, and the mocks refuse it; two agents in one process fall
+//! back, under `SameHost`, to the other backend). A copy between two
+//! different devices goes through host staging buffers (two copies), not
+//! a peer-to-peer copy. Memory the legacy IPC calls do not cover (CUDA
+//! virtual memory management, `cudaMallocAsync` pools) should fail at
+//! registration with the driver's error from `cuIpcGetMemHandle`; not
+//! verified. **All of this ran only against the mock CUDA driver and mock
+//! HIP runtime** (`testdata/`: "device" memory in memfds, handles opened
+//! through `/proc/<pid>/fd`), never on a GPU.
+//!
 //! # Liveness
 //!
 //! The socket is the liveness signal: when the target's process ends, the
@@ -152,8 +215,10 @@
 //!
 //! # Not yet
 //!
-//! - GPU memory through CUDA/HIP IPC handles (served or as the local
-//!   side of a cross-memory-attach transfer).
+//! - GPU memory as the local side of a cross-memory-attach transfer (it
+//!   works with memory files and with GPU regions served by IPC handle).
+//! - GPU IPC on a real GPU: only the mock drivers ran it (see *GPU
+//!   memory*).
 //! - Cross-memory attach needs the target's pid to be visible in the
 //!   initiator's pid namespace (containers sharing a host but not a pid
 //!   namespace get a clear refusal at connect).
@@ -538,9 +603,12 @@ impl ShmBackend {
 
 impl ShmBackend {
     /// Whether this backend can serve `region` to peers: a memory file,
-    /// or host memory when cross-memory attach is on.
+    /// GPU memory registered through its runtime (by IPC handle), or host
+    /// memory when cross-memory attach is on.
     pub(crate) fn serves(&self, region: &Region) -> bool {
-        region.is_shared() || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
+        region.is_shared()
+            || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
+            || region.gpu().is_some()
     }
 
     /// [`register`](Backend::register) under `key` when given (see
@@ -556,8 +624,9 @@ impl ShmBackend {
             return Err(if region.kind() != MemoryKind::Host {
                 DataError::Unsupported {
                     backend: "shm",
-                    what: "device memory cannot be served to a peer on this host yet: use the \
-                           tcp or verbs backend",
+                    what: "device memory is served by CUDA/HIP IPC handle, which needs its \
+                           runtime: register it with Region::alloc_device or \
+                           Region::from_device_ptr, or use the verbs backend",
                 }
             } else {
                 DataError::Unsupported {
@@ -570,9 +639,19 @@ impl ShmBackend {
                 }
             });
         }
+        // GPU memory: its IPC handle, made once, here, so that a driver
+        // that cannot is a refusal of the registration.
+        let gpu = match region.gpu() {
+            Some(mem) if served => Some(gpu_grant(mem)?),
+            _ => None,
+        };
         let key = self.registry.register_as("shm", region, key)?;
         if served {
-            lock(&self.target.shared.regions).insert(key, region.clone());
+            let served = target::Served {
+                region: region.clone(),
+                gpu,
+            };
+            lock(&self.target.shared.regions).insert(key, served);
             self.target.send(Cmd::Grant(key));
         }
         Ok(region.advert(key))
@@ -618,6 +697,27 @@ impl ShmBackend {
         };
         Ok((peer, ep.to_endpoint()))
     }
+}
+
+/// What a peer needs to map a region of GPU memory: the IPC handle of the
+/// allocation that holds it, the region's offset in it, and the device's
+/// PCI address.
+fn gpu_grant(mem: &crate::gpu::DeviceMemory) -> Result<wire::GpuGrant, DataError> {
+    let device = mem.device();
+    let export = mem.export_ipc()?;
+    let info = crate::gpu::gpu_devices(device.runtime)?
+        .into_iter()
+        .find(|i| i.device == device)
+        .ok_or(crate::gpu::GpuError::Unsupported {
+            device,
+            why: crate::gpu::GpuUnavailable::Operation("the driver no longer lists the device"),
+        })?;
+    Ok(wire::GpuGrant {
+        runtime: device.runtime,
+        pci_bus_id: info.pci_bus_id,
+        handle: export.handle.0.to_vec(),
+        offset: export.offset,
+    })
 }
 
 /// A copy of a lost-peer error for each transfer it fails.

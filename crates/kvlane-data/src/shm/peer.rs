@@ -3,11 +3,12 @@
 //! served by cross-memory attach, their addresses in the target's).
 
 use super::sys::{map_peer, peer_pid, probe_attach, recv_msg, send_msg, MapRefusal};
-use super::wire::{self, Granted, NotifyStatus, ToInitiator, ToTarget, MAX_MESSAGE};
+use super::wire::{self, GpuGrant, Granted, NotifyStatus, ToInitiator, ToTarget, MAX_MESSAGE};
 use super::ShmEndpoint;
 use crate::error::DataError;
+use crate::gpu::{gpu_device_at, IpcHandle, IPC_HANDLE_LEN};
 use crate::ids::{FastMap, PeerId, RemoteKey};
-use crate::memory::{Region, RemoteRegion};
+use crate::memory::{Access, Region, RemoteRegion};
 use socket2::{Domain, SockAddr, Socket, Type};
 use std::collections::VecDeque;
 use std::io;
@@ -18,7 +19,9 @@ use std::time::Duration;
 /// How this side reaches a target's region.
 pub(crate) enum Reach {
     /// Its memory file, mapped here (writable only when the grant allows
-    /// WRITE).
+    /// WRITE); or its GPU memory, mapped here through the driver's IPC
+    /// handle (a region of kind `Gpu`, moved by the driver; the mapping is
+    /// closed when the region drops: on revocation, disconnect or drop).
     Mapped(Region),
     /// Cross-memory attach: `process_vm_readv` / `process_vm_writev` at
     /// this address in the target's process (the pid is the connection's).
@@ -90,7 +93,10 @@ fn map_grants(
         key,
         reason,
     };
-    let files = regions.iter().filter(|g| g.attach.is_none()).count();
+    let files = regions
+        .iter()
+        .filter(|g| g.attach.is_none() && g.gpu.is_none())
+        .count();
     if files != fds.len() {
         return Err(refused(
             regions.first().map_or(RemoteKey(0), |g| g.key),
@@ -102,11 +108,20 @@ fn map_grants(
     }
     let mut fds = fds.into_iter();
     for grant in regions {
-        let reach = match grant.attach {
-            Some(addr) => Reach::Attached(
+        let reach = match (&grant.gpu, grant.attach) {
+            (Some(gpu), None) => Reach::Mapped(
+                open_gpu(gpu, grant.len, grant.access).map_err(|r| refused(grant.key, r))?,
+            ),
+            (Some(_), Some(_)) => {
+                return Err(refused(
+                    grant.key,
+                    "the grant names both an IPC handle and an address".into(),
+                ))
+            }
+            (None, Some(addr)) => Reach::Attached(
                 probe(pid, addr, grant.len).map_err(|reason| refused(grant.key, reason))?,
             ),
-            None => {
+            (None, None) => {
                 let fd = fds.next().expect("counted above");
                 Reach::Mapped(map_peer(&fd, grant.len, grant.access).map_err(|r| {
                     let reason = match r {
@@ -120,6 +135,36 @@ fn map_grants(
         into.insert(grant.key, PeerRegion { reach, grant });
     }
     Ok(())
+}
+
+/// Maps a target's region of GPU memory through its driver's IPC handle,
+/// on the device with the same PCI address here. The driver maps the whole
+/// allocation that holds the region; the region covers only the granted
+/// range, which must lie inside the allocation as the driver reports it
+/// here (a lying target cannot stretch it).
+fn open_gpu(gpu: &GpuGrant, len: u64, access: Access) -> Result<Region, String> {
+    let handle = <[u8; IPC_HANDLE_LEN]>::try_from(gpu.handle.as_slice()).map_err(|_| {
+        format!(
+            "its IPC handle has {} bytes, not {IPC_HANDLE_LEN}",
+            gpu.handle.len()
+        )
+    })?;
+    let device = gpu_device_at(gpu.runtime, &gpu.pci_bus_id)
+        .map_err(|e| {
+            format!(
+                "it is {} memory, and this process cannot use it: {e}",
+                gpu.runtime
+            )
+        })?
+        .ok_or_else(|| {
+            format!(
+                "it is memory of the {} device at PCI {}, which this process does not see \
+                 (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES, or another host's device)",
+                gpu.runtime, gpu.pci_bus_id
+            )
+        })?;
+    Region::from_ipc(device, &IpcHandle(handle), gpu.offset, len, access)
+        .map_err(|e| format!("opening its IPC handle on {device} failed: {e}"))
 }
 
 /// Checks that a region served by cross-memory attach is reachable: its
@@ -292,5 +337,59 @@ impl Conn {
     /// Whether notifications wait for room in the socket.
     pub(crate) fn has_unsent(&self) -> bool {
         !self.unsent.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::GpuRuntime;
+
+    /// What a target's grant of GPU memory can get wrong, against the mock
+    /// CUDA driver (which opens a handle in the process that made it only
+    /// with `KVLANE_MOCK_IPC_SAME_PROCESS`, a test knob).
+    #[test]
+    fn gpu_grants_outside_their_allocation_or_with_bad_handles_are_refused() {
+        let dev = crate::conformance::use_mock_cuda();
+        std::env::set_var("KVLANE_MOCK_IPC_SAME_PROCESS", "1");
+        let region = Region::alloc_device(dev, 8192, Access::ALL).unwrap();
+        region.copy_in(100, b"device bytes").unwrap();
+        let export = region.gpu().unwrap().export_ipc().unwrap();
+        let pci = crate::gpu::gpu_devices(GpuRuntime::Cuda).unwrap()[0]
+            .pci_bus_id
+            .clone();
+        let grant = |offset: u64| GpuGrant {
+            runtime: GpuRuntime::Cuda,
+            pci_bus_id: pci.clone(),
+            handle: export.handle.0.to_vec(),
+            offset,
+        };
+        // Inside the allocation: mapped, the bytes are the target's.
+        let mapped = open_gpu(&grant(100), 12, Access::ALL).unwrap();
+        let mut buf = [0u8; 12];
+        mapped.copy_out(0, &mut buf).unwrap();
+        assert_eq!(&buf, b"device bytes");
+        // Past the end, straddling it, wrapping, empty.
+        for (offset, len) in [(8192, 1), (4096, 8192), (u64::MAX - 10, 20), (0, 0)] {
+            let err = open_gpu(&grant(offset), len, Access::ALL).unwrap_err();
+            assert!(
+                err.contains("outside the allocation"),
+                "{offset}+{len}: {err}"
+            );
+        }
+        // A handle of the wrong length, a forged one, a device not here.
+        let mut short = grant(0);
+        short.handle.pop();
+        assert!(open_gpu(&short, 16, Access::ALL)
+            .unwrap_err()
+            .contains("not 64"));
+        let mut forged = grant(0);
+        forged.handle = vec![0x42; 64];
+        let err = open_gpu(&forged, 16, Access::ALL).unwrap_err();
+        assert!(err.contains("cuIpcOpenMemHandle_v2"), "{err}");
+        let mut elsewhere = grant(0);
+        elsewhere.pci_bus_id = "0000:ff:1f.7".into();
+        let err = open_gpu(&elsewhere, 16, Access::ALL).unwrap_err();
+        assert!(err.contains("does not see"), "{err}");
     }
 }

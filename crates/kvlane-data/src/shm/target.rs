@@ -10,7 +10,7 @@
 //! notifications and a target's death are noticed without a timer.
 
 use super::sys::{recv_msg, send_msg, MAX_FDS};
-use super::wire::{self, Granted, NotifyStatus, ToInitiator, ToTarget, MAX_MESSAGE};
+use super::wire::{self, GpuGrant, Granted, NotifyStatus, ToInitiator, ToTarget, MAX_MESSAGE};
 use crate::ids::{FastMap, PeerId, RemoteKey};
 use crate::memory::Region;
 use crate::transfer::Notification;
@@ -56,10 +56,19 @@ pub(crate) enum Cmd {
     Stop,
 }
 
+/// A region served to peers.
+#[derive(Clone)]
+pub(crate) struct Served {
+    /// The region.
+    pub(crate) region: Region,
+    /// For GPU memory: its IPC handle, made when it was registered.
+    pub(crate) gpu: Option<GpuGrant>,
+}
+
 /// State shared by the backend and its I/O thread.
 pub(crate) struct Shared {
-    /// Regions served to peers, by key (remote-accessible shared regions).
-    pub(crate) regions: Mutex<FastMap<RemoteKey, Region>>,
+    /// Regions served to peers, by key (those with remote rights).
+    pub(crate) regions: Mutex<FastMap<RemoteKey, Served>>,
     /// Credentials issued, and the peer each was issued for.
     pub(crate) creds: Mutex<HashMap<[u8; wire::TOKEN_LEN], PeerId>>,
     /// Notifications not yet taken by `poll_notifications`.
@@ -382,7 +391,7 @@ impl Io {
                     return false;
                 };
                 conn.state = State::Serving(peer);
-                let regions: Vec<(RemoteKey, Region)> = lock(&self.shared.regions)
+                let regions: Vec<(RemoteKey, Served)> = lock(&self.shared.regions)
                     .iter()
                     .map(|(k, r)| (*k, r.clone()))
                     .collect();
@@ -446,23 +455,31 @@ impl Io {
     /// Passes `regions` (their descriptors attached) to connection `t`.
     /// A peer that cannot take them at once (its socket is full right
     /// after it connected, or it does not read) is an error.
-    fn grant(&mut self, t: usize, regions: &[(RemoteKey, Region)], last: bool) -> io::Result<()> {
+    fn grant(&mut self, t: usize, regions: &[(RemoteKey, Served)], last: bool) -> io::Result<()> {
         let conn = self.conns.get(&t).ok_or(io::ErrorKind::NotConnected)?;
         let msg = wire::encode(&ToInitiator::Grant {
             regions: regions
                 .iter()
-                .map(|(key, r)| Granted {
-                    key: *key,
-                    len: r.len(),
-                    access: r.access(),
-                    // Not a memory file: registered only because the
-                    // backend was configured for cross-memory attach.
-                    attach: r.shared_fd().is_none().then(|| r.addr()),
+                .map(|(key, s)| {
+                    let r = &s.region;
+                    Granted {
+                        key: *key,
+                        len: r.len(),
+                        access: r.access(),
+                        // Host memory that is not a memory file: registered
+                        // only because the backend was configured for
+                        // cross-memory attach.
+                        attach: (r.shared_fd().is_none() && s.gpu.is_none()).then(|| r.addr()),
+                        gpu: s.gpu.clone(),
+                    }
                 })
                 .collect(),
             last,
         });
-        let fds: Vec<_> = regions.iter().filter_map(|(_, r)| r.shared_fd()).collect();
+        let fds: Vec<_> = regions
+            .iter()
+            .filter_map(|(_, s)| s.region.shared_fd())
+            .collect();
         send_msg(conn.sock.as_fd(), &msg, &fds).map(|_| ())
     }
 

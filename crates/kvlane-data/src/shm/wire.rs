@@ -1,7 +1,16 @@
 //! Messages of the shm backend's Unix socket: one msgpack map per
 //! seqpacket message, each with a `type`. Descriptors travel as
 //! `SCM_RIGHTS` beside [`ToInitiator::Grant`] only.
+//!
+//! Compatibility: fields added after version 1 ([`Granted::attach`],
+//! [`Granted::gpu`]) are optional and sent only for the regions that need
+//! them, so a target serves peers of version 1 as before as long as it
+//! serves only memory files. An initiator that predates a field counts
+//! such a region as a memory file, finds one descriptor fewer than it
+//! expects, and refuses the grant with a typed error (its connect fails)
+//! rather than misreading it.
 
+use crate::gpu::GpuRuntime;
 use crate::ids::RemoteKey;
 use crate::memory::Access;
 use serde::{Deserialize, Serialize};
@@ -84,7 +93,7 @@ pub(crate) enum ToInitiator {
 }
 
 /// One granted region.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct Granted {
     /// The key the target serves it under.
     pub(crate) key: RemoteKey,
@@ -99,6 +108,28 @@ pub(crate) struct Granted {
     /// attached).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) attach: Option<u64>,
+    /// For GPU memory: the IPC handle of the allocation that holds it.
+    /// Absent for host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) gpu: Option<GpuGrant>,
+}
+
+/// How a peer maps a granted region of GPU memory: the driver's IPC
+/// handle of the **whole** allocation that holds it (the driver maps no
+/// less), and where the region lies inside it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct GpuGrant {
+    /// CUDA or ROCm.
+    pub(crate) runtime: GpuRuntime,
+    /// The device's PCI address (`domain:bus:device.function`, lower
+    /// case): device ordinals differ between processes
+    /// (`CUDA_VISIBLE_DEVICES`), PCI addresses do not.
+    pub(crate) pci_bus_id: String,
+    /// `CUipcMemHandle` / `hipIpcMemHandle_t`, 64 bytes, opaque.
+    #[serde(with = "serde_bytes")]
+    pub(crate) handle: Vec<u8>,
+    /// The region's first byte, from the allocation's base.
+    pub(crate) offset: u64,
 }
 
 /// Encodes a message.
@@ -134,13 +165,25 @@ mod tests {
                 len: 4096,
                 access: Access::REMOTE_READ,
                 attach: None,
+                gpu: Some(GpuGrant {
+                    runtime: GpuRuntime::Cuda,
+                    pci_bus_id: "0000:c0:00.0".into(),
+                    handle: vec![7; 64],
+                    offset: 4096,
+                }),
             }],
             last: true,
         };
-        assert!(matches!(
-            decode::<ToInitiator>(&encode(&g)),
-            Some(ToInitiator::Grant { last: true, .. })
-        ));
+        match decode::<ToInitiator>(&encode(&g)) {
+            Some(ToInitiator::Grant {
+                last: true,
+                regions,
+            }) => {
+                let gpu = regions[0].gpu.as_ref().expect("gpu grant");
+                assert_eq!((gpu.handle.len(), gpu.offset), (64, 4096));
+            }
+            other => panic!("{other:?}"),
+        }
         assert!(decode::<ToTarget>(b"\xff\x00garbage").is_none());
         assert!(decode::<ToInitiator>(&[]).is_none());
     }

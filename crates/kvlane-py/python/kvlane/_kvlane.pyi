@@ -219,6 +219,11 @@ class Agent:
         process), ``"shm"`` (shared memory, peers on this host only) or
         ``"same-host"`` (auto, plus shm to peers on this host whose memory
         shm can serve; opt-in). Anything else raises ``InvalidInputError``.
+        GPU memory (torch CUDA tensors, CuPy arrays) is served over shm by
+        CUDA/HIP IPC handle, which hands a peer's driver the whole
+        allocation holding the buffer (for a tensor of PyTorch's caching
+        allocator, its whole segment); so far tested only against a mock
+        driver, not on a GPU.
 
         ``shm_cross_memory_attach``: with ``"shm"`` or ``"same-host"``,
         serve the registered buffers (numpy arrays, tensors,

@@ -60,8 +60,11 @@ Mapping onto kvlane
   CPU placement raise ``TypeError`` for it).
 * Peers on this host: ``backend="same-host"`` adds shared memory to
   ``"auto"`` for peers on this host, ``backend="shm"`` uses it alone.
-  Registered memory here is always memory Python allocated (numpy, torch,
-  ``kvlane.host_buffer``), which shm serves only with
+  ``"VRAM"`` (GPU memory) is served by CUDA/HIP IPC handle, which hands
+  a peer's driver the whole allocation holding it (tested only against a
+  mock driver, not on a GPU). Registered ``"DRAM"`` here is always memory
+  Python allocated (numpy, torch, ``kvlane.host_buffer``), which shm
+  serves only with
   ``shm_cross_memory_attach`` (or ``KVLANE_SHM_CROSS_MEMORY_ATTACH=1``):
   peers then copy into and out of this process with
   ``process_vm_readv``/``process_vm_writev``. **This exposes the whole
