@@ -54,12 +54,19 @@ pub(crate) fn create(
         Ok(Box::new(r))
     };
     let tcp_rails = || -> Result<NamedRails, Error> {
-        data_listen
+        let made: Vec<(String, TcpBackend)> = data_listen
             .split(',')
             .map(str::trim)
             .filter(|a| !a.is_empty())
             .map(|a| Ok((format!("tcp:{a}"), tcp(a, advertise)?)))
-            .collect()
+            .collect::<Result<_, Error>>()?;
+        // A rail whose network is down fences its failed connections
+        // through another rail's address before their WRITEs move.
+        TcpBackend::fence_through_each_other(&made.iter().map(|(_, b)| b).collect::<Vec<_>>());
+        Ok(made
+            .into_iter()
+            .map(|(n, b)| (n, Box::new(b) as Box<dyn Backend>))
+            .collect())
     };
     match choice {
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
@@ -274,7 +281,7 @@ fn verbs(_: &RailChoice) -> Result<NamedRails, Error> {
     ))
 }
 
-fn tcp(data_listen: &str, advertise: Option<&str>) -> Result<Box<dyn Backend>, Error> {
+fn tcp(data_listen: &str, advertise: Option<&str>) -> Result<TcpBackend, Error> {
     let advertise = advertise.map(advertised_ip).transpose()?;
     let listen = data_listen
         .to_socket_addrs()
@@ -291,9 +298,9 @@ fn tcp(data_listen: &str, advertise: Option<&str>) -> Result<Box<dyn Backend>, E
                 format!("{data_listen} resolves to no address"),
             )
         })?;
-    Ok(Box::new(TcpBackend::new(TcpConfig {
+    Ok(TcpBackend::new(TcpConfig {
         listen,
         advertise,
         ..TcpConfig::default()
-    })?))
+    })?)
 }

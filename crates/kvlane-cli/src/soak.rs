@@ -551,10 +551,16 @@ fn tcp_rails(args: &SoakArgs) -> Result<Box<dyn kvlane::data::Backend>, BoxError
         [] => Ok(Box::new(one(None)?)),
         [l] => Ok(Box::new(one(Some(l))?)),
         many => {
-            let mut rails: Vec<(String, Box<dyn kvlane::data::Backend>)> = Vec::new();
-            for l in many {
-                rails.push((format!("tcp:{l}"), Box::new(one(Some(l))?)));
-            }
+            let made = many
+                .iter()
+                .map(|l| Ok((format!("tcp:{l}"), one(Some(l))?)))
+                .collect::<Result<Vec<_>, BoxError>>()?;
+            // A rail whose network is down fences through another rail.
+            TcpBackend::fence_through_each_other(&made.iter().map(|(_, b)| b).collect::<Vec<_>>());
+            let rails: Vec<(String, Box<dyn kvlane::data::Backend>)> = made
+                .into_iter()
+                .map(|(n, b)| (n, Box::new(b) as Box<dyn kvlane::data::Backend>))
+                .collect();
             Ok(Box::new(kvlane::data::Rails::new(
                 rails,
                 kvlane::data::RailsConfig::default(),

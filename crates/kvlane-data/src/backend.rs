@@ -301,6 +301,16 @@ pub trait Backend: Send + 'static {
     fn link_up(&self) -> bool {
         true
     }
+
+    /// Other addresses of `peer`'s process (the endpoints of its other
+    /// rails) through which a failed connection may be fenced when the
+    /// peer's own address cannot be reached: [`Rails`](crate::Rails) sets
+    /// them on each of its rails. tcp uses them (see
+    /// [`TcpBackend::fence_through_each_other`](crate::TcpBackend::fence_through_each_other));
+    /// a wrapper backend must forward it. Default: ignored.
+    fn set_fence_routes(&mut self, peer: PeerId, routes: &[Endpoint]) {
+        let _ = (peer, routes);
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -395,6 +405,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn link_up(&self) -> bool {
         (**self).link_up()
+    }
+    fn set_fence_routes(&mut self, peer: PeerId, routes: &[Endpoint]) {
+        (**self).set_fence_routes(peer, routes)
     }
 }
 

@@ -175,6 +175,9 @@ impl Backend for Intercept {
     fn link_up(&self) -> bool {
         self.inner.link_up() && !self.link.as_ref().is_some_and(|down| down())
     }
+    fn set_fence_routes(&mut self, peer: PeerId, routes: &[Endpoint]) {
+        self.inner.set_fence_routes(peer, routes)
+    }
     fn tcp_counters(&self) -> Option<crate::TcpCounters> {
         self.inner.tcp_counters()
     }

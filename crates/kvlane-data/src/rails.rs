@@ -268,6 +268,32 @@ impl RailPeer {
     }
 }
 
+impl Rails {
+    /// Tells each rail of `peer` the other rails' endpoints of that peer:
+    /// a failed connection whose own target address cannot be reached is
+    /// fenced through one of them ([`Backend::set_fence_routes`]).
+    fn route_fences(&mut self, peer: PeerId) {
+        let Some(state) = self.peers.get(&peer) else {
+            return;
+        };
+        let eps: Vec<Option<Endpoint>> = state
+            .rails
+            .iter()
+            .map(|rp| rp.remote.as_ref().map(|(ep, _)| ep.clone()))
+            .collect();
+        for (i, rp) in state.rails.iter().enumerate() {
+            let Some(id) = rp.id else { continue };
+            let others: Vec<Endpoint> = eps
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .filter_map(|(_, ep)| ep.clone())
+                .collect();
+            self.rails[i].backend.set_fence_routes(id, &others);
+        }
+    }
+}
+
 /// A re-dial's outcome: (peer, rail, the new rail peer and its connect).
 type Redialed = (PeerId, usize, PeerId, Result<Connected, DataError>);
 
@@ -874,6 +900,7 @@ impl Rails {
     /// Dials lost rails again once they are due, and installs the dials
     /// that finished. The dial itself runs on a thread of its own.
     fn redial(&mut self, now: Instant) {
+        let mut rerouted = Vec::new();
         while let Ok((peer, i, new, result)) = self.redials.1.try_recv() {
             let Rail { backend, name, .. } = &mut self.rails[i];
             let Some(rp) = self.peers.get_mut(&peer).and_then(|p| p.rails.get_mut(i)) else {
@@ -888,6 +915,9 @@ impl Rails {
                     rp.id = Some(new);
                     rp.lost = false;
                     rp.down_since = None;
+                    if !in_place {
+                        rerouted.push(peer);
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(rail = %name, error = %e, "rails: re-dial failed");
@@ -897,6 +927,9 @@ impl Rails {
                     rp.down_since = Some(now);
                 }
             }
+        }
+        for peer in rerouted {
+            self.route_fences(peer);
         }
         let retry = self.cfg.retry_after;
         for (peer, state) in &mut self.peers {
@@ -1288,6 +1321,7 @@ impl Backend for Rails {
                 }
             }
         }
+        self.route_fences(peer);
         Ok(Connecting::new(move || {
             // The rails dial in parallel: a slow one does not delay the rest.
             let handles: Vec<_> = work

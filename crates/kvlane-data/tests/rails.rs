@@ -844,6 +844,100 @@ fn a_notification_is_delivered_once_when_its_rail_resets_after_the_notify_passed
 #[path = "support/holding_proxy.rs"]
 mod holding_proxy;
 
+/// As below, but rail 0's target cannot be reached any more when the
+/// WRITE fails there (its network refuses new connections while it still
+/// holds the first attempt's bytes): rail 0's failed connection is fenced
+/// through rail 1's address (the target's tcp rails fence through each
+/// other) before the WRITE moves, so the bytes released 3 s later never
+/// land, and nothing is counted unfenced. Without the sibling fence this
+/// failed: the bytes landed over newer data, counted unfenced.
+#[test]
+fn a_write_moved_off_an_unreachable_rail_is_fenced_through_another() {
+    use holding_proxy::{proxy, Then};
+    const SPAN: u64 = 32 << 10;
+    let new_tcp = || {
+        TcpBackend::new(TcpConfig {
+            queue_depth: 256,
+            chunk_bytes: 64 << 10,
+            ..TcpConfig::default()
+        })
+        .expect("start tcp backend")
+    };
+    let (t0, t1) = (new_tcp(), new_tcp());
+    TcpBackend::fence_through_each_other(&[&t0, &t1]);
+    let px: Arc<Mutex<Option<holding_proxy::Proxy>>> = Arc::default();
+    let p2 = px.clone();
+    let rail0 = Intercept::new(Box::new(t0)).on_endpoint(move |ep| {
+        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
+        let p = proxy(t.addr, Then::Hold);
+        t.addr = p.addr;
+        *ep = t.to_endpoint();
+        *p2.lock().unwrap() = Some(p);
+    });
+    let target = Rails::new(
+        vec![
+            ("tcp0".into(), Box::new(rail0)),
+            ("tcp1".into(), Box::new(t1)),
+        ],
+        RailsConfig::default(),
+    )
+    .unwrap();
+    let cfg = RailsConfig {
+        part_timeout: Duration::from_millis(300),
+        ..RailsConfig::default()
+    };
+    let mut p = pair(rails(2, cfg), Box::new(target));
+    let guard = px.lock().unwrap();
+    let x = guard
+        .as_ref()
+        .expect("rail 0's endpoint went through the proxy");
+    let (release, held, delivered) = (x.release.clone(), x.held.clone(), x.delivered.clone());
+    // Rail 0's connections hold what they are sent, and rail 0's target
+    // can no longer be reached (its fence cannot go there).
+    x.hold.store(true, Ordering::SeqCst);
+    x.stop_accepting();
+    drop(guard);
+    p.src.fill(0, SPAN, 0xee).unwrap();
+    run(&mut p, Op::Write, 0, SPAN).expect("the WRITE moves to rail 1 and lands");
+    let moved_at = Instant::now();
+    assert!(p.init.rail_stats()[0].failures >= 1, "rail 0 never failed");
+    assert!(
+        held.load(Ordering::SeqCst) >= SPAN as usize,
+        "rail 0's network holds the first attempt ({} bytes)",
+        held.load(Ordering::SeqCst)
+    );
+    p.src.fill(0, SPAN, 0x33).unwrap();
+    run(&mut p, Op::Write, 0, SPAN).unwrap();
+    assert!(p.dst.to_vec().unwrap()[..SPAN as usize]
+        .iter()
+        .all(|&b| b == 0x33));
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(moved_at.elapsed()));
+    release.store(true, Ordering::SeqCst);
+    let end = Instant::now() + Duration::from_secs(10);
+    while delivered.load(Ordering::SeqCst) == 0 {
+        assert!(
+            Instant::now() < end,
+            "the proxy never delivered the held bytes"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let now = p.dst.to_vec().unwrap();
+    let late = now[..SPAN as usize].iter().filter(|&&b| b != 0x33).count();
+    let (ti, tt) = (
+        p.init.tcp_counters().unwrap(),
+        p.target.tcp_counters().unwrap(),
+    );
+    assert_eq!(
+        late, 0,
+        "{late} bytes of the first attempt landed over newer data, 3 s after the WRITE moved \
+         (initiator {ti:?}, target {tt:?})"
+    );
+    assert_eq!(ti.unfenced_failures, 0, "initiator {ti:?}");
+    assert!(tt.sibling_fences >= 1, "target {tt:?}");
+    assert!(tt.connections_fenced >= 1, "target {tt:?}");
+}
+
 /// Issue 41, item 6: a WRITE whose bytes the network still holds on rail
 /// 0 times out there and is posted again on rail 1; newer data follows.
 /// When rail 0's network delivers the old bytes 3 s later, over the

@@ -208,6 +208,72 @@ mod raw {
         assert_eq!(t.backend.counters().connections_fenced, 2);
     }
 
+    /// Two tcp backends of one process that fence through each other (the
+    /// rails of one agent): a connection to the second that proves the
+    /// first's credential may FENCE that peer's connections to the first
+    /// (its older connection there is fenced), and nothing else: its READ
+    /// closes it. Without the link the credential is refused there.
+    #[test]
+    fn a_sibling_rail_admits_a_peer_to_fence_only() {
+        use kvlane_data::tcp::wire::fence;
+        let t = target();
+        let key = t.all.1.key;
+        let before = t.all.0.to_vec().unwrap();
+        let other = TcpBackend::new(TcpConfig::default()).unwrap();
+        let via = TcpEndpoint {
+            addr: other.local_addr(),
+            listen: other.local_addr(),
+            ..t.ep
+        };
+        // Not linked: the first backend's credential means nothing here.
+        let s = connect(&via);
+        assert!(
+            authenticate(&s, &t.ep.token).is_err(),
+            "a stranger's credential was admitted"
+        );
+        TcpBackend::fence_through_each_other(&[&t.backend, &other]);
+        let mut old = authed(&t.ep);
+        fence(&old, 5).unwrap();
+        assert_eq!(
+            request(&mut old, RequestKind::Write, key, 0, 16).status,
+            Status::Ok
+        );
+        // Through the sibling: a FENCE of a newer generation.
+        let mut sib = authed(&via);
+        fence(&sib, 6).unwrap();
+        assert_eq!(other.counters().sibling_fences, 1);
+        // The old connection to the first backend is fenced...
+        let req = Request {
+            kind: RequestKind::Write,
+            key,
+            tag: 1,
+            offset: 100,
+            len: 16,
+        };
+        let _ = old.write_all(&req.encode());
+        let _ = old.write_all(&[0xee; 16]);
+        assert!(drain(old).is_empty(), "a fenced connection answered");
+        assert_eq!(
+            t.all.0.to_vec().unwrap()[100..116],
+            before[100..116],
+            "a fenced WRITE landed"
+        );
+        assert_eq!(t.backend.counters().connections_fenced, 1);
+        // ...and the sibling connection serves nothing but FENCE.
+        let req = Request {
+            kind: RequestKind::Read,
+            key,
+            tag: 2,
+            offset: 0,
+            len: 16,
+        };
+        let _ = sib.write_all(&req.encode());
+        assert!(
+            drain(sib).is_empty(),
+            "a fence-only connection served a READ"
+        );
+    }
+
     /// A TCP proxy in front of `target` that forwards both ways and
     /// records what each connection's client sent, as an observer on the
     /// link would.

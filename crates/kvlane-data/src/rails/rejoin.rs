@@ -445,6 +445,7 @@ impl Rails {
             }
         };
         self.send(peer, &out, now);
+        self.route_fences(peer);
         true
     }
 
@@ -492,6 +493,7 @@ impl Rails {
             _ => return false,
         }
         self.send(peer, &ready, now);
+        self.route_fences(peer);
         true
     }
 

@@ -236,6 +236,10 @@ pub(crate) struct ConnectConfig {
     pub(crate) gens: Arc<AtomicU64>,
     /// See [`TcpConfig::fence_timeout`](super::TcpConfig::fence_timeout).
     pub(crate) fence_timeout: Duration,
+    /// Other addresses of the peer's process to fence through when its
+    /// own cannot be reached (see
+    /// [`TcpBackend::fence_through_each_other`](super::TcpBackend::fence_through_each_other)).
+    pub(crate) routes: Arc<Mutex<Vec<SocketAddr>>>,
 }
 
 /// What a failed connection does before its failed transfers are
@@ -830,9 +834,14 @@ impl PeerConn {
                         "the target no longer accepts this peer's credential: nothing to fence");
                 }
                 Err(e) => {
-                    shared.unfenced.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(%peer, addr = %ep.addr, gen, error = %e,
-                        "could not fence a failed connection at its target: bytes of its failed transfers still in the network may land later");
+                    if let Some(via) = Self::fence_through_routes(peer, &ep, &cfg) {
+                        tracing::info!(%peer, addr = %ep.addr, %via, gen, error = %e,
+                            "failed connection fenced through another address of its target (its own cannot be reached)");
+                    } else {
+                        shared.unfenced.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%peer, addr = %ep.addr, gen, error = %e,
+                            "could not fence a failed connection at its target: bytes of its failed transfers still in the network may land later");
+                    }
                 }
             }
             for c in lock(&theirs).take().into_iter().flatten() {
@@ -848,6 +857,37 @@ impl PeerConn {
             let report = lock(&pending).take().unwrap_or_default();
             self.report(report);
         }
+    }
+
+    /// Fences `peer`'s older connections through another address of its
+    /// target's process (`cfg.routes`: its other rails), when its own
+    /// address cannot be reached: one stream that proves this peer's
+    /// credential there and sends a FENCE of a new generation, then
+    /// closes. The address it went through, or `None`.
+    fn fence_through_routes(
+        peer: PeerId,
+        ep: &TcpEndpoint,
+        cfg: &ConnectConfig,
+    ) -> Option<SocketAddr> {
+        let routes = lock(&cfg.routes).clone();
+        for addr in routes {
+            let via = TcpEndpoint {
+                addr,
+                listen: addr,
+                ..*ep
+            };
+            let gen = cfg.gens.fetch_add(1, Ordering::Relaxed);
+            match open_stream(peer, &via, 0, cfg, gen) {
+                Ok(s) => {
+                    let _ = s.shutdown(Shutdown::Both);
+                    return Some(addr);
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, %addr, error = %e, "fencing through another address failed");
+                }
+            }
+        }
+        None
     }
 
     /// Queues failure completions and wakes the poller.

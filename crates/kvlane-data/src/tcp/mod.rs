@@ -132,7 +132,7 @@ use serde::{Deserialize, Serialize};
 use server::{Counters, Credentials, RegionTable, Server, ServerConfig};
 use shared::{lock, IdMap, Shared};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 use wire::{RequestKind, MAX_CHUNK, MAX_NOTIFY, TOKEN_LEN};
@@ -443,6 +443,9 @@ pub(crate) use crate::ids::FastMap;
 struct PeerSlot {
     conn: Option<Arc<PeerConn>>,
     regions: FastMap<RemoteKey, RemoteRegion>,
+    /// Other addresses of the peer's process to fence through
+    /// ([`Backend::set_fence_routes`]); shared with its connections.
+    routes: Arc<Mutex<Vec<SocketAddr>>>,
 }
 
 /// Software one-sided RDMA over TCP (see the [module docs](self)).
@@ -564,6 +567,26 @@ impl TcpBackend {
             pool,
             server,
         })
+    }
+
+    /// Lets every backend of `backends` (the tcp rails of one process)
+    /// admit the others' peers to FENCE: a connection whose target cannot
+    /// be reached at its own address (its rail's network is down, or holds
+    /// the bytes) is then fenced through another rail's address before its
+    /// failed WRITEs are reported or moved, so no byte of them lands later
+    /// (see [`wire`]). Such a connection proves the failed rail's
+    /// credential, may FENCE and nothing else, and is counted in
+    /// [`TcpCounters::sibling_fences`]. [`Rails`](crate::Rails) gives each
+    /// rail the other rails' addresses of a peer
+    /// ([`Backend::set_fence_routes`]); the agent links its tcp rails.
+    pub fn fence_through_each_other(backends: &[&Self]) {
+        for a in backends {
+            for b in backends {
+                if !Arc::ptr_eq(&a.creds, &b.creds) {
+                    a.creds.add_sibling(&b.creds);
+                }
+            }
+        }
     }
 
     /// The `host:port` advertised to peers.
@@ -955,6 +978,7 @@ impl Backend for TcpBackend {
             PeerSlot {
                 conn: None,
                 regions: FastMap::default(),
+                routes: Arc::default(),
             },
         );
         Ok((peer, endpoint.to_endpoint()))
@@ -976,9 +1000,9 @@ impl Backend for TcpBackend {
         remote: &Endpoint,
         regions: &[RemoteRegion],
     ) -> Result<Connecting, DataError> {
-        if !self.peers.contains_key(&peer) {
+        let Some(slot) = self.peers.get(&peer) else {
             return Err(DataError::UnknownPeer(peer));
-        }
+        };
         let ep = TcpEndpoint::from_endpoint(remote)?;
         let cfg = ConnectConfig {
             streams: self.config.streams,
@@ -987,6 +1011,7 @@ impl Backend for TcpBackend {
             socket: self.config.socket_options(),
             gens: self.gens.clone(),
             fence_timeout: self.config.fence_timeout,
+            routes: slot.routes.clone(),
         };
         let shared = self.shared.clone();
         let pool = self.pool.shared();
@@ -1014,6 +1039,18 @@ impl Backend for TcpBackend {
         }
         slot.regions = regions;
         Ok(())
+    }
+
+    fn set_fence_routes(&mut self, peer: PeerId, routes: &[Endpoint]) {
+        let Some(slot) = self.peers.get(&peer) else {
+            return;
+        };
+        let addrs: Vec<SocketAddr> = routes
+            .iter()
+            .filter_map(|ep| TcpEndpoint::from_endpoint(ep).ok())
+            .map(|t| t.addr)
+            .collect();
+        *lock(&slot.routes) = addrs;
     }
 
     fn remove_peer(&mut self, peer: PeerId) {

@@ -106,9 +106,12 @@ impl From<io::Error> for End {
 }
 
 /// Maps a hello and the challenge it answers to the peer it proves (and
-/// that peer's fence).
+/// that peer's fence). No peer: the hello proves a credential of a
+/// sibling server (another rail of this process, see
+/// `TcpBackend::fence_through_each_other`): the connection may FENCE that
+/// peer's connections there and do nothing else.
 pub(crate) type Authenticate<'a> =
-    dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<(PeerId, Arc<PeerFence>), End> + 'a;
+    dyn Fn(&[u8; HELLO_LEN], &Challenge) -> Result<(Option<PeerId>, Arc<PeerFence>), End> + 'a;
 
 /// What serving needs from the server.
 pub(crate) struct Ctx<'a> {
@@ -411,7 +414,7 @@ impl ServeConn {
                     h.copy_from_slice(&rbuf[..HELLO_LEN]);
                     input.start += HELLO_LEN;
                     let (peer, fence) = (ctx.authenticate)(&h, challenge)?;
-                    self.peer = Some(peer);
+                    self.peer = peer;
                     self.fence = Some(fence);
                     self.incoming = Incoming::Header;
                     self.out.put(&HELLO_ACK);
@@ -526,6 +529,10 @@ impl ServeConn {
     fn request(&mut self, req: &Request, ctx: &Ctx<'_>) -> Result<(), End> {
         if req.kind == RequestKind::Fence {
             return self.fence(req);
+        }
+        if self.peer.is_none() {
+            // Admitted through a sibling's credential: FENCE only.
+            return Err(End::Auth);
         }
         // A fenced connection serves nothing more (its writes are also
         // checked as they land: a fence may come mid-payload).

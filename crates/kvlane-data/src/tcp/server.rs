@@ -100,6 +100,11 @@ pub struct TcpCounters {
     /// arrived on one afterwards was dropped before it reached memory or
     /// the application.
     pub connections_fenced: u64,
+    /// Connections admitted to FENCE only, through the credential of a
+    /// sibling tcp backend of this process (another rail of the agent)
+    /// whose own address could not be reached (see
+    /// [`TcpBackend::fence_through_each_other`](super::TcpBackend::fence_through_each_other)).
+    pub sibling_fences: u64,
     /// Requests refused: no region under the key.
     pub refused_unknown_key: u64,
     /// Requests refused: range outside the region.
@@ -145,6 +150,7 @@ impl TcpCounters {
             connection_panics,
             framing_errors,
             connections_fenced,
+            sibling_fences,
             refused_unknown_key,
             refused_out_of_bounds,
             refused_access,
@@ -166,6 +172,7 @@ impl TcpCounters {
         self.connection_panics += connection_panics;
         self.framing_errors += framing_errors;
         self.connections_fenced += connections_fenced;
+        self.sibling_fences += sibling_fences;
         self.refused_unknown_key += refused_unknown_key;
         self.refused_out_of_bounds += refused_out_of_bounds;
         self.refused_access += refused_access;
@@ -191,6 +198,7 @@ pub(crate) struct Counters {
     pub(crate) connection_panics: AtomicU64,
     pub(crate) framing_errors: AtomicU64,
     pub(crate) connections_fenced: AtomicU64,
+    pub(crate) sibling_fences: AtomicU64,
     pub(crate) refused_unknown_key: AtomicU64,
     pub(crate) refused_out_of_bounds: AtomicU64,
     pub(crate) refused_access: AtomicU64,
@@ -220,6 +228,7 @@ impl Counters {
             connection_panics: g(&self.connection_panics),
             framing_errors: g(&self.framing_errors),
             connections_fenced: g(&self.connections_fenced),
+            sibling_fences: g(&self.sibling_fences),
             refused_unknown_key: g(&self.refused_unknown_key),
             refused_out_of_bounds: g(&self.refused_out_of_bounds),
             refused_access: g(&self.refused_access),
@@ -451,6 +460,12 @@ impl super::outq::Sock for FuzzStream<'_> {
 #[derive(Default)]
 pub(crate) struct Credentials {
     table: RwLock<CredTable>,
+    /// The credentials of the other tcp backends of this process that
+    /// fence through this one (rails of one agent): a hello that proves
+    /// one of theirs is admitted here to FENCE that peer's connections
+    /// there, and for nothing else (see
+    /// [`TcpBackend::fence_through_each_other`](super::TcpBackend::fence_through_each_other)).
+    siblings: RwLock<Vec<Weak<Self>>>,
 }
 
 #[derive(Default)]
@@ -501,6 +516,36 @@ impl Credentials {
         hello
             .verify(challenge, token)
             .then(|| (*peer, fence.clone()))
+    }
+
+    /// The fence of the sibling's peer whose credential `hello` proves
+    /// for `challenge` (see `siblings`).
+    fn authenticate_sibling(
+        &self,
+        hello: &[u8; HELLO_LEN],
+        challenge: &Challenge,
+    ) -> Option<Arc<PeerFence>> {
+        let hello = Hello::decode(hello).ok()?;
+        let siblings = self.siblings.read().unwrap_or_else(|e| e.into_inner());
+        for s in siblings.iter().filter_map(Weak::upgrade) {
+            let t = s.table.read().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, token, fence)) = t.by_id.get(&hello.id) {
+                return hello.verify(challenge, token).then(|| fence.clone());
+            }
+        }
+        None
+    }
+
+    /// Admits hellos proving `other`'s credentials to FENCE here.
+    pub(crate) fn add_sibling(&self, other: &Arc<Self>) {
+        let mut siblings = self.siblings.write().unwrap_or_else(|e| e.into_inner());
+        siblings.retain(|w| w.strong_count() > 0);
+        if !siblings
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(other)))
+        {
+            siblings.push(Arc::downgrade(other));
+        }
     }
 
     fn is_valid(&self, peer: PeerId) -> bool {
@@ -1209,16 +1254,22 @@ impl Worker {
     }
 }
 
-/// Authenticates a hello and admits its connection under the cap.
+/// Authenticates a hello and admits its connection under the cap. A
+/// hello proving a sibling's credential is admitted to FENCE only, outside
+/// the caps (it stays unauthenticated here: its auth deadline closes it).
 fn admit(
     state: &ServerState,
     hello: &[u8; HELLO_LEN],
     challenge: &Challenge,
-) -> Result<(PeerId, Arc<PeerFence>), End> {
-    let (peer, fence) = state
-        .creds
-        .authenticate(hello, challenge)
-        .ok_or(End::Auth)?;
+) -> Result<(Option<PeerId>, Arc<PeerFence>), End> {
+    let Some((peer, fence)) = state.creds.authenticate(hello, challenge) else {
+        let fence = state
+            .creds
+            .authenticate_sibling(hello, challenge)
+            .ok_or(End::Auth)?;
+        bump(&state.counters.sibling_fences, 1);
+        return Ok((None, fence));
+    };
     {
         let mut per_peer = lock(&state.per_peer);
         let n = per_peer.entry(peer).or_insert(0);
@@ -1237,7 +1288,7 @@ fn admit(
         state.leave(peer);
         return Err(End::Refused);
     }
-    Ok((peer, fence))
+    Ok((Some(peer), fence))
 }
 
 impl ServerState {

@@ -43,6 +43,12 @@
 //! knows that no byte of the failed attempt still in the network (in a
 //! proxy, in the target's socket buffer) lands later, over newer data.
 //!
+//! A target whose address cannot be reached can be fenced through another
+//! tcp backend of its process (another rail of the same agent, linked with
+//! `TcpBackend::fence_through_each_other`): a connection there presents
+//! the unreachable rail's credential, is admitted for FENCE only (any
+//! other request closes it), and raises that rail's fence for the peer.
+//!
 //! A header that does not decode ([`FrameError`]) ends the connection: the
 //! stream cannot be resynchronised. A request that decodes but is refused
 //! by the target's checks is answered with a status and the connection

@@ -28,6 +28,29 @@ pub(crate) struct Proxy {
     /// Bytes held, then bytes delivered late.
     pub(crate) held: Arc<AtomicUsize>,
     pub(crate) delivered: Arc<AtomicUsize>,
+    /// Set: the proxy's listener is closed (new connections are refused,
+    /// as by a host whose network is down); the connections it made keep
+    /// holding and delivering.
+    pub(crate) unreachable: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    /// Closes the listener: the target is unreachable at this address
+    /// from now on (connects are refused).
+    #[allow(dead_code)] // not every test binary that includes this uses it
+    pub(crate) fn stop_accepting(&self) {
+        self.unreachable.store(true, Ordering::SeqCst);
+        // Wake the accept loop so that it sees the flag and closes.
+        let _ = TcpStream::connect(self.addr);
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        while TcpStream::connect(self.addr).is_ok() {
+            assert!(
+                std::time::Instant::now() < end,
+                "the proxy's listener did not close"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// A proxy in front of `target`. Every connection is forwarded both
@@ -44,15 +67,21 @@ pub(crate) fn proxy(target: SocketAddr, then: Then) -> Proxy {
         release: Arc::default(),
         held: Arc::default(),
         delivered: Arc::default(),
+        unreachable: Arc::default(),
     };
-    let (hold, release, held, delivered) = (
+    let (hold, release, held, delivered, unreachable) = (
         p.hold.clone(),
         p.release.clone(),
         p.held.clone(),
         p.delivered.clone(),
+        p.unreachable.clone(),
     );
     std::thread::spawn(move || {
         for client in listener.incoming() {
+            if unreachable.load(Ordering::SeqCst) {
+                // Dropping the listener closes the port.
+                return;
+            }
             let Ok(client) = client else { return };
             // Held: the connections made before `hold` was set (the
             // initiator's own), not the ones made since (its fence).
