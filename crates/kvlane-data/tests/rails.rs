@@ -844,6 +844,35 @@ fn a_notification_is_delivered_once_when_its_rail_resets_after_the_notify_passed
 #[path = "support/holding_proxy.rs"]
 mod holding_proxy;
 
+/// A pair whose target has two tcp rails, `t0` behind a holding proxy
+/// (made when rail 0's endpoint is handed out), and whose initiator's
+/// rails give a part 300 ms before moving it; the proxy.
+fn rail0_held(
+    t0: Box<dyn Backend>,
+    t1: Box<dyn Backend>,
+) -> (Pair, Arc<Mutex<Option<holding_proxy::Proxy>>>) {
+    use holding_proxy::{proxy, Then};
+    let px: Arc<Mutex<Option<holding_proxy::Proxy>>> = Arc::default();
+    let p2 = px.clone();
+    let rail0 = Intercept::new(t0).on_endpoint(move |ep| {
+        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
+        let p = proxy(t.addr, Then::Hold);
+        t.addr = p.addr;
+        *ep = t.to_endpoint();
+        *p2.lock().unwrap() = Some(p);
+    });
+    let target = Rails::new(
+        vec![("tcp0".into(), Box::new(rail0)), ("tcp1".into(), t1)],
+        RailsConfig::default(),
+    )
+    .unwrap();
+    let cfg = RailsConfig {
+        part_timeout: Duration::from_millis(300),
+        ..RailsConfig::default()
+    };
+    (pair(rails(2, cfg), Box::new(target)), px)
+}
+
 /// As below, but rail 0's target cannot be reached any more when the
 /// WRITE fails there (its network refuses new connections while it still
 /// holds the first attempt's bytes): rail 0's failed connection is fenced
@@ -853,7 +882,6 @@ mod holding_proxy;
 /// failed: the bytes landed over newer data, counted unfenced.
 #[test]
 fn a_write_moved_off_an_unreachable_rail_is_fenced_through_another() {
-    use holding_proxy::{proxy, Then};
     const SPAN: u64 = 32 << 10;
     let new_tcp = || {
         TcpBackend::new(TcpConfig {
@@ -865,28 +893,7 @@ fn a_write_moved_off_an_unreachable_rail_is_fenced_through_another() {
     };
     let (t0, t1) = (new_tcp(), new_tcp());
     TcpBackend::fence_through_each_other(&[&t0, &t1]);
-    let px: Arc<Mutex<Option<holding_proxy::Proxy>>> = Arc::default();
-    let p2 = px.clone();
-    let rail0 = Intercept::new(Box::new(t0)).on_endpoint(move |ep| {
-        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
-        let p = proxy(t.addr, Then::Hold);
-        t.addr = p.addr;
-        *ep = t.to_endpoint();
-        *p2.lock().unwrap() = Some(p);
-    });
-    let target = Rails::new(
-        vec![
-            ("tcp0".into(), Box::new(rail0)),
-            ("tcp1".into(), Box::new(t1)),
-        ],
-        RailsConfig::default(),
-    )
-    .unwrap();
-    let cfg = RailsConfig {
-        part_timeout: Duration::from_millis(300),
-        ..RailsConfig::default()
-    };
-    let mut p = pair(rails(2, cfg), Box::new(target));
+    let (mut p, px) = rail0_held(Box::new(t0), Box::new(t1));
     let guard = px.lock().unwrap();
     let x = guard
         .as_ref()
@@ -945,27 +952,8 @@ fn a_write_moved_off_an_unreachable_rail_is_fenced_through_another() {
 /// connection was fenced before the part was reported failed and moved.
 #[test]
 fn a_moved_write_never_lands_late_from_its_first_rail() {
-    use holding_proxy::{proxy, Then};
     const SPAN: u64 = 32 << 10;
-    let px: Arc<Mutex<Option<holding_proxy::Proxy>>> = Arc::default();
-    let p2 = px.clone();
-    let rail0 = Intercept::new(tcp()).on_endpoint(move |ep| {
-        let mut t = kvlane_data::TcpEndpoint::from_endpoint(ep).unwrap();
-        let p = proxy(t.addr, Then::Hold);
-        t.addr = p.addr;
-        *ep = t.to_endpoint();
-        *p2.lock().unwrap() = Some(p);
-    });
-    let target = Rails::new(
-        vec![("tcp0".into(), Box::new(rail0)), ("tcp1".into(), tcp())],
-        RailsConfig::default(),
-    )
-    .unwrap();
-    let cfg = RailsConfig {
-        part_timeout: Duration::from_millis(300),
-        ..RailsConfig::default()
-    };
-    let mut p = pair(rails(2, cfg), Box::new(target));
+    let (mut p, px) = rail0_held(tcp(), tcp());
     let (hold, release, held, delivered) = {
         let g = px.lock().unwrap();
         let x = g
