@@ -47,7 +47,13 @@ class KvlaneP2PTier(P2PSecondaryTierManager):
     (``backend``, ``psk``, ``listen`` (default ``host:port``), ``advertise``,
     ``liveness_budget``, ``keepalive_interval``, ``handshake_timeout``,
     ``transfer_deadline``, ``cpus``); ``KVLANE_PSK`` and ``KVLANE_BACKEND``
-    are read when the dict does not say."""
+    are read when the dict does not say.
+
+    Counts (``TransferCounts``, as transfers end): ``loaded``, the blocks
+    this tier's loads fetched from peers, and ``written``, the blocks it
+    wrote to peers that fetched from it; each per peer id. On the CPU
+    platform the OffloadingConnector's spec is
+    :class:`CpuTieringOffloadingSpec`."""
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview,
                  tier_type: str = "KvlaneP2PTier", host: Optional[str] = None,
