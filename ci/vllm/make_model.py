@@ -5,9 +5,18 @@ vLLM's `load_format="dummy"` is no good for P/D tests: at this scale its
 output depends on the last prompt token only, so a garbage KV cache would
 still give the "right" tokens. With random weights of this scale, changing
 the first prompt token changes the output, which is what proves that the KV
-cache came over the wire. `--seed` picks other weights (the crossed check).
+cache came over the wire. `--seed` picks other weights.
 
-Usage: python make_model.py DIR [--seed N]
+`--prefix-seed M` makes one of a crossed pair (ci/vllm/p2p_engines.py): the
+embeddings of tokens below PREFIX_VOCAB are drawn from seed M, everything
+else from `--seed`, and those tokens are never generated (their lm_head rows
+are zero). Two such models with different M give different KV for a prompt
+of those tokens, and the same computation for every token of PREFIX_VOCAB
+and above: a prompt whose prefix is of the first kind and whose rest is of
+the second gives, over the prefix's KV of one model, the other model's
+tokens only if that KV was not computed locally.
+
+Usage: python make_model.py DIR [--seed N] [--prefix-seed M]
 """
 
 import argparse
@@ -18,12 +27,17 @@ import torch
 from safetensors.torch import save_file
 
 HIDDEN, INTER, LAYERS, HEADS, VOCAB, CTX = 256, 512, 4, 4, 1024, 4096
+#: Tokens below this are the prefix alphabet of `--prefix-seed` models.
+PREFIX_VOCAB = 512
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--prefix-seed", type=int,
+                    help="embeddings of tokens below PREFIX_VOCAB from this seed, and those "
+                         "tokens never generated (one of a crossed pair)")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     cfg = {
@@ -56,6 +70,11 @@ def main() -> None:
         "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
         "lm_head.weight": rnd(VOCAB, HIDDEN),
     }
+    if a.prefix_seed is not None:
+        gp = torch.Generator().manual_seed(a.prefix_seed)
+        emb = t["model.embed_tokens.weight"]
+        emb[:PREFIX_VOCAB] = (torch.randn(PREFIX_VOCAB, HIDDEN, generator=gp)).to(torch.bfloat16)
+        t["lm_head.weight"][:PREFIX_VOCAB] = 0
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)

@@ -73,37 +73,41 @@ class Failed(Exception):
     pass
 
 
-class Engine:
-    """One engine.py process group, with its stderr kept in a log file."""
+class PipeEngine:
+    """One engine process group driven over a pipe (a JSON line per request
+    and per answer, the first answer `{"ready": ...}`), with its stderr kept
+    in a log file."""
 
-    def __init__(self, name: str, role: str, model: str, connector: str, logdir: str,
-                 side_port: int = 0, extra_env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, name: str, args: List[str], logdir: str,
+                 extra_env: Optional[Dict[str, str]] = None) -> None:
         self.name = name
-        self.role = role
         self.log_path = os.path.join(logdir, f"{name}.log")
         env = dict(os.environ)
         env.update(extra_env or {})
-        args = [sys.executable, os.path.join(HERE, "engine.py"), "--role", role,
-                "--model", model, "--connector", connector]
-        if side_port:
-            args += ["--side-port", str(side_port)]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, env=env, start_new_session=True)
         self._lines: "queue.Queue[Optional[dict]]" = queue.Queue()
         self._ids = iter(range(1, 1 << 30))
         threading.Thread(target=self._read, daemon=True).start()
-        self._ready = False
+        self._ready: Optional[dict] = None
 
-    def ready(self) -> "Engine":
+    def ready(self, timeout: float = 300) -> "PipeEngine":
         """Waits for the engine to be built (engines start in parallel)."""
-        if not self._ready:
-            first = self._next(timeout=300)
+        if self._ready is None:
+            first = self._next(timeout=timeout)
             if not first.get("ready"):
                 raise Failed(f"{self.name}: unexpected first line {first}")
             log(f"{self.name}: ready in {first['secs']} s (pid {first['pid']})")
-            self._ready = True
+            self._ready = first
         return self
+
+    @property
+    def ready_line(self) -> dict:
+        """The engine's first line, `{"ready": true, ...}`."""
+        self.ready()
+        assert self._ready is not None
+        return self._ready
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -123,13 +127,12 @@ class Engine:
             raise Failed(f"{self.name}: exited with {self.proc.wait()} (log: {self.log_path})")
         return msg
 
-    def send(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
-             max_tokens: int = 8) -> int:
+    def request(self, req: Dict[str, Any]) -> int:
+        """Sends `req` with a new id; returns the id."""
         self.ready()
         rid = next(self._ids)
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"id": rid, "prompts": prompts, "kv": kv,
-                                           "max_tokens": max_tokens}) + "\n").encode())
+        self.proc.stdin.write((json.dumps({"id": rid, **req}) + "\n").encode())
         self.proc.stdin.flush()
         return rid
 
@@ -138,11 +141,6 @@ class Engine:
         if msg.get("id") != rid:
             raise Failed(f"{self.name}: answer {msg.get('id')} for request {rid}")
         return msg
-
-    def run(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
-            max_tokens: int = 8, timeout: float = 300) -> dict:
-        self.ready()
-        return self.answer(self.send(prompts, kv, max_tokens), timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -193,6 +191,31 @@ class Engine:
                 continue
         return out
 
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+class Engine(PipeEngine):
+    """One engine.py process group (ci/vllm/engine.py's protocol)."""
+
+    def __init__(self, name: str, role: str, model: str, connector: str, logdir: str,
+                 side_port: int = 0, extra_env: Optional[Dict[str, str]] = None) -> None:
+        self.role = role
+        args = [sys.executable, os.path.join(HERE, "engine.py"), "--role", role,
+                "--model", model, "--connector", connector]
+        if side_port:
+            args += ["--side-port", str(side_port)]
+        super().__init__(name, args, logdir, extra_env)
+
+    def send(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
+             max_tokens: int = 8) -> int:
+        return self.request({"prompts": prompts, "kv": kv, "max_tokens": max_tokens})
+
+    def run(self, prompts: List[List[int]], kv: Optional[List[Any]] = None,
+            max_tokens: int = 8, timeout: float = 300) -> dict:
+        return self.answer(self.send(prompts, kv, max_tokens), timeout)
+
     def worker_cpus(self) -> List[int]:
         """The CPUs the engine's worker thread (the one that drives the
         model) may run on, read from /proc."""
@@ -220,10 +243,6 @@ class Engine:
             if time.monotonic() > deadline:
                 raise Failed(f"{self.name}: threads still running 10 s after SIGSTOP: {running}")
             time.sleep(0.01)
-
-    def log_text(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
 
 
 def placement(how: str, role: str) -> Dict[str, str]:

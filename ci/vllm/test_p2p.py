@@ -23,6 +23,7 @@ import pytest
 
 import kvlane
 from kvlane._vllm_p2p import link
+import kvlane.vllm
 from kvlane.vllm import KvlaneControlTransport, KvlaneDataTransport, KvlaneP2PTier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -262,6 +263,21 @@ def test_write_blocks_names_bad_input(nodes):
         KvlaneDataTransport(a.agent, memoryview(bytearray(16)))
 
 
+def test_written_counts_blocks_per_peer(nodes):
+    a, b = nodes(), nodes()
+    register(a, b)
+    tid = a.data.write_blocks(b.addr, [0, 1, 2], [0, 1, 2])
+    poll_until_settled(a, b.addr, {tid})
+    nobody = free_addr()
+    a.data.add_remote_peer(nobody, b.data.get_agent_metadata(), b.data.base_addr, BLOCKS,
+                           BLOCK_LEN)
+    bad = a.data.write_blocks(nobody, [3], [3])
+    assert poll_until_settled(a, nobody, {bad}, timeout=40) == (set(), {bad})
+    w = a.data.written
+    assert (w.done, w.blocks, w.failed, w.blocks_failed) == (1, 3, 1, 1), w
+    assert w.blocks_by_peer == {b.addr: 3}, w
+
+
 def test_poll_is_scoped_to_its_peer(nodes):
     a, b, c = nodes(), nodes(), nodes()
     register(a, b)
@@ -360,6 +376,73 @@ def test_the_tier_loads_from_vllms_factory():
     cls = SecondaryTierFactory.get_tier_class(
         {"type": "KvlaneP2PTier", "module_path": "kvlane.vllm"})
     assert cls is KvlaneP2PTier
+
+
+# ------------------------------------------------------------ CPU worker
+
+
+def test_the_cpu_spec_loads_from_vllms_factory():
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    cls = OffloadingSpecFactory.get_spec_cls(
+        {"spec_name": "CpuTieringOffloadingSpec", "spec_module_path": "kvlane.vllm"})
+    assert cls is kvlane.vllm.CpuTieringOffloadingSpec
+
+
+def test_cpu_worker_copies_each_block_and_layer_by_chunk_and_sub_block():
+    """Two layers (pages of 64 bytes, and 32 with 24 used), two KV blocks
+    per chunk, a group that starts at the request's block 1: its blocks go
+    to sub-block 1 of the first chunk, then 0 and 1 of the next. The unused
+    bytes of a padded page are not copied."""
+    import torch
+    from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,
+                                         CanonicalKVCacheTensor, GPULoadStoreSpec)
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from kvlane._vllm_p2p.cpu import CpuOffloadingWorker
+
+    pages, used, per_chunk = (64, 32), (64, 24), 2
+    kv = [torch.zeros((8, p), dtype=torch.int8) for p in pages]
+    for t, x in enumerate(kv):
+        for b in range(8):
+            x[b] = 16 * t + b + 1
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(x, p) for x, p in zip(kv, pages)],
+        [[CanonicalKVCacheRef(t, u) for t, u in enumerate(used)]])
+    engine_id = f"kvlane-test-{os.getpid()}"
+    region = SharedOffloadRegion(engine_id=engine_id, num_chunks=4, rank=0,
+                                 kv_bytes_per_chunk=4096,
+                                 cpu_page_size=sum(pages) * per_chunk)
+    w = CpuOffloadingWorker(caches, per_chunk, region)
+    try:
+        # KV blocks 5, 2, 7 are the request's blocks 1, 2, 3: chunk 3's
+        # sub-block 1, chunk 0's sub-blocks 0 and 1.
+        assert w.submit_store(1, GPULoadStoreSpec([5, 2, 7], [3], [1]), CPULoadStoreSpec([3, 0]))
+        [r] = w.get_finished()
+        assert (r.job_id, r.success, r.transfer_size) == (1, True, 3 * sum(used))
+        assert w.get_finished() == []
+        tier = [region.base_tensor.as_strided((4, p * per_chunk), (4096, 1), off)
+                for p, off in zip(pages, (0, pages[0] * per_chunk))]
+        for t, (p, u) in enumerate(zip(pages, used)):
+            for chunk, sub, block in ((3, 1, 5), (0, 0, 2), (0, 1, 7)):
+                piece = tier[t][chunk, sub * p:(sub + 1) * p]
+                assert (piece[:u] == 16 * t + block + 1).all(), (t, chunk, sub)
+                assert (piece[u:] == 0).all(), "padding was copied"
+            assert (tier[t][3, :p] == 0).all() and (tier[t][1:3] == 0).all()
+        # And back, into other KV blocks.
+        for x in kv:
+            x.zero_()
+        assert w.submit_load(2, CPULoadStoreSpec([3, 0]), GPULoadStoreSpec([1, 4, 6], [3], [1]))
+        assert [r.job_id for r in w.get_finished()] == [2]
+        for t, u in enumerate(used):
+            for dst, src in ((1, 5), (4, 2), (6, 7)):
+                assert (kv[t][dst, :u] == 16 * t + src + 1).all(), (t, dst)
+            assert kv[t][[0, 2, 3, 5, 7]].eq(0).all()
+        w.wait({1, 2})
+    finally:
+        w.shutdown()
+    assert not os.path.exists(f"/dev/shm/vllm_offload_{engine_id}.mmap")
 
 
 # ------------------------------------------------------------------ churn

@@ -34,7 +34,11 @@ vLLM's P2P KV-offload tier on kvlane is ``KvlaneP2PTier`` (with its
 transports ``KvlaneControlTransport``, ``KvlaneControlConnection`` and
 ``KvlaneDataTransport``), one entry of the OffloadingConnector's
 ``secondary_tiers``: ``{"type": "KvlaneP2PTier", "module_path":
-"kvlane.vllm"}``; see ``kvlane._vllm_p2p``.
+"kvlane.vllm"}``; see ``kvlane._vllm_p2p``. On the CPU platform the
+OffloadingConnector's spec is ``CpuTieringOffloadingSpec`` (``"spec_name":
+"CpuTieringOffloadingSpec", "spec_module_path": "kvlane.vllm"``): vLLM
+0.32's ``TieringOffloadingSpec`` with a worker that copies with
+``memmove``, where vLLM's own refuses non-CUDA platforms.
 
 Supported vLLM: the 0.32 series (``SUPPORTED_VLLM``). Another version fails
 at load with a message naming it; ``KVLANE_VLLM_ANY_VERSION=1`` tries anyway.
@@ -68,6 +72,7 @@ except ImportError as e:  # pragma: no cover - exercised without vLLM only
 from kvlane import nixl as _nixl
 
 __all__ = [
+    "CpuTieringOffloadingSpec",
     "KvlaneConnector",
     "KvlaneConnectorWorker",
     "KvlaneControlConnection",
@@ -246,7 +251,8 @@ class KvlaneConnector(NixlPullConnector):
 #: ``kvlane._vllm_p2p``; imported when first named, so the connector above
 #: loads without vLLM's P2P tier code.
 _P2P_NAMES = frozenset(
-    ("KvlaneP2PTier", "KvlaneControlTransport", "KvlaneControlConnection", "KvlaneDataTransport")
+    ("KvlaneP2PTier", "KvlaneControlTransport", "KvlaneControlConnection", "KvlaneDataTransport",
+     "CpuTieringOffloadingSpec")
 )
 
 

@@ -28,6 +28,12 @@ is vLLM's own code, unchanged. The pieces:
   agent per tier listening on the tier's ``host:port``, and a restarted
   peer's new connection accepted in the poll that received it.
 
+- :class:`CpuTieringOffloadingSpec`: vLLM's ``TieringOffloadingSpec``
+  with a worker for the CPU platform (``memmove`` between the KV cache and
+  the tier's ``/dev/shm`` region), where vLLM 0.32's own worker refuses to
+  run; loaded with ``"spec_name": "CpuTieringOffloadingSpec",
+  "spec_module_path": "kvlane.vllm"``.
+
 Threads: vLLM drives everything from ``poll()`` on its scheduler thread and
 nothing here blocks it. kvlane's own runtime does the I/O; the one blocking
 call, ``Agent.connect`` (the handshake), runs on a small pool
@@ -36,10 +42,12 @@ call, ``Agent.connect`` (the handshake), runs on a small pool
 
 
 from .control import KvlaneControlConnection, KvlaneControlTransport
+from .cpu import CpuTieringOffloadingSpec
 from .data import KvlaneDataTransport
 from .tier import KvlaneP2PTier
 
 __all__ = [
+    "CpuTieringOffloadingSpec",
     "KvlaneControlConnection",
     "KvlaneControlTransport",
     "KvlaneDataTransport",

@@ -30,6 +30,28 @@ class _Meta(msgspec.Struct, frozen=True):
 
 
 @dataclass
+class TransferCounts:
+    """Transfers of blocks to or from peers, as they ended: ``done`` and
+    ``failed`` transfers, their blocks, and the blocks done per peer id
+    (``KvlaneDataTransport.written``, ``KvlaneP2PTier.loaded``)."""
+
+    done: int = 0
+    failed: int = 0
+    blocks: int = 0
+    blocks_failed: int = 0
+    blocks_by_peer: Dict[str, int] = field(default_factory=dict)
+
+    def count(self, peer_id: str, blocks: int, ok: bool) -> None:
+        if ok:
+            self.done += 1
+            self.blocks += blocks
+            self.blocks_by_peer[peer_id] = self.blocks_by_peer.get(peer_id, 0) + blocks
+        else:
+            self.failed += 1
+            self.blocks_failed += blocks
+
+
+@dataclass
 class _Remote:
     addr: str
     inc: int
@@ -80,6 +102,8 @@ class KvlaneDataTransport(DataTransport):
         self._by_peer: Dict[str, Dict[int, _Xfer]] = {}
         self._ids = itertools.count()
         self._closed = False
+        #: Writes to peers, as they ended.
+        self.written = TransferCounts()
 
     def get_agent_metadata(self) -> bytes:
         return encoder.encode(_Meta(WIRE_VERSION, self._agent.incarnation, self._advertise))
@@ -154,15 +178,17 @@ class KvlaneDataTransport(DataTransport):
                 if x.transfer is None and x.failed is None:
                     self._post(x, now)
                 if x.failed is not None:
+                    ok = False
                     logger.info("kvlane p2p: transfer %d to %s failed: %s", tid, x.peer_id, x.failed)
-                    failed.append(tid)
                 elif x.transfer is not None and x.transfer.done():
-                    (done if x.transfer.status == "done" else failed).append(tid)
-                    if x.transfer.status != "done":
+                    ok = x.transfer.status == "done"
+                    if not ok:
                         logger.info("kvlane p2p: transfer %d to %s failed: %s", tid, x.peer_id,
                                     x.transfer.error())
                 else:
                     continue
+                (done if ok else failed).append(tid)
+                self.written.count(x.peer_id, len(x.local), ok)
                 self._pop(tid)
         if not done and not failed:
             return _EMPTY_POLL

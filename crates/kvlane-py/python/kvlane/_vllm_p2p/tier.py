@@ -4,15 +4,16 @@ transports."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import kvlane
 from vllm.v1.kv_offload.tiering.p2p.control.base import ControlConnection, ControlTransport
 from vllm.v1.kv_offload.tiering.p2p.data.base import DataTransport
-from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager, P2PSourceInfo
 
 from .control import KvlaneControlTransport
-from .data import KvlaneDataTransport
+from .data import KvlaneDataTransport, TransferCounts
 from .link import Dialer
 
 _AGENT_KEYS = ("backend", "listen", "advertise", "psk", "keepalive_interval",
@@ -46,7 +47,13 @@ class KvlaneP2PTier(P2PSecondaryTierManager):
     (``backend``, ``psk``, ``listen`` (default ``host:port``), ``advertise``,
     ``liveness_budget``, ``keepalive_interval``, ``handshake_timeout``,
     ``transfer_deadline``, ``cpus``); ``KVLANE_PSK`` and ``KVLANE_BACKEND``
-    are read when the dict does not say."""
+    are read when the dict does not say.
+
+    Counts (``TransferCounts``, as transfers end): ``loaded``, the blocks
+    this tier's loads fetched from peers, and ``written``, the blocks it
+    wrote to peers that fetched from it; each per peer id. On the CPU
+    platform the OffloadingConnector's spec is
+    :class:`CpuTieringOffloadingSpec`."""
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview,
                  tier_type: str = "KvlaneP2PTier", host: Optional[str] = None,
@@ -57,6 +64,10 @@ class KvlaneP2PTier(P2PSecondaryTierManager):
         settings = _agent_settings(kvlane)
         self._kvlane_agent: Optional[Any] = None
         self._kvlane_dialer: Optional[Dialer] = None
+        #: Loads from peers (jobs and blocks), as they ended; what this tier
+        #: wrote to peers is ``written``.
+        self.loaded = TransferCounts()
+        self._loads: Dict[int, Tuple[str, int]] = {}  # job id -> (peer id, blocks)
 
         def make_data(agent_name: str, view: memoryview, config_fields: Optional[dict] = None,
                       **_nixl: Any) -> DataTransport:
@@ -89,6 +100,26 @@ class KvlaneP2PTier(P2PSecondaryTierManager):
     def kvlane_agent(self) -> Any:
         """The tier's kvlane agent (engine id and listen address ``host:port``)."""
         return self._kvlane_agent
+
+    @property
+    def written(self) -> TransferCounts:
+        """Blocks this tier wrote to peers (their loads from it), as they ended."""
+        data = self._data
+        return data.written if isinstance(data, KvlaneDataTransport) else TransferCounts()
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        source = job_metadata.req_context.get_state(P2PSourceInfo)
+        peer = source.peer_id if source is not None else "?"
+        self._loads[job_metadata.job_id] = (peer, len(job_metadata.keys))
+        super().submit_load(job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = list(super().get_finished_jobs())
+        for r in results:
+            load = self._loads.pop(r.job_id, None)
+            if load is not None:
+                self.loaded.count(load[0], load[1], r.success)
+        return results
 
     def _accept_new_peers(self, new_connections: Sequence[ControlConnection]) -> None:
         # A restarted peer's new connection arrives in the poll that finds
