@@ -470,12 +470,13 @@ fn points(kinds: &[(&str, &str)]) -> Vec<(String, String, u64)> {
 
 #[test]
 fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
+    let tcp = ["--backend", "tcp"];
     let BenchRun {
         first,
         points: points_seen,
         rows,
         stderr,
-    } = bench_two_processes(&[], &[]);
+    } = bench_two_processes(&tcp, &tcp);
     assert!(first.contains(" raw-tcp="), "{first}");
     // Per block size: the raw-tcp ceiling of the link (READ- and
     // WRITE-shaped, against the target's raw port), then the agent.
@@ -498,6 +499,28 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
         stderr.contains("raw-tcp ceiling: 4 streams to 127.0.0.1:"),
         "{stderr}"
     );
+    assert!(!stderr.contains("WARN"), "{stderr}");
+}
+
+/// The default backend (`auto`) on both sides of one host: the agent
+/// picks shm for the target (both pools are shareable memory), the rows
+/// say so, and the ceiling is `memcpy`, as with `--backend shm`.
+#[cfg(target_os = "linux")]
+#[test]
+fn bench_with_the_default_backend_on_one_host_runs_over_shm_and_says_so() {
+    let BenchRun {
+        points: points_seen,
+        rows,
+        stderr,
+        ..
+    } = bench_two_processes(&[], &[]);
+    assert_eq!(
+        points_seen,
+        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
+    );
+    for r in &rows {
+        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+    }
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
@@ -614,7 +637,10 @@ fn a_target_without_baselines_serves_no_ceiling_and_the_initiator_says_so() {
         points: points_seen,
         stderr,
         ..
-    } = bench_two_processes(&["--no-baseline"], &[]);
+    } = bench_two_processes(
+        &["--no-baseline", "--backend", "tcp"],
+        &["--backend", "tcp"],
+    );
     assert!(!first.contains("raw-tcp"), "{first}");
     assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
     assert!(stderr.contains("serves no raw-tcp ceiling"), "{stderr}");
