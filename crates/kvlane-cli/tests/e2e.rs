@@ -602,7 +602,10 @@ fn bench_posts_a_batch_as_one_transfer_with_post_single() {
         rows,
         stderr,
         ..
-    } = bench_two_processes(&["--no-baseline"], &["--post", "single"]);
+    } = bench_two_processes(
+        &["--no-baseline", "--backend", "tcp"],
+        &["--post", "single", "--backend", "tcp"],
+    );
     assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
     for r in &rows {
         let blocks = r["transfers"].as_u64().unwrap();
