@@ -21,6 +21,20 @@ fn pattern(seed: u8) -> Vec<u8> {
         .collect()
 }
 
+fn shared() -> Region {
+    Region::alloc_shared(LEN, Access::ALL).unwrap()
+}
+
+/// An agent named `name` serving `region`, as `tweak` builds it.
+async fn agent(name: &str, region: &Region, tweak: fn(AgentBuilder) -> AgentBuilder) -> Agent {
+    tweak(builder(name, region.clone())).build().await.unwrap()
+}
+
+/// No change to the builder: `Auto`, the default.
+fn auto(b: AgentBuilder) -> AgentBuilder {
+    b
+}
+
 fn builder(name: &str, region: Region) -> AgentBuilder {
     Agent::builder()
         .engine_id(name)
@@ -70,19 +84,9 @@ fn rail_of(metrics: &str) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_gives_two_agents_of_this_host_shm_with_shared_memory() {
-    let (mine, theirs) = (
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-    );
-    // No backend named: the default is Auto.
-    let t = builder("auto-target", theirs.clone())
-        .build()
-        .await
-        .unwrap();
-    let i = builder("auto-initiator", mine.clone())
-        .build()
-        .await
-        .unwrap();
+    let (mine, theirs) = (shared(), shared());
+    let t = agent("auto-target", &theirs, auto).await;
+    let i = agent("auto-initiator", &mine, auto).await;
     let (kind, metrics) = roundtrip(&i, &mine, &t, &theirs).await;
     assert_eq!(kind, BackendKind::Shm);
     let rails = rail_of(&metrics);
@@ -98,18 +102,9 @@ async fn auto_gives_two_agents_of_this_host_shm_with_shared_memory() {
 async fn auto_moves_memory_the_application_allocated_over_tcp() {
     // The target serves shared memory; this side serves plain memory (a
     // tensor's, an array's), which turns shm off here: both ways tcp.
-    let (mine, theirs) = (
-        Region::alloc(LEN, Access::ALL).unwrap(),
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-    );
-    let t = builder("auto-target", theirs.clone())
-        .build()
-        .await
-        .unwrap();
-    let i = builder("auto-initiator", mine.clone())
-        .build()
-        .await
-        .unwrap();
+    let (mine, theirs) = (Region::alloc(LEN, Access::ALL).unwrap(), shared());
+    let t = agent("auto-target", &theirs, auto).await;
+    let i = agent("auto-initiator", &mine, auto).await;
     let (kind, metrics) = roundtrip(&i, &mine, &t, &theirs).await;
     assert_eq!(kind, BackendKind::Tcp);
     assert!(rail_of(&metrics).iter().all(|r| *r == "tcp"), "{metrics}");
@@ -122,18 +117,9 @@ async fn auto_moves_memory_the_application_allocated_over_tcp() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_registered_later_that_shm_cannot_serve_turns_shm_off_for_new_peers() {
-    let (mine, theirs) = (
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-    );
-    let t = builder("auto-target", theirs.clone())
-        .build()
-        .await
-        .unwrap();
-    let i = builder("auto-initiator", mine.clone())
-        .build()
-        .await
-        .unwrap();
+    let (mine, theirs) = (shared(), shared());
+    let t = agent("auto-target", &theirs, auto).await;
+    let i = agent("auto-initiator", &mine, auto).await;
     i.register_region(Region::alloc(4096, Access::ALL).unwrap())
         .await
         .unwrap();
@@ -145,25 +131,16 @@ async fn a_region_registered_later_that_shm_cannot_serve_turns_shm_off_for_new_p
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_host_shm_off_gives_tcp_and_same_host_still_asks_for_shm() {
-    let (mine, theirs) = (
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-    );
-    let t = builder("target", theirs.clone())
-        .backend(BackendChoice::SameHost)
-        .same_host_shm(false)
-        .build()
-        .await
-        .unwrap();
-    let off = builder("off", mine.clone())
-        .same_host_shm(false)
-        .build()
-        .await
-        .unwrap();
+    let (mine, theirs) = (shared(), shared());
+    let t = agent("target", &theirs, |b| {
+        b.backend(BackendChoice::SameHost).same_host_shm(false)
+    })
+    .await;
+    let off = agent("off", &mine, |b| b.same_host_shm(false)).await;
     let (kind, _) = roundtrip(&off, &mine, &t, &theirs).await;
     assert_eq!(kind, BackendKind::Tcp, "Auto with same_host_shm(false)");
     off.close().await;
-    let on = builder("on", mine.clone()).build().await.unwrap();
+    let on = agent("on", &mine, auto).await;
     let (kind, _) = roundtrip(&on, &mine, &t, &theirs).await;
     assert_eq!(
         kind,
@@ -176,16 +153,9 @@ async fn same_host_shm_off_gives_tcp_and_same_host_still_asks_for_shm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_tcp_stays_plain_tcp() {
-    let (mine, theirs) = (
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-        Region::alloc_shared(LEN, Access::ALL).unwrap(),
-    );
-    let t = builder("target", theirs.clone()).build().await.unwrap();
-    let i = builder("tcp", mine.clone())
-        .backend(BackendChoice::Tcp)
-        .build()
-        .await
-        .unwrap();
+    let (mine, theirs) = (shared(), shared());
+    let t = agent("target", &theirs, auto).await;
+    let i = agent("tcp", &mine, |b| b.backend(BackendChoice::Tcp)).await;
     let (kind, _) = roundtrip(&i, &mine, &t, &theirs).await;
     assert_eq!(kind, BackendKind::Tcp);
     i.close().await;

@@ -502,50 +502,33 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
-/// The default backend (`auto`) on both sides of one host: the agent
-/// picks shm for the target (both pools are shareable memory), the rows
-/// say so, and the ceiling is `memcpy`, as with `--backend shm`.
-#[cfg(target_os = "linux")]
-#[test]
-fn bench_with_the_default_backend_on_one_host_runs_over_shm_and_says_so() {
-    let BenchRun {
-        points: points_seen,
-        rows,
-        stderr,
-        ..
-    } = bench_two_processes(&[], &[]);
-    assert_eq!(
-        points_seen,
-        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
-    );
-    for r in &rows {
-        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
-    }
-    assert!(!stderr.contains("WARN"), "{stderr}");
-}
-
-/// `--backend shm` on both sides: the agent's rows are shm, and the
-/// initiator measures the ceiling of a peer on its host, `memcpy` of the
-/// same blocks, in the same run (no raw-tcp rows).
+/// `--backend shm` on both sides, and the default (`auto`) on both sides
+/// of one host, which picks shm for the target (both pools are shareable
+/// memory): the agent's rows are shm, and the initiator measures the
+/// ceiling of a peer on its host, `memcpy` of the same blocks, in the same
+/// run (no raw-tcp rows).
 #[cfg(target_os = "linux")]
 #[test]
 fn bench_over_shm_across_two_processes_reports_memcpy_as_the_ceiling() {
-    let BenchRun {
-        first,
-        points: points_seen,
-        rows,
-        stderr,
-    } = bench_two_processes(&["--backend", "shm"], &["--backend", "shm"]);
-    assert!(first.contains("backend=shm"), "{first}");
-    assert_eq!(
-        points_seen,
-        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
-    );
-    for r in &rows {
-        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
-        assert!(r["transfers"].as_u64().unwrap() >= 12, "{r}");
+    for args in [&["--backend", "shm"][..], &[]] {
+        let BenchRun {
+            first,
+            points: points_seen,
+            rows,
+            stderr,
+        } = bench_two_processes(args, args);
+        assert!(args.is_empty() || first.contains("backend=shm"), "{first}");
+        assert_eq!(
+            points_seen,
+            points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")]),
+            "bench {args:?}"
+        );
+        for r in &rows {
+            assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["transfers"].as_u64().unwrap() >= 12, "{r}");
+        }
+        assert!(!stderr.contains("WARN"), "{stderr}");
     }
-    assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
 /// `--backend shm --shm-cross-memory-attach` on both sides: plain pools
