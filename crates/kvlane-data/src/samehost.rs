@@ -514,3 +514,104 @@ impl Backend for SameHost {
         self.other.link_up()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tcp::{TcpBackend, TcpConfig};
+    use crate::{ShmConfig, ShmEndpoint};
+
+    fn same_host() -> SameHost {
+        SameHost::new(
+            ShmBackend::new(ShmConfig::default()).unwrap(),
+            Box::new(TcpBackend::new(TcpConfig::default()).unwrap()),
+        )
+    }
+
+    #[test]
+    fn unserved_names_memory_shm_cannot_serve_and_the_opt_in() {
+        let shared = Region::alloc_shared(4096, Access::ALL).unwrap();
+        let plain = Region::alloc(4096, Access::ALL).unwrap();
+        let local = Region::alloc(4096, Access::LOCAL_WRITE).unwrap();
+        assert_eq!(unserved(&shared, false), None);
+        assert_eq!(
+            unserved(&local, false),
+            None,
+            "no remote right: nothing to serve"
+        );
+        assert_eq!(
+            unserved(&plain, true),
+            None,
+            "cross-memory attach serves it"
+        );
+        let why = unserved(&plain, false).expect("plain memory is not served");
+        assert!(why.contains(&plain.id().to_string()), "{why}");
+        assert!(why.contains("cross-memory attach"), "{why}");
+        assert!(netns().is_some_and(|n| n.starts_with("net:[")));
+    }
+
+    /// `b` serves a shared region; `a` connects to the endpoint `b`
+    /// prepared for it, as `edit` changes it, and the peer's kind is
+    /// returned.
+    fn connect_with(edit: impl FnOnce(&mut Wire)) -> BackendKind {
+        let (mut a, mut b) = (same_host(), same_host());
+        let r = Region::alloc_shared(4096, Access::ALL).unwrap();
+        let ad = b.register(&r).unwrap();
+        let (_, ep) = b.prepare_peer().unwrap();
+        let mut w = decode(&ep).expect("a same-host endpoint");
+        assert_eq!(w.netns, netns(), "the endpoint carries this namespace");
+        edit(&mut w);
+        let ep = encode(&w, ep.backend).unwrap();
+        let (peer, _) = a.prepare_peer().unwrap();
+        a.connect_peer(peer, &ep, &[ad]).unwrap();
+        a.peer_kind(peer)
+    }
+
+    #[test]
+    fn a_peer_in_another_network_namespace_or_host_gets_the_other_backend() {
+        assert_eq!(connect_with(|_| {}), BackendKind::Shm);
+        assert_eq!(
+            connect_with(|w| w.netns = Some("net:[1]".into())),
+            BackendKind::Tcp
+        );
+        let mut a = same_host();
+        let (_, shm) = a.shm.prepare_peer().unwrap();
+        let mut w = Wire {
+            magic: MAGIC.into(),
+            other: Endpoint {
+                backend: BackendKind::Tcp,
+                data: Vec::new(),
+            },
+            shm,
+            netns: Some("net:[1]".into()),
+        };
+        let why = a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm);
+        assert!(
+            why.as_deref()
+                .is_some_and(|w| w.contains("another network namespace")),
+            "{why:?}"
+        );
+        // Another kernel is named as such, whatever the namespace says.
+        let mut theirs = ShmEndpoint::from_endpoint(&w.shm).unwrap();
+        theirs.boot_id = "another-boot".into();
+        w.shm = theirs.to_endpoint();
+        w.netns = a.netns.clone();
+        let why = a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm);
+        assert!(
+            why.as_deref().is_some_and(|w| w.contains("another host")),
+            "{why:?}"
+        );
+        // An endpoint without a namespace (an older peer) is tried.
+        w.shm = ShmEndpoint::from_endpoint(&w.shm)
+            .map(|mut e| {
+                e.boot_id = a.boot_id.clone().unwrap();
+                e.to_endpoint()
+            })
+            .unwrap();
+        w.netns = None;
+        assert_eq!(
+            a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm),
+            None
+        );
+    }
+}
