@@ -11,8 +11,10 @@ Mapping onto kvlane
 
 * ``nixl_agent_config(backends=["UCX"], num_threads=..., capture_telemetry=...,
   enable_prog_thread=..., enable_listen_thread=..., listen_port=...)``:
-  every NIXL backend name maps to kvlane's best backend (``"auto"``: verbs
-  when a device is usable, else tcp); ``backend=`` (or ``KVLANE_BACKEND``)
+  every NIXL backend name maps to kvlane's best backend (``"auto"``: shm
+  to peers on this host when the registered memory allows it, see below;
+  else verbs when a device is usable, else tcp); ``backend=`` (or
+  ``KVLANE_BACKEND``)
   names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``,
   ``enable_listen_thread`` and ``sync_mode`` mean nothing here (kvlane's
   progress and listener threads always run, and it is thread-safe) and are
