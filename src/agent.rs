@@ -25,10 +25,23 @@ const CONNECT_BOUND: Duration = Duration::from_secs(25);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BackendChoice {
-    /// The best network backend this machine has: verbs when built with
-    /// the `verbs` feature and a device is usable, else tcp (the reason is
-    /// logged). Shared memory to peers on this host is opt-in for now:
-    /// [`BackendChoice::SameHost`].
+    /// The best path to each peer. Beside the best network backend this
+    /// machine has (verbs when built with the `verbs` feature and a device
+    /// is usable, else tcp), shared memory ([`BackendChoice::Shm`]'s
+    /// mechanism, through [`kvlane_data::SameHost`]) to each peer that is
+    /// on this host (same kernel and same network namespace: hosts
+    /// simulated by namespaces keep the network) when the shm connect
+    /// works and every region both sides serve is memory shm serves:
+    /// [`Region::alloc_shared`] (what kvlane allocates for you, e.g.
+    /// Python's `kvlane.host_buffer`), GPU memory by IPC handle, or any
+    /// host memory with [`AgentBuilder::shm_cross_memory_attach`]. Memory
+    /// the engine allocated (a torch tensor, a numpy array,
+    /// [`Region::alloc`]) turns shm off unless that opt-in is given: such
+    /// an agent uses the network backend for every peer. Every choice
+    /// against shm is logged at `info` with its reason;
+    /// [`Peer::backend_kind`](crate::Peer::backend_kind) says what a peer
+    /// got. [`AgentBuilder::same_host_shm`] (or `KVLANE_SAME_HOST_SHM=0`)
+    /// turns shm off; [`BackendChoice::Tcp`] is plain tcp.
     #[default]
     Auto,
     /// Software one-sided RDMA over TCP.
@@ -46,15 +59,10 @@ pub enum BackendChoice {
     /// other host memory; peers on another host are refused (see
     /// [`kvlane_data::shm`]).
     Shm,
-    /// [`Auto`](BackendChoice::Auto), plus shared memory to each peer on
-    /// this host when the shm path works and every region this agent and
-    /// the peer serve is shareable ([`Region::alloc_shared`], GPU memory
-    /// by IPC handle, or any host memory with
-    /// [`AgentBuilder::shm_cross_memory_attach`]); other peers
-    /// get Auto's backend. Each fallback's reason is logged at `info`;
-    /// [`Peer::backend_kind`](crate::Peer::backend_kind) says which a peer
-    /// got. Not yet the default: the shm path does not reach its speed
-    /// targets on every block size (see the README).
+    /// The same as [`Auto`](BackendChoice::Auto) (kept for code written
+    /// when shm to peers on this host was opt-in), except that it ignores
+    /// [`AgentBuilder::same_host_shm`]`(false)` and
+    /// `KVLANE_SAME_HOST_SHM=0`: naming it asks for shm.
     SameHost,
 }
 
@@ -77,6 +85,7 @@ pub struct AgentBuilder {
     transfer_deadline: Duration,
     cpus: Option<CpuPlacement>,
     shm_cross_memory_attach: bool,
+    same_host_shm: Option<bool>,
 }
 
 /// Default of [`AgentBuilder::notification_capacity`]: with the default
@@ -118,6 +127,7 @@ impl Default for AgentBuilder {
             transfer_deadline: crate::DEFAULT_TRANSFER_DEADLINE,
             cpus: None,
             shm_cross_memory_attach: false,
+            same_host_shm: None,
         }
     }
 }
@@ -187,13 +197,13 @@ impl AgentBuilder {
         self
     }
 
-    /// With [`BackendChoice::Shm`] or [`BackendChoice::SameHost`]: serve
+    /// With [`BackendChoice::Auto`] or [`BackendChoice::Shm`]: serve
     /// regions that are not shareable memory (memory the engine allocated:
     /// a tensor, a numpy array, [`Region::alloc`], [`Region::from_raw`]) to
     /// peers on this host by cross-memory attach
     /// ([`ShmConfig::cross_memory_attach`](kvlane_data::ShmConfig::cross_memory_attach)).
-    /// Default off: `Shm` then refuses such regions, and `SameHost` serves
-    /// them over its other backend.
+    /// Default off: `Shm` then refuses such regions, and `Auto` serves
+    /// every peer over its network backend once one is registered.
     ///
     /// **Exposes this whole process**, not only its registered regions, to
     /// every process the kernel lets attach to it (the same user while the
@@ -204,6 +214,18 @@ impl AgentBuilder {
     /// [`kvlane_data::shm`] (*Cross-memory attach*).
     pub fn shm_cross_memory_attach(mut self, on: bool) -> Self {
         self.shm_cross_memory_attach = on;
+        self
+    }
+
+    /// With [`BackendChoice::Auto`]: whether peers on this host may get
+    /// shared memory (default on; without this call the environment
+    /// variable [`KVLANE_SAME_HOST_SHM`](crate::ENV_SAME_HOST_SHM) decides:
+    /// `0`, `off`, `false` or `no` turn it off, another value than those
+    /// and `1`, `on`, `true`, `yes` fails [`build`](Self::build)). Off,
+    /// `Auto` is verbs or tcp for every peer, as before shm. Ignored by
+    /// the other choices ([`BackendChoice::SameHost`] asks for shm).
+    pub fn same_host_shm(mut self, on: bool) -> Self {
+        self.same_host_shm = Some(on);
         self
     }
 
@@ -337,13 +359,18 @@ impl AgentBuilder {
                     .map(|(_, r)| r)
                     .chain(self.regions.iter())
                     .collect();
+                let shm = crate::backend::ShmChoice {
+                    same_host: self.backend == BackendChoice::SameHost
+                        || crate::backend::same_host_shm(self.same_host_shm)?,
+                    attach: self.shm_cross_memory_attach,
+                };
                 cpus.scope(|| {
                     crate::backend::create(
                         self.backend,
                         &data_listen,
                         self.advertise.as_deref(),
                         &self.rails,
-                        self.shm_cross_memory_attach,
+                        shm,
                         &regions,
                     )
                 })?

@@ -481,6 +481,14 @@ impl Inner {
     /// `accept`) is kept as the entry's `served_peer`: what it issued lets
     /// the other side reach us.
     fn install(&self, t: &Target, data_peer: PeerId, connected: bool) -> Result<(), Error> {
+        // The backend that carries this peer (shm or the network, under
+        // `Auto`), for its metrics' `rail` label; read before the peers'
+        // lock, never under it.
+        let kind = connected.then(|| {
+            self.transport
+                .with_backend(|b| b.peer_kind(data_peer))
+                .as_str()
+        });
         let mut peers = lock(&self.peers);
         let Some(entry) = peers
             .get_mut(&t.id)
@@ -515,6 +523,11 @@ impl Inner {
             Some(slot) => {
                 *slot = Some(data_peer);
                 lock(&self.by_data_peer).insert(data_peer, t.id);
+                if let (Some(kind), false) = (kind, !connected || repeated) {
+                    if let Some(m) = entry.metrics.as_mut().filter(|m| m.rail() != kind) {
+                        *m = m.on_rail(kind);
+                    }
+                }
             }
             None => {
                 drop(peers);

@@ -23,17 +23,51 @@ pub(crate) struct RailChoice {
 /// (`mlx5_0,mlx5_1`).
 pub const ENV_IB_DEVICES: &str = "KVLANE_IB_DEVICES";
 
-/// Creates the backend `choice` names; `Auto` tries verbs and falls back
-/// to tcp, logging why; `SameHost` runs shm beside Auto's backend for
-/// peers on this host ([`kvlane_data::SameHost`]). `data_listen` is a comma-separated list of tcp
-/// listen addresses, one rail each; several rails are joined by
-/// [`Rails`](kvlane_data::Rails).
+/// The environment variable that turns off shm to peers on this host under
+/// `Auto` (`0`, `off`, `false`, `no`); [`AgentBuilder::same_host_shm`](crate::AgentBuilder::same_host_shm)
+/// wins over it.
+pub const ENV_SAME_HOST_SHM: &str = "KVLANE_SAME_HOST_SHM";
+
+/// Shared memory to peers on this host under `Auto`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ShmChoice {
+    /// Run shm beside Auto's backend at all.
+    pub(crate) same_host: bool,
+    /// Serve memory that is not shareable by cross-memory attach (opt-in).
+    pub(crate) attach: bool,
+}
+
+/// [`AgentBuilder::same_host_shm`](crate::AgentBuilder::same_host_shm) when set, else
+/// `KVLANE_SAME_HOST_SHM`, else on.
+pub(crate) fn same_host_shm(set: Option<bool>) -> Result<bool, Error> {
+    if let Some(on) = set {
+        return Ok(on);
+    }
+    let Ok(v) = std::env::var(ENV_SAME_HOST_SHM) else {
+        return Ok(true);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "on" | "true" | "yes" => Ok(true),
+        "0" | "off" | "false" | "no" => Ok(false),
+        _ => Err(Error::msg(
+            ErrorKind::InvalidInput,
+            format!("{ENV_SAME_HOST_SHM}={v:?}: expected 1/on/true/yes or 0/off/false/no"),
+        )),
+    }
+}
+
+/// Creates the backend `choice` names. `Auto` (and its alias `SameHost`)
+/// tries verbs and falls back to tcp, logging why, and runs shm beside it
+/// for peers on this host ([`kvlane_data::SameHost`]) unless `shm` turns
+/// that off or a region shm cannot serve is registered (logged).
+/// `data_listen` is a comma-separated list of tcp listen addresses, one
+/// rail each; several rails are joined by [`Rails`](kvlane_data::Rails).
 pub(crate) fn create(
     choice: BackendChoice,
     data_listen: &str,
     advertise: Option<&str>,
     rails: &RailChoice,
-    shm_attach: bool,
+    shm: ShmChoice,
     regions: &[&Region],
 ) -> Result<Box<dyn Backend>, Error> {
     let one = |named: NamedRails| -> Result<Box<dyn Backend>, Error> {
@@ -72,7 +106,7 @@ pub(crate) fn create(
         BackendChoice::Loopback => Ok(Box::new(LoopbackBackend::default())),
         BackendChoice::Tcp => one(tcp_rails()?),
         BackendChoice::Verbs => one(verbs(rails)?),
-        BackendChoice::Shm => shm(shm_attach),
+        BackendChoice::Shm => shm_alone(shm.attach),
         BackendChoice::Auto | BackendChoice::SameHost => {
             let other = match verbs(rails) {
                 Ok(v) => one(v)?,
@@ -81,11 +115,7 @@ pub(crate) fn create(
                     one(tcp_rails()?)?
                 }
             };
-            if choice == BackendChoice::SameHost {
-                Ok(same_host(other, shm_attach))
-            } else {
-                Ok(other)
-            }
+            Ok(same_host(other, shm, regions))
         }
     }
 }
@@ -101,35 +131,51 @@ fn shm_config(attach: bool) -> kvlane_data::ShmConfig {
 }
 
 #[cfg(target_os = "linux")]
-fn shm(attach: bool) -> Result<Box<dyn Backend>, Error> {
+fn shm_alone(attach: bool) -> Result<Box<dyn Backend>, Error> {
     Ok(Box::new(kvlane_data::ShmBackend::new(shm_config(attach))?))
 }
 
 #[cfg(not(target_os = "linux"))]
-fn shm(_attach: bool) -> Result<Box<dyn Backend>, Error> {
+fn shm_alone(_attach: bool) -> Result<Box<dyn Backend>, Error> {
     Err(Error::msg(
         ErrorKind::Unsupported,
         "shm backend: Linux only (memfd, SCM_RIGHTS)",
     ))
 }
 
-/// `SameHost`: shm to peers on this host beside `other`, when an shm backend
-/// starts here; else `other` alone (the reason is logged).
+/// `Auto`: shm to peers on this host beside `other`, when it is on, every
+/// region registered at build is memory shm serves, and an shm backend
+/// starts here; else `other` alone (the reason is logged at `info`).
 #[cfg(target_os = "linux")]
-fn same_host(other: Box<dyn Backend>, attach: bool) -> Box<dyn Backend> {
-    use kvlane_data::{SameHost, ShmBackend};
-    match ShmBackend::new(shm_config(attach)) {
-        Ok(shm) => Box::new(SameHost::new(shm, other)),
+fn same_host(other: Box<dyn Backend>, shm: ShmChoice, regions: &[&Region]) -> Box<dyn Backend> {
+    use kvlane_data::{samehost, SameHost, ShmBackend};
+    let kind = other.kind();
+    if !shm.same_host {
+        tracing::info!(other = %kind,
+            "backend auto: shm to peers on this host is off (AgentBuilder::same_host_shm(false) \
+             or {ENV_SAME_HOST_SHM}); every peer uses {kind}");
+        return other;
+    }
+    if let Some(why) = regions
+        .iter()
+        .find_map(|r| samehost::unserved(r, shm.attach))
+    {
+        tracing::info!(reason = %why, other = %kind,
+            "backend auto: no shm to peers on this host; every peer uses {kind}");
+        return other;
+    }
+    match ShmBackend::new(shm_config(shm.attach)) {
+        Ok(s) => Box::new(SameHost::new(s, other)),
         Err(e) => {
-            tracing::info!(reason = %e, other = %other.kind(),
-                "backend auto: shm unavailable, peers on this host use the other backend");
+            tracing::info!(reason = %e, other = %kind,
+                "backend auto: shm unavailable; every peer uses {kind}");
             other
         }
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn same_host(other: Box<dyn Backend>, _attach: bool) -> Box<dyn Backend> {
+fn same_host(other: Box<dyn Backend>, _shm: ShmChoice, _regions: &[&Region]) -> Box<dyn Backend> {
     other
 }
 

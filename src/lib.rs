@@ -80,7 +80,7 @@ mod spans;
 mod state;
 
 pub use agent::{Agent, AgentBuilder, BackendChoice, DEFAULT_NOTIFICATION_CAPACITY};
-pub use backend::ENV_IB_DEVICES;
+pub use backend::{ENV_IB_DEVICES, ENV_SAME_HOST_SHM};
 pub use blocking::BlockingAgent;
 pub use error::{Error, ErrorKind};
 pub use events::{Notification, PeerEvent, PeerEventKind};

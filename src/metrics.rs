@@ -37,8 +37,9 @@
 //! The control counters are read from the control driver about once a
 //! second, so a scrape may lag them by that much.
 //!
-//! `rail` on the transfer families is the backend (`tcp`, `loopback`,
-//! `verbs`); the `kvlane_rail_*` families name each rail of a multi-rail
+//! `rail` on the transfer families is the backend that carries the peer's
+//! transfers (`tcp`, `loopback`, `verbs`, or `shm` for a peer on this host
+//! that `Auto` reached over shared memory); the `kvlane_rail_*` families name each rail of a multi-rail
 //! agent (its device or `tcp:ADDR`).
 
 use crate::error::ErrorKind;
@@ -376,6 +377,18 @@ pub(crate) struct PeerMetrics {
     rail: &'static str,
     /// By direction: read, write.
     ok: [OnceLock<OkSeries>; 2],
+}
+
+impl PeerMetrics {
+    /// The `rail` label of this peer's transfers.
+    pub(crate) fn rail(&self) -> &'static str {
+        self.rail
+    }
+
+    /// The same peer's metrics under another `rail` label.
+    pub(crate) fn on_rail(&self, rail: &'static str) -> Arc<Self> {
+        self.metrics.for_peer(&self.peer, rail)
+    }
 }
 
 /// The facade observes each transfer it posts with its peer's metrics (no

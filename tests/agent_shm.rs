@@ -1,5 +1,6 @@
-//! The shm backend through the facade, across two processes: `SameHost`
-//! picks shm for a peer on this host whose regions are shareable, data
+//! The shm backend through the facade, across two processes: `Auto` (the
+//! default; `SameHost` is its alias) picks shm for a peer on this host
+//! whose regions are shareable, data
 //! moves both ways, a WRITE's notification arrives after its bytes; a
 //! killed target fails in-flight transfers `PeerLost` within the liveness
 //! budget, a restarted one makes old plans `Stale`; a target that tries to
@@ -121,7 +122,7 @@ fn shm_target() {
     let a = rt.block_on(agent_with(
         "shm-target",
         &listen,
-        BackendChoice::SameHost,
+        BackendChoice::Auto,
         region.clone(),
         mode == "attach",
     ));
@@ -313,13 +314,13 @@ fn spans(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_host_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways() {
+async fn auto_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways() {
     let target = Target::spawn("serve", "127.0.0.1:0");
     let mem = shared(9);
     let a = agent(
         "shm-initiator",
         "127.0.0.1:0",
-        BackendChoice::SameHost,
+        BackendChoice::Auto,
         mem.clone(),
     )
     .await;
@@ -346,13 +347,13 @@ async fn same_host_picks_shm_for_a_process_on_this_host_and_moves_data_both_ways
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_host_uses_tcp_when_this_side_serves_memory_that_is_not_shareable() {
+async fn auto_uses_tcp_when_this_side_serves_memory_that_is_not_shareable() {
     let target = Target::spawn("serve", "127.0.0.1:0");
     let mem = Region::alloc(LEN, Access::ALL).unwrap();
     let a = agent(
         "tcp-initiator",
         "127.0.0.1:0",
-        BackendChoice::SameHost,
+        BackendChoice::Auto,
         mem.clone(),
     )
     .await;
@@ -436,15 +437,14 @@ async fn same_host_serves_gpu_memory_by_ipc_handle() {
 }
 
 /// The same target, but this side does not opt in while it serves memory
-/// that is not shareable: `SameHost` uses tcp for the peer, and the data
-/// still moves.
+/// that is not shareable: `Auto` (the default) uses tcp for the peer, and
+/// the data still moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_host_without_the_opt_in_serves_engine_memory_over_tcp() {
+async fn auto_without_the_opt_in_serves_engine_memory_over_tcp() {
     let target = Target::spawn("attach", "127.0.0.1:0");
     let mem = Region::alloc(LEN, Access::ALL).unwrap();
     let a = Agent::builder()
         .engine_id("no-attach")
-        .backend(BackendChoice::SameHost)
         .control_config(control())
         .register_region(mem.clone())
         .build()

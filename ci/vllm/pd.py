@@ -325,28 +325,58 @@ class Setup:
                 env["KVLANE_SHM_CROSS_MEMORY_ATTACH"] = "1"
                 # samehost logs the backend each peer got (checked below).
                 env["KVLANE_LOG"] = "kvlane_data::samehost=info"
+        if connector == "kvlane" and self.auto():
+            # auto leaves shm for vLLM's torch KV cache and says why
+            # (checked below).
+            env["KVLANE_LOG"] = "kvlane::backend=info,kvlane_data::samehost=info"
         return env
 
-    def check_backend(self) -> None:
-        """With `--kvlane-backend same-host`, every peer of every kvlane
-        engine went over shm: the engines log the choice per peer, and a
-        run that fell back to tcp must not pass as an shm run."""
-        if getattr(self.a, "kvlane_backend", None) != "same-host":
-            return
-        via_shm, other = 0, []
+    def auto(self) -> bool:
+        """The kvlane engines run `auto`: named, or by default."""
+        b = getattr(self.a, "kvlane_backend", None) or os.environ.get("KVLANE_BACKEND", "auto")
+        return b == "auto"
+
+    def kvlane_log_lines(self):
+        """(engine log name, line) of every kvlane engine's log."""
         for name in sorted(os.listdir(self.logdir)):
             if "kvlane" not in name:
                 continue
             with open(os.path.join(self.logdir, name), errors="replace") as f:
                 for line in f:
-                    if "shm: peer via shm" in line:
-                        via_shm += 1
-                    elif "shm: peer via" in line or "shm: falling back" in line:
-                        other.append(f"{name}: {line.strip()}")
-        if other or via_shm == 0:
-            raise Failed(f"--kvlane-backend same-host: {via_shm} peers went over shm; "
+                    yield name, line
+
+    def check_backend(self) -> None:
+        """With `--kvlane-backend same-host`, every peer of every kvlane
+        engine went over shm: the engines log the choice per peer, and a
+        run that fell back to tcp must not pass as an shm run. With `auto`
+        (the default), vLLM's KV cache is torch memory, which shm serves
+        only with cross-memory attach: every kvlane engine must have said
+        so and no peer may have gone over shm."""
+        auto = self.a.connector == "kvlane" and self.auto()
+        if not auto and getattr(self.a, "kvlane_backend", None) != "same-host":
+            return
+        via_shm, other, said = [], [], set()
+        for name, line in self.kvlane_log_lines():
+            if "shm: peer via shm" in line:
+                via_shm.append(f"{name}: {line.strip()}")
+            elif "shm: peer via" in line or "shm: falling back" in line:
+                other.append(f"{name}: {line.strip()}")
+            elif ("no shm to peers on this host" in line
+                  or "shm: off for peers" in line) and "cross-memory attach" in line:
+                said.add(name)
+        if auto:
+            if via_shm or not said:
+                raise Failed(f"auto: expected tcp for vLLM's torch KV cache, with the reason "
+                             f"logged; logged by {sorted(said) or 'no engine'}; over shm: "
+                             f"{via_shm or 'none'}")
+            log(f"kvlane backend auto: tcp, no shm for torch memory (said in {len(said)} "
+                "engine logs)")
+            return
+        if other or not via_shm:
+            raise Failed(f"--kvlane-backend same-host: {len(via_shm)} peers went over shm; "
                          f"others: {other or 'none logged'}")
-        log(f"kvlane backend: {via_shm} peer connections over shm, none over another backend")
+        log(f"kvlane backend: {len(via_shm)} peer connections over shm, none over another "
+            "backend")
 
     def reference(self, prompts: List[List[int]], max_tokens: int) -> List[List[int]]:
         """A single instance's tokens for the changed prompts; checks that the

@@ -65,7 +65,8 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u8,
     /// Data-plane backend (`auto`: verbs when built with it and a device is
-    /// usable, else tcp).
+    /// usable, else tcp; the served cache is plain memory, so no shm: see
+    /// the README's "Same host").
     #[arg(long, value_enum, default_value = "tcp")]
     pub(crate) backend: ServeBackend,
     /// Pre-shared key peers must prove.
@@ -94,7 +95,8 @@ pub(crate) enum ServeBackend {
     Tcp,
     /// libibverbs (built with the `verbs` feature).
     Verbs,
-    /// Verbs if usable here, else tcp.
+    /// The agent's `Auto`: verbs if usable here, else tcp (its plain
+    /// memory keeps it off shm; the reason is logged at `info`).
     Auto,
 }
 

@@ -470,12 +470,13 @@ fn points(kinds: &[(&str, &str)]) -> Vec<(String, String, u64)> {
 
 #[test]
 fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
+    let tcp = ["--backend", "tcp"];
     let BenchRun {
         first,
         points: points_seen,
         rows,
         stderr,
-    } = bench_two_processes(&[], &[]);
+    } = bench_two_processes(&tcp, &tcp);
     assert!(first.contains(" raw-tcp="), "{first}");
     // Per block size: the raw-tcp ceiling of the link (READ- and
     // WRITE-shaped, against the target's raw port), then the agent.
@@ -501,28 +502,33 @@ fn bench_across_two_processes_reports_every_point_and_the_link_ceiling() {
     assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
-/// `--backend shm` on both sides: the agent's rows are shm, and the
-/// initiator measures the ceiling of a peer on its host, `memcpy` of the
-/// same blocks, in the same run (no raw-tcp rows).
+/// `--backend shm` on both sides, and the default (`auto`) on both sides
+/// of one host, which picks shm for the target (both pools are shareable
+/// memory): the agent's rows are shm, and the initiator measures the
+/// ceiling of a peer on its host, `memcpy` of the same blocks, in the same
+/// run (no raw-tcp rows).
 #[cfg(target_os = "linux")]
 #[test]
 fn bench_over_shm_across_two_processes_reports_memcpy_as_the_ceiling() {
-    let BenchRun {
-        first,
-        points: points_seen,
-        rows,
-        stderr,
-    } = bench_two_processes(&["--backend", "shm"], &["--backend", "shm"]);
-    assert!(first.contains("backend=shm"), "{first}");
-    assert_eq!(
-        points_seen,
-        points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")])
-    );
-    for r in &rows {
-        assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
-        assert!(r["transfers"].as_u64().unwrap() >= 12, "{r}");
+    for args in [&["--backend", "shm"][..], &[]] {
+        let BenchRun {
+            first,
+            points: points_seen,
+            rows,
+            stderr,
+        } = bench_two_processes(args, args);
+        assert!(args.is_empty() || first.contains("backend=shm"), "{first}");
+        assert_eq!(
+            points_seen,
+            points(&[("shm", "read"), ("shm", "write"), ("memcpy", "copy")]),
+            "bench {args:?}"
+        );
+        for r in &rows {
+            assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["transfers"].as_u64().unwrap() >= 12, "{r}");
+        }
+        assert!(!stderr.contains("WARN"), "{stderr}");
     }
-    assert!(!stderr.contains("WARN"), "{stderr}");
 }
 
 /// `--backend shm --shm-cross-memory-attach` on both sides: plain pools
@@ -579,7 +585,10 @@ fn bench_posts_a_batch_as_one_transfer_with_post_single() {
         rows,
         stderr,
         ..
-    } = bench_two_processes(&["--no-baseline"], &["--post", "single"]);
+    } = bench_two_processes(
+        &["--no-baseline", "--backend", "tcp"],
+        &["--post", "single", "--backend", "tcp"],
+    );
     assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
     for r in &rows {
         let blocks = r["transfers"].as_u64().unwrap();
@@ -614,7 +623,10 @@ fn a_target_without_baselines_serves_no_ceiling_and_the_initiator_says_so() {
         points: points_seen,
         stderr,
         ..
-    } = bench_two_processes(&["--no-baseline"], &[]);
+    } = bench_two_processes(
+        &["--no-baseline", "--backend", "tcp"],
+        &["--backend", "tcp"],
+    );
     assert!(!first.contains("raw-tcp"), "{first}");
     assert_eq!(points_seen, points(&[("tcp", "read"), ("tcp", "write")]));
     assert!(stderr.contains("serves no raw-tcp ceiling"), "{stderr}");

@@ -291,6 +291,66 @@ fn readme_two_host_bench_recipe_runs_across_hosts() {
     }
 }
 
+/// `auto` (the bench's default; both pools shareable memory) between two
+/// processes of one kernel: in one network namespace they are on one host
+/// and go over shm; from another namespace (a host as CI simulates one)
+/// the shm socket is out of reach, so the peer goes over tcp, and the
+/// initiator says why at `info`.
+#[test]
+fn auto_is_shm_within_one_namespace_and_tcp_across_two_saying_why() {
+    let net = Net::new(2);
+    let listen = format!("{}:{PORT}", net.ip(0));
+    let args = [
+        "bench", "--role", "target", "--listen", &listen, "--pool", "4M",
+    ];
+    let mut target = net.spawn(0, "bench-target", KVLANE, &args);
+    target.wait_line("listening line", Duration::from_secs(60), |l| {
+        l.starts_with("listening ")
+    });
+    let initiator = |h: usize| -> (Vec<String>, String) {
+        let mut cmd = net.command(h, KVLANE);
+        cmd.env("RUST_LOG", "info")
+            .args([
+                "bench",
+                "--role",
+                "initiator",
+                "--connect",
+                &listen,
+                "--json",
+            ])
+            .args(["--block-sizes", "64K", "--batch", "4", "--duration", "50ms"]);
+        let out = netns::output_within(&mut cmd, Duration::from_secs(120));
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        assert!(
+            out.status.success(),
+            "initiator in h{}: {}\n{stdout}\n{stderr}\ntarget stderr:\n{}",
+            h + 1,
+            out.status,
+            target.stderr()
+        );
+        let rows = stdout
+            .lines()
+            .map(|l| json(l)["backend"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        (rows, stderr)
+    };
+    let (rows, _) = initiator(0);
+    assert_eq!(rows, ["shm", "shm", "memcpy"], "one namespace: shm");
+    let (rows, stderr) = initiator(1);
+    assert_eq!(
+        rows,
+        ["raw-tcp", "raw-tcp", "tcp", "tcp"],
+        "another namespace: tcp"
+    );
+    assert!(
+        stderr.contains("shm: peer via tcp") && stderr.contains("another network namespace"),
+        "the initiator did not say why it left shm:\n{stderr}"
+    );
+}
+
 #[test]
 fn serve_on_a_wildcard_answers_ping_from_another_host() {
     let net = Net::new(2);

@@ -1,18 +1,25 @@
 //! [`SameHost`]: shared memory to peers on this host, another backend to
-//! the rest; what the facade's `BackendChoice::SameHost` runs (opt-in).
+//! the rest; what the facade's `BackendChoice::Auto` runs (and its alias
+//! `BackendChoice::SameHost`).
 //!
 //! - **Endpoints.** A peer gets one endpoint: the other backend's, and
 //!   beside it a [`ShmEndpoint`] issued for that peer under the same
-//!   [`PeerId`]. [`Endpoint::primary`] and [`Endpoint::rails`] read the
-//!   other backend's part, so a peer without shm (another host's, or a
-//!   plain tcp or verbs agent) connects to it as it always did.
-//! - **Choosing, per peer.** Connecting tries shm first when the peer
-//!   offers an shm endpoint, with this host's boot id, and this side
-//!   serves shm; the connect itself (the target's socket, its credential,
-//!   mapping its memory) is the proof that the path works. Anything else
-//!   falls back to the other backend, and the reason is logged at `info`
-//!   (`shm: peer via <kind>: <why>`). Each side chooses for the transfers
-//!   it initiates; its target serves both paths.
+//!   [`PeerId`], and this side's network namespace. [`Endpoint::primary`]
+//!   and [`Endpoint::rails`] read the other backend's part, so a peer
+//!   without shm (another host's, or a plain tcp or verbs agent) connects
+//!   to it as it always did.
+//! - **Choosing, per peer.** "On this host" means the same kernel **and**
+//!   the same network namespace: the shm socket is an abstract Unix socket,
+//!   which exists only in the namespace that bound it, and hosts simulated
+//!   by namespaces on one kernel (CI's) must keep using the network.
+//!   Connecting tries shm when the peer offers an shm endpoint, this side
+//!   serves shm, the endpoint's boot id is this host's, and its network
+//!   namespace (`net:[inode]` of `/proc/thread-self/ns/net` when the backend
+//!   was made) is this side's; the connect itself (the target's socket,
+//!   its credential, mapping its memory) is the proof that the path works.
+//!   Anything else falls back to the other backend, and the reason is
+//!   logged at `info` (`shm: peer via <kind>` with `reason`). Each side
+//!   chooses for the transfers it initiates; its target serves both paths.
 //! - **Keys.** A region is registered with both backends under the key the
 //!   other backend chose, so one advertisement serves both paths.
 //! - **Which memory.** shm serves memory allocated with
@@ -22,18 +29,19 @@
 //!   [`cross_memory_attach`](crate::ShmConfig::cross_memory_attach), any
 //!   host memory. Once a region with remote rights that it cannot serve is
 //!   registered, shm is off for peers prepared from then on (they use the
-//!   other backend both ways; the reason is logged); peers already on shm
-//!   keep it for the regions they were offered. Put every served region in
-//!   shared memory (or opt in to cross-memory attach) to get shm. A peer
-//!   whose kernel refuses the attach (another user: `EPERM`) fails the shm
-//!   connect and falls back to the other backend, as any shm failure.
+//!   other backend both ways; the reason is logged, see [`unserved`]);
+//!   peers already on shm keep it for the regions they were offered. Put
+//!   every served region in shared memory (or opt in to cross-memory
+//!   attach) to get shm. A peer whose kernel refuses the attach (another
+//!   user: `EPERM`) fails the shm connect and falls back to the other
+//!   backend, as any shm failure.
 //!
 //! [`ShmEndpoint`]: crate::ShmEndpoint
 
 use crate::backend::{Backend, Connected, Connecting};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{FastMap, PeerId, RegionId};
-use crate::memory::{Access, Region, RemoteRegion};
+use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
 use crate::shm::ShmBackend;
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 use serde::{Deserialize, Serialize};
@@ -51,6 +59,11 @@ struct Wire {
     other: Endpoint,
     /// The shm endpoint issued for the peer.
     shm: Endpoint,
+    /// The target's network namespace (`net:[inode]`): its shm socket is
+    /// reachable only from the same one. Absent from older peers (their
+    /// connect is tried; from another namespace it is refused at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    netns: Option<String>,
 }
 
 fn decode(e: &Endpoint) -> Option<Wire> {
@@ -94,6 +107,46 @@ fn encode(w: &Wire, backend: BackendKind) -> Result<Endpoint, DataError> {
     Ok(Endpoint { backend, data })
 }
 
+/// This thread's network namespace, as `net:[inode]`; `None` where the
+/// kernel does not say (no `/proc`).
+pub fn netns() -> Option<String> {
+    let link = std::fs::read_link("/proc/thread-self/ns/net")
+        .or_else(|_| std::fs::read_link("/proc/self/ns/net"))
+        .ok()?;
+    Some(link.to_string_lossy().into_owned())
+}
+
+/// Why the shm backend cannot serve `region` to a peer (it has remote
+/// rights, and is neither [`Region::alloc_shared`] memory, nor GPU memory
+/// registered through its runtime, nor host memory with
+/// `cross_memory_attach` on); `None` when it can, or when the region
+/// grants no remote right. The reason names the way to shm.
+pub fn unserved(region: &Region, cross_memory_attach: bool) -> Option<String> {
+    let access = region.access();
+    if !access.contains(Access::REMOTE_READ) && !access.contains(Access::REMOTE_WRITE) {
+        return None;
+    }
+    if region.is_shared() || region.gpu().is_some() {
+        return None;
+    }
+    Some(match region.kind() {
+        MemoryKind::Host if cross_memory_attach => return None,
+        MemoryKind::Host => format!(
+            "{} has remote rights and is memory the application allocated (a torch tensor, \
+             a numpy array, Region::alloc), which shm serves only with cross-memory attach \
+             (opt-in: AgentBuilder::shm_cross_memory_attach, shm_cross_memory_attach=True in \
+             Python); kvlane's shared allocations (Region::alloc_shared, kvlane.host_buffer) \
+             are served without it",
+            region.id()
+        ),
+        _ => format!(
+            "{} is device memory not registered through its runtime (Region::alloc_device, \
+             Region::from_device_ptr), which shm cannot share",
+            region.id()
+        ),
+    })
+}
+
 /// Per prepared peer.
 #[derive(Clone, Copy, Debug, Default)]
 struct Route {
@@ -117,6 +170,10 @@ pub struct SameHost {
     other: Box<dyn Backend>,
     /// Why peers prepared from now on get no shm endpoint.
     shm_off: Option<String>,
+    /// This host's boot id and this side's network namespace: a peer's
+    /// shm endpoint is tried only when both match.
+    boot_id: Option<String>,
+    netns: Option<String>,
     routes: FastMap<PeerId, Route>,
     /// Whether the last submit went to shm (for `poll_after_submit`).
     last_shm: bool,
@@ -135,11 +192,15 @@ impl std::fmt::Debug for SameHost {
 
 impl SameHost {
     /// Serves shm through `shm` and everything else through `other`.
+    /// Call it on the thread that made `shm`: the network namespace its
+    /// socket lives in is read from the calling thread.
     pub fn new(shm: ShmBackend, other: Box<dyn Backend>) -> Self {
         Self {
             shm,
             other,
             shm_off: None,
+            boot_id: crate::shm::boot_id().ok(),
+            netns: netns(),
             routes: FastMap::default(),
             last_shm: false,
         }
@@ -156,6 +217,29 @@ impl SameHost {
                 "shm: off for peers prepared from now on");
             self.shm_off = Some(why);
         }
+    }
+
+    /// Why the target of `remote` (whose shm part is `shm`) is not on
+    /// this host as shm needs it: another kernel (boot id), or another
+    /// network namespace, whose abstract socket this side cannot reach.
+    fn elsewhere(&self, remote: &Endpoint, shm: &Endpoint) -> Option<String> {
+        let theirs = crate::ShmEndpoint::from_endpoint(shm).ok()?;
+        if let Some(ours) = &self.boot_id {
+            if theirs.boot_id != *ours {
+                return Some(format!(
+                    "the peer runs on another host (boot id {}, this host {ours})",
+                    theirs.boot_id
+                ));
+            }
+        }
+        let their_ns = decode(remote).and_then(|w| w.netns)?;
+        let ours = self.netns.as_deref()?;
+        (their_ns != ours).then(|| {
+            format!(
+                "the peer is in another network namespace ({their_ns}, this side {ours}): \
+                 its shm socket cannot be reached from here"
+            )
+        })
     }
 
     fn via_shm(&self, peer: PeerId) -> bool {
@@ -181,11 +265,10 @@ impl Backend for SameHost {
         let served = region.access().contains(Access::REMOTE_READ)
             || region.access().contains(Access::REMOTE_WRITE);
         if served && !self.shm.serves(region) {
-            self.turn_off(format!(
-                "{} has remote rights but is not shareable memory (Region::alloc_shared), \
-                 and cross-memory attach is off (ShmConfig::cross_memory_attach)",
-                region.id()
-            ));
+            self.turn_off(
+                unserved(region, false)
+                    .unwrap_or_else(|| format!("shm cannot serve {}", region.id())),
+            );
         } else if let Err(e) = self.shm.register_as(region, Some(ad.key)) {
             self.turn_off(format!("registering {} with shm: {e}", region.id()));
         }
@@ -212,6 +295,7 @@ impl Backend for SameHost {
                             magic: MAGIC.into(),
                             other: other.clone(),
                             shm,
+                            netns: self.netns.clone(),
                         },
                         other.backend,
                     )?
@@ -248,12 +332,15 @@ impl Backend for SameHost {
             (Some(why), _, _) => Err(format!("shm is off here: {why}")),
             (None, _, false) => Err("no shm endpoint was issued for this peer".to_owned()),
             (None, None, true) => {
-                Err("the peer offers no shm endpoint (it has none, or serves memory that is not shareable)".to_owned())
+                Err("the peer offers no shm endpoint (it runs shm off, or serves memory shm cannot serve)".to_owned())
             }
-            (None, Some(ep), true) => self
-                .shm
-                .start_connect(peer, &ep, regions)
-                .map_err(|e| e.to_string()),
+            (None, Some(ep), true) => match self.elsewhere(remote, &ep) {
+                Some(why) => Err(why),
+                None => self
+                    .shm
+                    .start_connect(peer, &ep, regions)
+                    .map_err(|e| e.to_string()),
+            },
         };
         let other = self.other.start_connect(peer, &other_remote, regions);
         let kind = self.other.kind();
@@ -425,5 +512,106 @@ impl Backend for SameHost {
 
     fn link_up(&self) -> bool {
         self.other.link_up()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tcp::{TcpBackend, TcpConfig};
+    use crate::{ShmConfig, ShmEndpoint};
+
+    fn same_host() -> SameHost {
+        SameHost::new(
+            ShmBackend::new(ShmConfig::default()).unwrap(),
+            Box::new(TcpBackend::new(TcpConfig::default()).unwrap()),
+        )
+    }
+
+    #[test]
+    fn unserved_names_memory_shm_cannot_serve_and_the_opt_in() {
+        let shared = Region::alloc_shared(4096, Access::ALL).unwrap();
+        let plain = Region::alloc(4096, Access::ALL).unwrap();
+        let local = Region::alloc(4096, Access::LOCAL_WRITE).unwrap();
+        assert_eq!(unserved(&shared, false), None);
+        assert_eq!(
+            unserved(&local, false),
+            None,
+            "no remote right: nothing to serve"
+        );
+        assert_eq!(
+            unserved(&plain, true),
+            None,
+            "cross-memory attach serves it"
+        );
+        let why = unserved(&plain, false).expect("plain memory is not served");
+        assert!(why.contains(&plain.id().to_string()), "{why}");
+        assert!(why.contains("cross-memory attach"), "{why}");
+        assert!(netns().is_some_and(|n| n.starts_with("net:[")));
+    }
+
+    /// `b` serves a shared region; `a` connects to the endpoint `b`
+    /// prepared for it, as `edit` changes it, and the peer's kind is
+    /// returned.
+    fn connect_with(edit: impl FnOnce(&mut Wire)) -> BackendKind {
+        let (mut a, mut b) = (same_host(), same_host());
+        let r = Region::alloc_shared(4096, Access::ALL).unwrap();
+        let ad = b.register(&r).unwrap();
+        let (_, ep) = b.prepare_peer().unwrap();
+        let mut w = decode(&ep).expect("a same-host endpoint");
+        assert_eq!(w.netns, netns(), "the endpoint carries this namespace");
+        edit(&mut w);
+        let ep = encode(&w, ep.backend).unwrap();
+        let (peer, _) = a.prepare_peer().unwrap();
+        a.connect_peer(peer, &ep, &[ad]).unwrap();
+        a.peer_kind(peer)
+    }
+
+    #[test]
+    fn a_peer_in_another_network_namespace_or_host_gets_the_other_backend() {
+        assert_eq!(connect_with(|_| {}), BackendKind::Shm);
+        assert_eq!(
+            connect_with(|w| w.netns = Some("net:[1]".into())),
+            BackendKind::Tcp
+        );
+        let mut a = same_host();
+        let (_, shm) = a.shm.prepare_peer().unwrap();
+        let mut w = Wire {
+            magic: MAGIC.into(),
+            other: Endpoint {
+                backend: BackendKind::Tcp,
+                data: Vec::new(),
+            },
+            shm,
+            netns: Some("net:[1]".into()),
+        };
+        let why = a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm);
+        assert!(
+            why.as_deref()
+                .is_some_and(|w| w.contains("another network namespace")),
+            "{why:?}"
+        );
+        // Another kernel is named as such, whatever the namespace says.
+        let mut theirs = ShmEndpoint::from_endpoint(&w.shm).unwrap();
+        theirs.boot_id = "another-boot".into();
+        w.shm = theirs.to_endpoint();
+        w.netns = a.netns.clone();
+        let why = a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm);
+        assert!(
+            why.as_deref().is_some_and(|w| w.contains("another host")),
+            "{why:?}"
+        );
+        // An endpoint without a namespace (an older peer) is tried.
+        w.shm = ShmEndpoint::from_endpoint(&w.shm)
+            .map(|mut e| {
+                e.boot_id = a.boot_id.clone().unwrap();
+                e.to_endpoint()
+            })
+            .unwrap();
+        w.netns = None;
+        assert_eq!(
+            a.elsewhere(&encode(&w, BackendKind::Tcp).unwrap(), &w.shm),
+            None
+        );
     }
 }

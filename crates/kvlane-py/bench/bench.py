@@ -56,15 +56,17 @@ def hear(stream):
 
 
 def filled(nbytes: int, value: int) -> np.ndarray:
-    """`nbytes` of memory as the Rust bench's pool is (`kvlane.host_buffer`:
-    2 MiB-aligned, transparent huge pages), every page touched before the
+    """`nbytes` of memory as the Rust bench's pool with `--backend tcp` is
+    (`kvlane.host_buffer(n, shared=False)`: 2 MiB-aligned, transparent huge
+    pages; the shared default follows the kernel's shmem huge-page
+    setting, 4 KiB pages here), every page touched before the
     clock starts. With numpy's own buffers (4 KiB pages here, THP in
     `madvise` mode) the Python rows lost 0.1 of their ratio to the Rust
     bench at 64 KiB: memory, not the binding. The NIXL rows get the same
     memory."""
     import kvlane
 
-    buf = kvlane.host_buffer(nbytes)
+    buf = kvlane.host_buffer(nbytes, shared=False)
     buf[:] = value
     return buf
 

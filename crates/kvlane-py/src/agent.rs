@@ -190,7 +190,9 @@ impl Agent {
         &self.addr
     }
 
-    /// The backend in use (`"tcp"`, `"verbs"`, `"loopback"`).
+    /// The agent's backend (`"tcp"`, `"verbs"`, `"loopback"`, `"shm"`);
+    /// with `backend="auto"` its network backend: `Peer.backend` says
+    /// what each peer got (`"shm"` for a peer on this host).
     #[getter]
     fn backend(&self) -> PyResult<&'static str> {
         Ok(agent_of(&self.inner)?.backend_kind().as_str())
@@ -438,6 +440,16 @@ impl Peer {
     #[getter]
     fn attached(&self) -> bool {
         lock(&self.agent).is_some() && self.peer.is_attached()
+    }
+
+    /// The backend that carries this side's transfers to the peer while
+    /// its data plane is attached: with `backend="auto"`, `"shm"` for a
+    /// peer on this host that shared memory reached, else `"tcp"` or
+    /// `"verbs"` (why not shm is logged at `info`: `KVLANE_LOG=info`);
+    /// `None` while not attached.
+    #[getter]
+    fn backend(&self) -> Option<&'static str> {
+        self.peer.backend_kind().map(|k| k.as_str())
     }
 
     /// The plain regions the peer advertised: `[{"addr", "nbytes",

@@ -13,6 +13,7 @@ mod errors;
 mod events;
 mod memory;
 mod runtime;
+mod shared;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -55,6 +56,7 @@ fn _kvlane(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<agent::PreparedTransfer>()?;
     m.add_class::<memory::Memory>()?;
     m.add_class::<memory::KvLayout>()?;
+    m.add_class::<shared::SharedAlloc>()?;
     m.add_class::<transfer::Transfer>()?;
     m.add_class::<transfer::Telemetry>()?;
     m.add_class::<events::Notification>()?;

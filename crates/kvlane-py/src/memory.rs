@@ -53,6 +53,14 @@ impl Memory {
         let ro = readonly.unwrap_or(false) || view.readonly();
         let access = if ro { Access::REMOTE_READ } else { Access::ALL };
         let (ptr, len) = (view.ptr(), view.len());
+        // A whole `kvlane.host_buffer` array: its shareable region, which
+        // shm can pass to a peer on this host (read-only registrations of
+        // it stay foreign memory: the file is not sealed read-only).
+        if !ro {
+            if let Some(region) = crate::shared::region_at(ptr as u64, len as u64) {
+                return Ok(Self::new(region, false));
+            }
+        }
         // SAFETY: `ptr..ptr+len` is the exporter's buffer, kept valid and in
         // place by `view` (the exporter refuses to resize or free it while a
         // view is held), and `view` is the region's keep-alive: it is

@@ -33,8 +33,16 @@ def main() -> None:
     listen = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1:0"
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else 7
     buf = pattern(seed, size)
-    if mode == "native":
-        agent = kvlane.Agent(engine_id="target", listen=listen, backend="tcp", regions=[buf])
+    if mode in ("native", "auto"):
+        if mode == "auto":
+            # kvlane's shareable memory and the default backend: a peer on
+            # this host reaches it over shm.
+            buf, data = kvlane.host_buffer(size), buf
+            buf[:] = data
+            agent = kvlane.Agent(engine_id="target", listen=listen, regions=[buf])
+        else:
+            agent = kvlane.Agent(engine_id="target", listen=listen, backend="tcp",
+                                 regions=[buf])
         out({"addr": agent.addr, "buf": buf.ctypes.data, "len": size})
         notes = agent.notifications()
 

@@ -158,15 +158,18 @@ def _vma_fields(addr: int) -> dict:
 
 
 def test_host_buffer_is_aligned_zeroed_huge_page_memory_that_registers_zero_copy():
-    small = kvlane.host_buffer(4096)
-    assert (small.dtype, small.shape, small.flags.writeable) == (np.uint8, (4096,), True)
-    assert small.ctypes.data % 4096 == 0 and not small.any()
+    for shared in (True, False):
+        small = kvlane.host_buffer(4096, shared=shared)
+        assert (small.dtype, small.shape, small.flags.writeable) == (np.uint8, (4096,), True)
+        assert small.ctypes.data % 4096 == 0 and not small.any()
+        for bad in (0, -1):
+            with pytest.raises(kvlane.InvalidInputError, match="positive size"):
+                kvlane.host_buffer(bad, shared=shared)
     n = 3 << 20
-    big = kvlane.host_buffer(n)
+    assert not kvlane.host_buffer(n).any()
+    # The private form: 2 MiB-aligned, advised to use huge pages.
+    big = kvlane.host_buffer(n, shared=False)
     assert big.shape == (n,) and big.ctypes.data % (2 << 20) == 0 and not big.any()
-    for bad in (0, -1):
-        with pytest.raises(kvlane.InvalidInputError, match="positive size"):
-            kvlane.host_buffer(bad)
 
     # Registered zero-copy: a WRITE from another agent lands in the array.
     src = np.arange(n, dtype=np.uint64).view(np.uint8)[:n]

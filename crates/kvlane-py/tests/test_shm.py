@@ -9,7 +9,7 @@ import pytest
 
 import kvlane
 from kvlane.nixl import nixl_agent, nixl_agent_config
-from conftest import LEN, expected_sha, pattern
+from conftest import LEN, Target, expected_sha, pattern
 from flow import wait as wait_done
 
 BLOCK = 4096
@@ -101,3 +101,43 @@ def test_the_opt_in_from_the_environment(monkeypatch):
         assert nixl_agent_config(backend=b).backend == b
     with pytest.raises(ValueError, match="backend is .*'same-host'.*not 'rdma'"):
         nixl_agent_config(backend="rdma")
+
+
+
+def test_two_agents_on_this_host_get_shm_by_default_with_host_buffer_memory():
+    """Two processes, no backend named, both sides' memory from
+    ``kvlane.host_buffer``: the peer is on shm, and the data moves."""
+    target = Target("auto")
+    try:
+        t = target.info
+        mine = kvlane.host_buffer(LEN)
+        with kvlane.Agent(engine_id="auto-init", regions=[mine]) as a:
+            peer = a.connect(t["addr"])
+            assert peer.backend == "shm"
+            assert peer.read_spans([(mine.ctypes.data, LEN)], [(t["buf"], LEN)]).wait(10)
+            assert (mine == pattern(7)).all()
+            mine[:] = pattern(3)
+            assert peer.write_spans([(mine.ctypes.data, LEN)], [(t["buf"], LEN)],
+                                    notify=b"w").wait(10)
+            assert notes(target)[0] == ["auto-init", "w", expected_sha(pattern(3))]
+    finally:
+        target.close()
+
+
+def test_memory_python_allocated_keeps_auto_on_tcp_and_the_data_moves():
+    """numpy's own memory (as an engine's torch tensors), a private
+    ``host_buffer`` and a part of a shared one are not served by shm
+    without cross-memory attach: the same target is reached over tcp."""
+    target = Target("auto")
+    try:
+        t = target.info
+        n = LEN // 2
+        for mine in (np.zeros(n, dtype=np.uint8), kvlane.host_buffer(n, shared=False),
+                     kvlane.host_buffer(LEN)[:n]):
+            with kvlane.Agent(engine_id="plain-init", regions=[mine]) as a:
+                peer = a.connect(t["addr"])
+                assert peer.backend == "tcp"
+                assert peer.read_spans([(mine.ctypes.data, n)], [(t["buf"], n)]).wait(10)
+                assert (mine == pattern(7)[:n]).all()
+    finally:
+        target.close()

@@ -17,7 +17,11 @@ pub(crate) enum BackendArg {
     /// `Region::alloc_shared`); `--role initiator` prints `memcpy` rows of
     /// the same blocks, the ceiling, instead of raw-tcp rows.
     Shm,
-    /// The best backend this machine has (verbs, else tcp).
+    /// The best backend: in one process (`--role local`), verbs, else
+    /// tcp; with `--role target|initiator`, the agent's `Auto`: shm to a
+    /// target on this host (same kernel and network namespace; the pools
+    /// are shareable memory), else verbs or tcp. Rows name the backend
+    /// that ran.
     Auto,
 }
 

@@ -66,11 +66,16 @@ pub(crate) struct RemoteOpts {
 }
 
 impl RemoteOpts {
-    /// Whether the memory must be shareable: the shm backend serves only
-    /// memory allocated with `Region::alloc_shared`, unless cross-memory
-    /// attach is on (then plain memory, as an engine's, is the point).
+    /// Whether the host memory is shareable (`Region::alloc_shared`): the
+    /// shm backend serves only that unless cross-memory attach is on (then
+    /// plain memory, as an engine's, is the point); `Auto` gets shm to a
+    /// target on this host with it, as with any memory kvlane allocates,
+    /// and the network otherwise.
     pub(crate) fn shared(&self) -> bool {
-        self.backend == BackendChoice::Shm && !self.shm_cross_memory_attach
+        matches!(
+            self.backend,
+            BackendChoice::Shm | BackendChoice::Auto | BackendChoice::SameHost
+        ) && !self.shm_cross_memory_attach
     }
 }
 

@@ -38,6 +38,16 @@ class ClosedError(Error):
 class IoError(Error):
     """Network or OS failure."""
 
+class _SharedAlloc:
+    """Owner of the shareable memory behind a ``kvlane.host_buffer`` array
+    (use ``kvlane.host_buffer``)."""
+
+    def __init__(self, nbytes: int) -> None: ...
+    @property
+    def addr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
 class Memory:
     """Registered memory: a buffer-protocol object, held zero-copy, or a GPU
     array (torch CUDA tensor, CuPy array: ``__cuda_array_interface__``)."""
@@ -166,6 +176,14 @@ class Peer:
         false while the peer is dead, after it restarted until its new
         incarnation is attached, and once disconnected."""
         ...
+    @property
+    def backend(self) -> Optional[str]:
+        """The backend that carries this side's transfers to the peer
+        while attached: with ``backend="auto"``, ``"shm"`` for a peer on
+        this host that shared memory reached, else ``"tcp"`` or
+        ``"verbs"`` (why not shm is logged at ``info``:
+        ``KVLANE_LOG=info``); ``None`` while not attached."""
+        ...
     def remote_regions(self) -> List[Dict[str, Any]]: ...
     def write_blocks(
         self, layers: Tuple[int, int], local_ids: Sequence[int], remote_ids: Sequence[int],
@@ -214,31 +232,41 @@ class Agent:
         cpus: Optional[str] = None,
         shm_cross_memory_attach: bool = False,
     ) -> None:
-        """``backend``: ``"auto"`` (verbs when built with it and a device
-        is usable, else tcp), ``"tcp"``, ``"verbs"``, ``"loopback"`` (one
-        process), ``"shm"`` (shared memory, peers on this host only) or
-        ``"same-host"`` (auto, plus shm to peers on this host whose memory
-        shm can serve; opt-in). Anything else raises ``InvalidInputError``.
+        """``backend``: ``"auto"`` (the default: shared memory to each peer
+        on this host, same kernel and network namespace, when both sides
+        serve memory shm can serve, and otherwise verbs when built with it
+        and a device is usable, else tcp; why not shm is logged at
+        ``info``; ``Peer.backend`` says what a peer got;
+        ``KVLANE_SAME_HOST_SHM=0`` turns shm off), ``"tcp"``, ``"verbs"``,
+        ``"loopback"`` (one process), ``"shm"`` (shared memory, peers on
+        this host only) or ``"same-host"`` (the same as ``"auto"``, but
+        shm even with ``KVLANE_SAME_HOST_SHM=0``). Anything else raises
+        ``InvalidInputError``. Memory shm serves: ``kvlane.host_buffer``
+        arrays registered whole (shareable memory files); numpy arrays,
+        torch CPU tensors and other memory Python allocated only with
+        ``shm_cross_memory_attach=True``: registering one without it
+        turns shm off for this agent (its peers use tcp or verbs).
         GPU memory (torch CUDA tensors, CuPy arrays) is served over shm by
         CUDA/HIP IPC handle, which hands a peer's driver the whole
         allocation holding the buffer (for a tensor of PyTorch's caching
         allocator, its whole segment); so far tested only against a mock
         driver, not on a GPU.
 
-        ``shm_cross_memory_attach``: with ``"shm"`` or ``"same-host"``,
-        serve the registered buffers (numpy arrays, tensors,
-        ``kvlane.host_buffer``: memory Python allocated, which is never a
-        shareable memory file) to peers on this host by cross-memory
-        attach (``process_vm_readv``/``process_vm_writev``): one copy, by
-        the peer. Default False: ``"shm"`` then refuses them
-        (``UnsupportedError``) and ``"same-host"`` serves them over tcp or
-        verbs. **It exposes this whole process**, not only the registered
+        ``shm_cross_memory_attach``: with ``"auto"``, ``"shm"`` or
+        ``"same-host"``, serve the registered buffers that are not
+        shareable memory files (numpy arrays, tensors,
+        ``kvlane.host_buffer(n, shared=False)``: memory Python allocated)
+        to peers on this host by cross-memory attach
+        (``process_vm_readv``/``process_vm_writev``): one copy, by the
+        peer. Default False: ``"shm"`` then refuses them
+        (``UnsupportedError``) and ``"auto"`` serves every peer over tcp
+        or verbs. **It exposes this whole process**, not only the registered
         buffers, to every process the kernel lets attach to it (the same
         user while the process is dumpable, or root): kvlane keeps a
         well-behaved peer inside the registered buffers and their rights,
         nothing holds a hostile one. Such processes could already ptrace
         this one; the opt-in hands them the addresses. A peer of another
-        user is refused by the kernel (``EPERM``): with ``"same-host"`` it
+        user is refused by the kernel (``EPERM``): with ``"auto"`` it
         falls back to tcp or verbs.
 
         ``transfer_deadline``: seconds after its post a transfer may run

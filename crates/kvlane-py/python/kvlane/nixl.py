@@ -11,8 +11,10 @@ Mapping onto kvlane
 
 * ``nixl_agent_config(backends=["UCX"], num_threads=..., capture_telemetry=...,
   enable_prog_thread=..., enable_listen_thread=..., listen_port=...)``:
-  every NIXL backend name maps to kvlane's best backend (``"auto"``: verbs
-  when a device is usable, else tcp); ``backend=`` (or ``KVLANE_BACKEND``)
+  every NIXL backend name maps to kvlane's best backend (``"auto"``: shm
+  to peers on this host when the registered memory allows it, see below;
+  else verbs when a device is usable, else tcp); ``backend=`` (or
+  ``KVLANE_BACKEND``)
   names a kvlane backend instead. ``num_threads``, ``enable_prog_thread``,
   ``enable_listen_thread`` and ``sync_mode`` mean nothing here (kvlane's
   progress and listener threads always run, and it is thread-safe) and are
@@ -58,8 +60,10 @@ Mapping onto kvlane
   is passed to ``kvlane.Agent(cpus=...)`` only when given, and
   ``kvlane.Agent`` reads ``KVLANE_CPUS`` itself (kvlane versions without
   CPU placement raise ``TypeError`` for it).
-* Peers on this host: ``backend="same-host"`` adds shared memory to
-  ``"auto"`` for peers on this host, ``backend="shm"`` uses it alone.
+* Peers on this host: ``"auto"`` (the default) adds shared memory for
+  peers on this host (same kernel and network namespace) when the
+  registered memory allows it, ``"same-host"`` is the same (also with
+  ``KVLANE_SAME_HOST_SHM=0``), ``backend="shm"`` uses it alone.
   ``"VRAM"`` (GPU memory) is served by CUDA/HIP IPC handle, which hands
   a peer's driver the whole allocation holding it (tested only against a
   mock driver, not on a GPU). Registered ``"DRAM"`` here is always memory
@@ -72,8 +76,9 @@ Mapping onto kvlane
   lets attach to it (the same user while the process is dumpable, or
   root); kvlane keeps well-behaved peers inside the registrations and
   their rights, nothing holds a hostile one. Without it ``"shm"`` raises
-  ``kvlane.UnsupportedError`` when the agent is built, and ``"same-host"``
-  serves peers over tcp or verbs.
+  ``kvlane.UnsupportedError`` when the agent is built, and ``"auto"`` and
+  ``"same-host"`` serve every peer over tcp or verbs (the reason is
+  logged at ``info``: ``KVLANE_LOG=info``).
 * ``register_memory``: descriptors become kvlane plain regions
   (``AgentBuilder::register_region``). The kvlane agent is built, with
   everything registered so far, at the first call that needs it
