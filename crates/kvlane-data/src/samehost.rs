@@ -30,7 +30,7 @@
 //!
 //! [`ShmEndpoint`]: crate::ShmEndpoint
 
-use crate::backend::{Backend, Connected, Connecting};
+use crate::backend::{Backend, Connected, Connecting, Submitted};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{FastMap, PeerId, RegionId};
 use crate::memory::{Access, Region, RemoteRegion};
@@ -356,6 +356,41 @@ impl Backend for SameHost {
         let mut due = false;
         for t in transfers {
             results.push(self.submit(t));
+            due |= self.poll_after_submit();
+        }
+        due
+    }
+
+    fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        self.last_shm = self.via_shm(transfer.peer);
+        if self.last_shm {
+            self.shm.submit_now(transfer, now)
+        } else {
+            self.other.submit_now(transfer, now)
+        }
+    }
+
+    fn submit_batch_now(
+        &mut self,
+        transfers: Vec<Transfer>,
+        now: Instant,
+        results: &mut Vec<Result<Submitted, SubmitError>>,
+    ) -> bool {
+        let Some(first) = transfers.first() else {
+            return false;
+        };
+        let shm = self.via_shm(first.peer);
+        if transfers.iter().all(|t| self.via_shm(t.peer) == shm) {
+            self.last_shm = shm;
+            return if shm {
+                self.shm.submit_batch_now(transfers, now, results)
+            } else {
+                self.other.submit_batch_now(transfers, now, results)
+            };
+        }
+        let mut due = false;
+        for t in transfers {
+            results.push(self.submit_now(t, now));
             due |= self.poll_after_submit();
         }
         due
