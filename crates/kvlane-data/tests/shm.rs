@@ -328,18 +328,12 @@ mod hostile {
     fn a_transport_batch_over_shm_comes_back_resolved() {
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Arc;
-        let Pair {
-            transport,
-            src,
-            dst,
-            peer,
-            key,
-            target: _target,
-        } = transport_pair(0x3c);
+        let p = transport_pair(0x3c);
+        let (transport, src, dst, peer, key) = (&p.transport, &p.src, &p.dst, p.peer, p.key);
         let calls = Arc::new(AtomicUsize::new(0));
         let mut batch: Vec<(Transfer, Option<kvlane_data::Then>)> = (0..16u64)
             .map(|i| {
-                let mut t = span(&src, key, i * 4096, i * 4096, 4096);
+                let mut t = span(src, key, i * 4096, i * 4096, 4096);
                 t.peer = peer;
                 let c = calls.clone();
                 let then = kvlane_data::Then::Call(Box::new(move |r| {
