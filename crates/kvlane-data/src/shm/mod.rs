@@ -45,8 +45,12 @@
 //!    WRITE; for the others the target's seal makes a writable mapping
 //!    impossible, even through `/proc/<pid>/fd`.
 //! 5. READ and WRITE are `memcpy` between the initiator's region and its
-//!    mapping of the target's, in the initiator's own thread (the one that
-//!    calls [`poll`](Backend::poll)); the target's threads copy nothing.
+//!    mapping of the target's, in the initiator's own thread: the one that
+//!    submits the transfer when nothing is queued before it
+//!    ([`submit_now`](Backend::submit_now): a transfer without a
+//!    notification is then finished before the call returns), else the
+//!    one that calls [`poll`](Backend::poll); the target's threads copy
+//!    nothing.
 //!    Every segment is checked first, as a NIC would (key granted, range
 //!    inside the grant, remote right, local range and right); nothing
 //!    moves when one check fails, and a lying peer gets a typed error,
