@@ -778,6 +778,9 @@ impl Backend for ShmBackend {
     /// `run.rs`): finished unless it carries a notification, whose answer
     /// `poll` awaits.
     fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        // The deadline is checked against the clock as the copy begins, not
+        // the caller's reading, which may be a wait for the backend old.
+        let now = now.max(Instant::now());
         self.due = false;
         let mut budget = self.config.poll_budget.max(1);
         self.submit_inline(transfer, now, &mut budget, &mut None)
@@ -792,6 +795,7 @@ impl Backend for ShmBackend {
         now: Instant,
         results: &mut Vec<Result<Submitted, SubmitError>>,
     ) -> bool {
+        let now = now.max(Instant::now());
         self.due = false;
         let mut budget = self.config.poll_budget.max(1);
         let mut drained = None;
