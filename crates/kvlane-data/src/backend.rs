@@ -8,6 +8,18 @@ use std::any::Any;
 use std::task::Waker;
 use std::time::Instant;
 
+/// What became of a transfer handed to [`Backend::submit_now`] or
+/// [`Backend::submit_batch_now`].
+#[derive(Debug)]
+pub enum Submitted {
+    /// Queued: its completion comes from [`poll`](Backend::poll).
+    Queued,
+    /// Finished inside the call with this result (the backend did all of
+    /// its work there: shm's copy, with no notification to wait for);
+    /// `poll` never reports it.
+    Done(Result<(), DataError>),
+}
+
 /// The part of connecting a peer that may wait on the network (dialing,
 /// authenticating), returned by [`Backend::start_connect`] and run by the
 /// caller **without** holding the backend, so that polling and posting for
@@ -191,6 +203,37 @@ pub trait Backend: Send + 'static {
         due
     }
 
+    /// [`submit_at`](Self::submit_at) by a caller that takes the result at
+    /// once when there is one: a backend that can finish the transfer
+    /// inside the call (shm, when [`completes_inline`](Self::completes_inline):
+    /// the copy, on this thread, with nothing outside the process to
+    /// answer) does so, bounded as one `poll`'s work is, and returns
+    /// [`Submitted::Done`] with the result; `poll` then never reports the
+    /// transfer. Otherwise it is queued as `submit_at` queues it. The
+    /// checks, the deadline and the failures are those of the queued way.
+    /// Default: `submit_at`, always queued.
+    fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        self.submit_at(transfer, now).map(|()| Submitted::Queued)
+    }
+
+    /// [`submit_batch`](Self::submit_batch) as [`submit_now`](Self::submit_now)
+    /// submits one transfer: one outcome per transfer, in order, appended
+    /// to `results`; returns what `submit_batch` returns (something queued
+    /// needs a `poll`). Default: `submit_batch`, every accepted transfer
+    /// queued.
+    fn submit_batch_now(
+        &mut self,
+        transfers: Vec<Transfer>,
+        now: Instant,
+        results: &mut Vec<Result<Submitted, SubmitError>>,
+    ) -> bool {
+        let _ = now;
+        let mut queued = Vec::with_capacity(transfers.len());
+        let due = self.submit_batch(transfers, &mut queued);
+        results.extend(queued.into_iter().map(|r| r.map(|()| Submitted::Queued)));
+        due
+    }
+
     /// Makes progress and appends finished transfers to `completions`;
     /// returns how many were appended.
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize;
@@ -363,6 +406,17 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         results: &mut Vec<Result<(), SubmitError>>,
     ) -> bool {
         (**self).submit_batch(transfers, results)
+    }
+    fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        (**self).submit_now(transfer, now)
+    }
+    fn submit_batch_now(
+        &mut self,
+        transfers: Vec<Transfer>,
+        now: Instant,
+        results: &mut Vec<Result<Submitted, SubmitError>>,
+    ) -> bool {
+        (**self).submit_batch_now(transfers, now, results)
     }
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
         (**self).poll(completions)

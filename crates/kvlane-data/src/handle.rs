@@ -2,14 +2,13 @@
 //! process's transports, see `progress.rs`, or its own), handing out
 //! [`TransferHandle`]s that can be polled, awaited or waited on.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Submitted};
 use crate::error::{DataError, SubmitError};
-use crate::ids::{FastMap, RegionId};
+use crate::ids::{FastMap, IdHasher, RegionId};
 use crate::ids::{PeerId, TransferId};
 use crate::memory::{Region, RemoteRegion};
 use crate::progress::{Member, ProgressPool};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Op, Transfer};
-use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -110,6 +109,16 @@ impl AtEnd {
         }
     }
 
+    /// [`run`](Self::run), a panic in it logged and going no further: the
+    /// result is still published (and those of the other transfers
+    /// resolved with it).
+    fn run_caught(self, result: &Result<(), DataError>, now: Instant) {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(result, now))).is_err()
+        {
+            tracing::error!("a transfer's on_done callback panicked; its result is delivered");
+        }
+    }
+
     /// Runs it for a transfer that ended by `now` (read once for a
     /// poll's whole batch of completions).
     fn run(self, result: &Result<(), DataError>, now: Instant) {
@@ -177,11 +186,7 @@ impl Slot {
     fn run_on_done(&self, result: &Result<(), DataError>, now: Instant) {
         let on_done = lock(&self.state).on_done.take();
         if let Some(p) = on_done {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.run(result, now)))
-                .is_err()
-            {
-                tracing::error!("a transfer's on_done callback panicked; its result is delivered");
-            }
+            p.run_caught(result, now);
         }
     }
 
@@ -215,7 +220,40 @@ impl Slot {
 pub struct TransferHandle {
     id: TransferId,
     peer: PeerId,
-    slot: Arc<Slot>,
+    state: HandleState,
+}
+
+/// Where a handle's result is.
+enum HandleState {
+    /// The backend finished the transfer inside the submission
+    /// ([`Backend::submit_now`]): the result, until it is taken. No slot,
+    /// no lock, nothing for the driver to resolve.
+    Done {
+        // The error boxed: a handle is moved about by value, and most
+        // results are `Ok`.
+        result: Option<Result<(), Box<DataError>>>,
+        submitted: Instant,
+    },
+    /// Resolved by whoever polls the backend next.
+    Pending(Arc<Slot>),
+}
+
+/// A result as a resolved handle keeps it.
+fn boxed(r: Result<(), DataError>) -> Result<(), Box<DataError>> {
+    r.map_err(Box::new)
+}
+
+/// A resolved handle's result as it is handed out.
+fn unbox(r: Result<(), Box<DataError>>) -> Result<(), DataError> {
+    r.map_err(|e| *e)
+}
+
+/// What a handle whose result was taken gives when asked again.
+fn taken() -> DataError {
+    DataError::Unsupported {
+        backend: "transfer handle",
+        what: "its result was already taken",
+    }
 }
 
 impl std::fmt::Debug for TransferHandle {
@@ -243,17 +281,26 @@ impl TransferHandle {
     /// ([`Transport::submit_observed_at`]); one for all of a
     /// [`Transport::submit_batch`].
     pub fn submitted_at(&self) -> Instant {
-        self.slot.submitted
+        match &self.state {
+            HandleState::Done { submitted, .. } => *submitted,
+            HandleState::Pending(slot) => slot.submitted,
+        }
     }
 
     /// Whether the result is ready.
     pub fn is_done(&self) -> bool {
-        lock(&self.slot.state).result.is_some()
+        match &self.state {
+            HandleState::Done { result, .. } => result.is_some(),
+            HandleState::Pending(slot) => lock(&slot.state).result.is_some(),
+        }
     }
 
     /// Takes the result if it is ready.
     pub fn try_result(&mut self) -> Option<Result<(), DataError>> {
-        lock(&self.slot.state).result.take()
+        match &mut self.state {
+            HandleState::Done { result, .. } => result.take().map(unbox),
+            HandleState::Pending(slot) => lock(&slot.state).result.take(),
+        }
     }
 
     /// Blocks the thread until the transfer completes. Every transfer
@@ -268,31 +315,40 @@ impl TransferHandle {
     /// spinning. A thread that waits on a batch's handles after posting
     /// it finds them older than that, and sleeps at once.
     pub fn wait(self) -> Result<(), DataError> {
-        self.spin();
-        let mut s = lock(&self.slot.state);
+        let slot = match self.state {
+            HandleState::Done { result, .. } => return result.map_or_else(|| Err(taken()), unbox),
+            HandleState::Pending(slot) => slot,
+        };
+        spin_until(&slot, slot.submitted + SPIN_WINDOW);
+        let mut s = lock(&slot.state);
         loop {
             if let Some(r) = s.result.take() {
                 return r;
             }
             s.waiting += 1;
-            s = self.slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = slot.done.wait(s).unwrap_or_else(|e| e.into_inner());
             s.waiting -= 1;
         }
     }
 
     /// Blocks for at most `timeout`; `None` if the transfer is still running.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<(), DataError>> {
+        let slot = match &mut self.state {
+            HandleState::Done { result, .. } => {
+                return Some(result.take().map_or_else(|| Err(taken()), unbox))
+            }
+            HandleState::Pending(slot) => slot,
+        };
         let end = Instant::now() + timeout;
-        self.spin_until(end);
-        let mut s = lock(&self.slot.state);
+        spin_until(slot, end);
+        let mut s = lock(&slot.state);
         loop {
             if let Some(r) = s.result.take() {
                 return Some(r);
             }
             let left = end.checked_duration_since(Instant::now())?;
             s.waiting += 1;
-            s = self
-                .slot
+            s = slot
                 .done
                 .wait_timeout(s, left)
                 .unwrap_or_else(|e| e.into_inner())
@@ -302,35 +358,27 @@ impl TransferHandle {
     }
 }
 
-impl TransferHandle {
-    /// Spins while the transfer is younger than [`SPIN_WINDOW`] and not
-    /// done.
-    fn spin(&self) {
-        self.spin_until(self.slot.submitted + SPIN_WINDOW);
+/// Spins until `slot`'s result is ready, the transfer is [`SPIN_WINDOW`]
+/// old, or `end`. It yields the CPU between rounds of checks: the thread
+/// that completes the transfer may be runnable on this CPU (two vCPUs,
+/// the target on the other), and a pure spin would hold it off until the
+/// window ends.
+fn spin_until(slot: &Slot, end: Instant) {
+    let end = end.min(slot.submitted + SPIN_WINDOW);
+    if slot.ready.load(Ordering::Acquire) || Instant::now() >= end {
+        return;
     }
-
-    /// Spins until the result is ready, the transfer is [`SPIN_WINDOW`]
-    /// old, or `end`. It yields the CPU between rounds of checks: the
-    /// thread that completes the transfer may be runnable on this CPU
-    /// (two vCPUs, the target on the other), and a pure spin would hold
-    /// it off until the window ends.
-    fn spin_until(&self, end: Instant) {
-        let end = end.min(self.slot.submitted + SPIN_WINDOW);
-        if self.slot.ready.load(Ordering::Acquire) || Instant::now() >= end {
-            return;
-        }
-        loop {
-            for _ in 0..64 {
-                if self.slot.ready.load(Ordering::Acquire) {
-                    return;
-                }
-                std::hint::spin_loop();
-            }
-            if Instant::now() >= end {
+    loop {
+        for _ in 0..64 {
+            if slot.ready.load(Ordering::Acquire) {
                 return;
             }
-            thread::yield_now();
+            std::hint::spin_loop();
         }
+        if Instant::now() >= end {
+            return;
+        }
+        thread::yield_now();
     }
 }
 
@@ -338,7 +386,13 @@ impl Future for TransferHandle {
     type Output = Result<(), DataError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut s = lock(&self.slot.state);
+        let slot = match &mut self.get_mut().state {
+            HandleState::Done { result, .. } => {
+                return Poll::Ready(result.take().map_or_else(|| Err(taken()), unbox))
+            }
+            HandleState::Pending(slot) => slot,
+        };
+        let mut s = lock(&slot.state);
         if let Some(r) = s.result.take() {
             return Poll::Ready(r);
         }
@@ -733,7 +787,7 @@ impl Transport {
     /// Submits a transfer. A full queue hands it back
     /// ([`SubmitError::QueueFull`]); wait for earlier handles and retry.
     pub fn submit(&self, transfer: Transfer) -> Result<TransferHandle, SubmitError> {
-        self.submit_slot(transfer, Slot::new(Instant::now(), None))
+        self.submit_one(transfer, None, Instant::now())
     }
 
     /// Submits a transfer and calls `on_done` with its result when it ends
@@ -745,7 +799,7 @@ impl Transport {
         transfer: Transfer,
         on_done: OnDone,
     ) -> Result<TransferHandle, SubmitError> {
-        self.submit_with(transfer, Then::Call(on_done), Instant::now())
+        self.submit_one(transfer, Some(Then::Call(on_done)), Instant::now())
     }
 
     /// Submits a transfer and tells `observer` when it ends (see
@@ -756,7 +810,7 @@ impl Transport {
         transfer: Transfer,
         observer: Arc<dyn Observer>,
     ) -> Result<TransferHandle, SubmitError> {
-        self.submit_with(transfer, Then::Observe(observer), Instant::now())
+        self.submit_one(transfer, Some(Then::Observe(observer)), Instant::now())
     }
 
     /// [`submit_observed`](Self::submit_observed) by a caller that read
@@ -769,53 +823,72 @@ impl Transport {
         observer: Arc<dyn Observer>,
         now: Instant,
     ) -> Result<TransferHandle, SubmitError> {
-        self.submit_with(transfer, Then::Observe(observer), now)
+        self.submit_one(transfer, Some(Then::Observe(observer)), now)
     }
 
-    fn submit_with(
+    /// Submits one transfer (see [`submit_batch`](Self::submit_batch) for
+    /// how a result found inside the submission is handed over).
+    fn submit_one(
         &self,
         transfer: Transfer,
-        then: Then,
-        now: Instant,
+        then: Option<Then>,
+        submitted: Instant,
     ) -> Result<TransferHandle, SubmitError> {
-        let slot = Slot::new(now, Some(AtEnd::new(then, &transfer, now)));
-        self.submit_slot(transfer, slot)
-    }
-
-    fn submit_slot(&self, transfer: Transfer, slot: Slot) -> Result<TransferHandle, SubmitError> {
         let (id, peer) = (transfer.id, transfer.peer);
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(SubmitError::Rejected(DataError::Shutdown(id)));
         }
-        let slot = Arc::new(slot);
-        match lock(&self.shared.slots).entry(id) {
-            Entry::Occupied(_) => {
-                return Err(SubmitError::Rejected(DataError::DuplicateTransfer(id)))
-            }
-            Entry::Vacant(v) => {
-                v.insert(slot.clone());
-            }
-        }
+        let mut at_end = then.map(|then| AtEnd::new(then, &transfer, submitted));
         let (r, due, inline) = {
             let mut b = lock(&self.shared.backend);
-            let r = b.submit_at(transfer, slot.submitted);
+            // Slots enter the map only with the backend held, so an id
+            // found free here is still free once the backend took it.
+            if lock(&self.shared.slots).contains_key(&id) {
+                drop(b);
+                return Err(SubmitError::Rejected(DataError::DuplicateTransfer(id)));
+            }
+            let r = b.submit_now(transfer, submitted).map(|s| match s {
+                Submitted::Queued => {
+                    let slot = Arc::new(Slot::new(submitted, at_end.take()));
+                    lock(&self.shared.slots).insert(id, slot.clone());
+                    Err(slot)
+                }
+                Submitted::Done(result) => Ok(result),
+            });
             (r, b.poll_after_submit(), b.completes_inline())
         };
+        self.after_submit(matches!(r, Ok(Err(_))), due, inline);
+        let state = match r? {
+            Err(slot) => HandleState::Pending(slot),
+            // Its `on_done` first, off the backend's lock, as a poll
+            // would run it.
+            Ok(result) => {
+                if let Some(p) = at_end {
+                    p.run_caught(&result, Instant::now());
+                }
+                HandleState::Done {
+                    result: Some(boxed(result)),
+                    submitted,
+                }
+            }
+        };
+        Ok(TransferHandle { id, peer, state })
+    }
+
+    /// Wakes what must move on after a submission: a backend whose work
+    /// the submitting thread does (`inline`) is polled here when something
+    /// was `queued`; otherwise the driver is woken when the backend says
+    /// work is `due`, or when it skipped the backend while it was held
+    /// here (also after a refusal).
+    fn after_submit(&self, queued: bool, due: bool, inline: bool) {
         // A wake-up per submission cost the driver thousands of context
         // switches a second (tcp hands every chunk to its stream from
         // `submit`; only a deadline or a queued failure needs the poll).
-        // Also after a refusal: a driver that
-        // skipped the backend while it was locked here is woken.
-        if inline && r.is_ok() {
+        if inline && queued {
             self.driver.poll_or_kick();
         } else if due || self.shared.take_skipped() {
             self.driver.kick();
         }
-        if let Err(e) = r {
-            lock(&self.shared.slots).remove(&id);
-            return Err(e);
-        }
-        Ok(TransferHandle { id, peer, slot })
     }
 
     /// Submits several transfers in one call, each with what runs when it
@@ -828,63 +901,128 @@ impl Transport {
     /// transfer of as many blocks does. A transfer refused at submission
     /// gets its error in its place and the others go on; its `on_done` is
     /// not called.
+    ///
+    /// A backend that finishes transfers inside the submission
+    /// ([`Backend::submit_batch_now`]; shm copies them there) hands their
+    /// results back at once: their `on_done` runs here, on the calling
+    /// thread, before this returns, and their handles come back resolved,
+    /// without a slot in the transport's table or a wake-up (one clock
+    /// read for all of them).
     pub fn submit_batch(
         &self,
         transfers: Vec<(Transfer, Option<Then>)>,
     ) -> Vec<Result<TransferHandle, SubmitError>> {
         let stopped = self.shared.stop.load(Ordering::Acquire);
-        let mut out: Vec<Result<TransferHandle, SubmitError>> = Vec::with_capacity(transfers.len());
-        let mut submit = Vec::with_capacity(transfers.len());
-        // Where in `out` each transfer handed to the backend is.
-        let mut at = Vec::with_capacity(transfers.len());
+        let n = transfers.len();
+        let mut submit = Vec::with_capacity(n);
+        // Each transfer handed to the backend: its id, peer and what runs
+        // when it ends; and each one refused here, with where it was.
+        let mut pending: Vec<(TransferId, PeerId, Option<AtEnd>)> = Vec::with_capacity(n);
+        let mut refused: Vec<(usize, SubmitError)> = Vec::new();
         let submitted = Instant::now();
+        let mut b = lock(&self.shared.backend);
         {
-            let mut slots = lock(&self.shared.slots);
-            for (t, then) in transfers {
-                let (id, peer) = (t.id, t.peer);
+            // Slots enter the map only with the backend held (see
+            // `submit_one`): ids found free here stay free until then.
+            let slots = lock(&self.shared.slots);
+            // The batch's ids so far are told apart by their order while
+            // they increase (as `TransferId::next` makes them), by a set
+            // once a caller's choice does not.
+            let mut last = None;
+            let mut seen: Option<
+                std::collections::HashSet<TransferId, std::hash::BuildHasherDefault<IdHasher>>,
+            > = None;
+            for (i, (t, then)) in transfers.into_iter().enumerate() {
+                let id = t.id;
                 if stopped {
-                    out.push(Err(SubmitError::Rejected(DataError::Shutdown(id))));
+                    refused.push((i, SubmitError::Rejected(DataError::Shutdown(id))));
                     continue;
                 }
-                let Entry::Vacant(v) = slots.entry(id) else {
-                    out.push(Err(SubmitError::Rejected(DataError::DuplicateTransfer(id))));
-                    continue;
+                let again = match &mut seen {
+                    None if last.is_none_or(|l| id > l) => false,
+                    None => {
+                        let set = seen.insert(pending.iter().map(|p| p.0).collect());
+                        !set.insert(id)
+                    }
+                    Some(set) => !set.insert(id),
                 };
-                let on_done = then.map(|then| AtEnd::new(then, &t, submitted));
-                let slot = Arc::new(Slot::new(submitted, on_done));
-                v.insert(slot.clone());
-                at.push(out.len());
-                out.push(Ok(TransferHandle { id, peer, slot }));
+                if again || slots.contains_key(&id) {
+                    refused.push((i, SubmitError::Rejected(DataError::DuplicateTransfer(id))));
+                    continue;
+                }
+                last = Some(id);
+                pending.push((id, t.peer, then.map(|then| AtEnd::new(then, &t, submitted))));
                 submit.push(t);
             }
         }
-        if submit.is_empty() {
-            return out;
-        }
         let mut results = Vec::with_capacity(submit.len());
-        let (due, inline) = {
-            let mut b = lock(&self.shared.backend);
-            (b.submit_batch(submit, &mut results), b.completes_inline())
+        let (due, inline) = if submit.is_empty() {
+            (false, false)
+        } else {
+            (
+                b.submit_batch_now(submit, submitted, &mut results),
+                b.completes_inline(),
+            )
         };
-        if inline && results.iter().any(Result::is_ok) {
-            self.driver.poll_or_kick();
-        } else if due || self.shared.take_skipped() {
-            self.driver.kick();
-        }
-        debug_assert_eq!(results.len(), at.len(), "one result per transfer");
-        let mut results = results.into_iter();
-        for &i in &at {
-            // A backend that answered fewer than it was given left the
-            // rest unsubmitted: refused, never left to wait.
-            let r = results.next().unwrap_or_else(|| {
-                let id = out[i].as_ref().map_or(TransferId(0), TransferHandle::id);
-                Err(SubmitError::Rejected(DataError::Shutdown(id)))
-            });
-            if let Err(e) = r {
-                if let Ok(h) = &out[i] {
-                    lock(&self.shared.slots).remove(&h.id);
+        let mut queued = false;
+        let mut done = Vec::new();
+        let mut out: Vec<Result<TransferHandle, SubmitError>> = Vec::with_capacity(n);
+        {
+            let mut slots = None;
+            let mut results = results.into_iter();
+            let mut refused = refused.into_iter().peekable();
+            for (id, peer, at_end) in pending {
+                while let Some((_, e)) = refused.next_if(|(i, _)| *i == out.len()) {
+                    out.push(Err(e));
                 }
-                out[i] = Err(e);
+                // A backend that answered fewer than it was given left the
+                // rest unsubmitted: refused, never left to wait.
+                let r = results
+                    .next()
+                    .unwrap_or_else(|| Err(SubmitError::Rejected(DataError::Shutdown(id))));
+                let at = out.len();
+                out.push(r.map(|s| {
+                    let state = match (s, at_end) {
+                        (Submitted::Queued, at_end) => {
+                            queued = true;
+                            let slot = Arc::new(Slot::new(submitted, at_end));
+                            slots
+                                .get_or_insert_with(|| lock(&self.shared.slots))
+                                .insert(id, slot.clone());
+                            HandleState::Pending(slot)
+                        }
+                        (Submitted::Done(result), None) => HandleState::Done {
+                            result: Some(boxed(result)),
+                            submitted,
+                        },
+                        // The result goes in once its `on_done` ran.
+                        (Submitted::Done(result), Some(p)) => {
+                            done.push((at, p, result));
+                            HandleState::Done {
+                                result: None,
+                                submitted,
+                            }
+                        }
+                    };
+                    TransferHandle { id, peer, state }
+                }));
+            }
+            out.extend(refused.map(|(_, e)| Err(e)));
+        }
+        drop(b);
+        self.after_submit(queued, due, inline);
+        // Their `on_done`s, off the backend's lock, as a poll runs them.
+        if !done.is_empty() {
+            let now = Instant::now();
+            for (at, p, result) in done {
+                p.run_caught(&result, now);
+                if let Some(Ok(TransferHandle {
+                    state: HandleState::Done { result: slot, .. },
+                    ..
+                })) = out.get_mut(at)
+                {
+                    *slot = Some(boxed(result));
+                }
             }
         }
         out

@@ -121,6 +121,9 @@ impl Backend for Intercept {
     fn submit_at(&mut self, t: Transfer, now: std::time::Instant) -> Result<(), SubmitError> {
         self.inner.submit_at(t, now)
     }
+    // `submit_now` and `submit_batch_now` keep their defaults (queued,
+    // through `submit_at` and `submit_batch`): every completion then comes
+    // from `poll`, where the hook sees it.
     fn submit_batch(
         &mut self,
         ts: Vec<Transfer>,

@@ -111,7 +111,7 @@ mod transfer;
 #[allow(unsafe_code)] // libibverbs FFI and memory registration
 pub mod verbs;
 
-pub use backend::{connect_pair, Backend, Connected, Connecting};
+pub use backend::{connect_pair, Backend, Connected, Connecting, Submitted};
 pub use error::{DataError, SubmitError};
 pub use gpu::{
     gpu_device_of, gpu_devices, DmaBuf, GpuDevice, GpuError, GpuInfo, GpuRuntime, GpuUnavailable,

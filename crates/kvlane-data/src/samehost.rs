@@ -38,7 +38,7 @@
 //!
 //! [`ShmEndpoint`]: crate::ShmEndpoint
 
-use crate::backend::{Backend, Connected, Connecting};
+use crate::backend::{Backend, Connected, Connecting, Submitted};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{FastMap, PeerId, RegionId};
 use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
@@ -245,6 +245,18 @@ impl SameHost {
     fn via_shm(&self, peer: PeerId) -> bool {
         self.routes.get(&peer).is_some_and(|r| r.via_shm)
     }
+
+    /// Which backend takes all of a batch: `Some(true)` shm, `Some(false)`
+    /// the other (and it is then the last one used), `Some(None)` both
+    /// (each transfer goes its own way), `None` for an empty batch.
+    fn one_side(&mut self, transfers: &[Transfer]) -> Option<Option<bool>> {
+        let shm = self.via_shm(transfers.first()?.peer);
+        if transfers.iter().all(|t| self.via_shm(t.peer) == shm) {
+            self.last_shm = shm;
+            return Some(Some(shm));
+        }
+        Some(None)
+    }
 }
 
 impl Backend for SameHost {
@@ -428,24 +440,49 @@ impl Backend for SameHost {
         transfers: Vec<Transfer>,
         results: &mut Vec<Result<(), SubmitError>>,
     ) -> bool {
-        let Some(first) = transfers.first() else {
-            return false;
-        };
-        let shm = self.via_shm(first.peer);
-        if transfers.iter().all(|t| self.via_shm(t.peer) == shm) {
-            self.last_shm = shm;
-            return if shm {
-                self.shm.submit_batch(transfers, results)
-            } else {
-                self.other.submit_batch(transfers, results)
-            };
+        match self.one_side(&transfers) {
+            None => false,
+            Some(Some(true)) => self.shm.submit_batch(transfers, results),
+            Some(Some(false)) => self.other.submit_batch(transfers, results),
+            Some(None) => {
+                let mut due = false;
+                for t in transfers {
+                    results.push(self.submit(t));
+                    due |= self.poll_after_submit();
+                }
+                due
+            }
         }
-        let mut due = false;
-        for t in transfers {
-            results.push(self.submit(t));
-            due |= self.poll_after_submit();
+    }
+
+    fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        self.last_shm = self.via_shm(transfer.peer);
+        if self.last_shm {
+            self.shm.submit_now(transfer, now)
+        } else {
+            self.other.submit_now(transfer, now)
         }
-        due
+    }
+
+    fn submit_batch_now(
+        &mut self,
+        transfers: Vec<Transfer>,
+        now: Instant,
+        results: &mut Vec<Result<Submitted, SubmitError>>,
+    ) -> bool {
+        match self.one_side(&transfers) {
+            None => false,
+            Some(Some(true)) => self.shm.submit_batch_now(transfers, now, results),
+            Some(Some(false)) => self.other.submit_batch_now(transfers, now, results),
+            Some(None) => {
+                let mut due = false;
+                for t in transfers {
+                    results.push(self.submit_now(t, now));
+                    due |= self.poll_after_submit();
+                }
+                due
+            }
+        }
     }
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {

@@ -244,6 +244,127 @@ mod hostile {
         }
     }
 
+    /// `submit_batch_now` finishes a batch's copies inside the call, each
+    /// checked as a queued one is: good ones `Done(Ok)` with their bytes
+    /// moved, a wrong key and an offset past the region `Done` with their
+    /// typed errors and nothing moved, a notification `Queued` (its answer
+    /// is the poll's). `poll` reports only the queued one; once the target
+    /// is gone, a submission is `Done` with `PeerLost`.
+    #[test]
+    fn a_batch_is_finished_inside_its_submission_with_the_same_checks() {
+        use kvlane_data::Submitted;
+        let mut s = setup(&ShmFixture, 8192, 8192, Access::ALL, 11);
+        let before = s.remote.to_vec().unwrap();
+        let t = |lo, key, ro, len| {
+            let mut t = span(&s.local, key, lo, ro, len);
+            t.peer = s.peer;
+            t
+        };
+        let key = s.remote_ad.key;
+        let batch = vec![
+            t(0, key, 0, 1024),
+            t(0, RemoteKey(key.0 ^ 0x5a5a), 1024, 64),
+            t(0, key, 8192 - 16, 32),
+            t(1024, key, 1024, 1024).with_notify(&b"landed"[..]),
+            t(2048, key, 2048, 1024),
+        ];
+        let ids: Vec<_> = batch.iter().map(|t| t.id).collect();
+        let mut results = Vec::new();
+        let due = s.init.submit_batch_now(batch, Instant::now(), &mut results);
+        assert!(due, "a notification awaits its answer: a poll is due");
+        assert_eq!(results.len(), 5);
+        let outcome = |i: usize| match &results[i] {
+            Ok(Submitted::Done(r)) => Some(r.as_ref().map_err(|e| e.to_string())),
+            Ok(Submitted::Queued) => None,
+            Err(e) => panic!("transfer {i} refused: {e}"),
+        };
+        assert_eq!(outcome(0), Some(Ok(&())));
+        assert_eq!(outcome(4), Some(Ok(&())));
+        assert!(matches!(
+            &results[1],
+            Ok(Submitted::Done(Err(DataError::UnknownKey { .. })))
+        ));
+        assert!(matches!(
+            &results[2],
+            Ok(Submitted::Done(Err(DataError::RemoteOutOfBounds { .. })))
+        ));
+        assert_eq!(outcome(3), None);
+        let (local, remote) = (s.local.to_vec().unwrap(), s.remote.to_vec().unwrap());
+        assert_eq!(remote[..3072], local[..3072]);
+        // Nothing past the region's end, nor after the good spans, moved.
+        assert_eq!(remote[3072..], before[3072..]);
+        // The poll reports the notified one only, once the target answered.
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut done = Vec::new();
+        while done.is_empty() {
+            s.init.poll(&mut done);
+            s.target.poll(&mut Vec::new());
+            assert!(
+                Instant::now() < end,
+                "the notified transfer never completed"
+            );
+            std::thread::yield_now();
+        }
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].id, ids[3]);
+        assert!(done[0].result.is_ok(), "{:?}", done[0].result);
+        let mut notes = Vec::new();
+        s.target.poll_notifications(&mut notes);
+        assert_eq!(notes.len(), 1);
+        assert_eq!(s.init.in_flight(), 0);
+        // The target's process "ends": the next submission finds out.
+        let other = ShmBackend::new(ShmConfig::default()).unwrap();
+        drop(std::mem::replace(&mut s.target, other));
+        match s.init.submit_now(t(0, key, 0, 64), Instant::now()) {
+            Ok(Submitted::Done(Err(e))) => assert!(e.is_peer_lost(), "{e}"),
+            other => panic!("a submission to a gone target: {other:?}"),
+        }
+    }
+
+    /// Through a `Transport`: handles of transfers finished inside
+    /// `submit_batch` come back resolved, each `on_done` already run; a
+    /// second use of an id in the batch is refused in its place.
+    #[test]
+    fn a_transport_batch_over_shm_comes_back_resolved() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let p = transport_pair(0x3c);
+        let (transport, src, dst, peer, key) = (&p.transport, &p.src, &p.dst, p.peer, p.key);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let mut batch: Vec<(Transfer, Option<kvlane_data::Then>)> = (0..16u64)
+            .map(|i| {
+                let mut t = span(src, key, i * 4096, i * 4096, 4096);
+                t.peer = peer;
+                let c = calls.clone();
+                let then = kvlane_data::Then::Call(Box::new(move |r| {
+                    assert!(r.is_ok(), "{r:?}");
+                    c.fetch_add(1, Ordering::AcqRel);
+                }));
+                (t, Some(then))
+            })
+            .collect();
+        let again = batch[5].0.clone();
+        batch.push((again, None));
+        let handles = transport.submit_batch(batch);
+        assert_eq!(calls.load(Ordering::Acquire), 16);
+        assert_eq!(transport.in_flight(), 0);
+        for (i, h) in handles.into_iter().enumerate() {
+            match h {
+                Ok(mut h) if i < 16 => {
+                    assert!(h.is_done(), "transfer {i} was not finished in the call");
+                    h.try_result().unwrap().unwrap();
+                    assert!(!h.is_done(), "a result is taken once");
+                }
+                Err(kvlane_data::SubmitError::Rejected(DataError::DuplicateTransfer(_)))
+                    if i == 16 => {}
+                other => panic!("transfer {i} of the batch: {other:?}"),
+            }
+        }
+        assert!(dst.to_vec().unwrap()[..16 * 4096]
+            .iter()
+            .all(|&b| b == 0x3c));
+    }
+
     /// A `Transport` over an shm initiator connected to `target`: 1 MiB
     /// of shared memory on each side, the source filled with `byte`.
     struct Pair {

@@ -45,8 +45,12 @@
 //!    WRITE; for the others the target's seal makes a writable mapping
 //!    impossible, even through `/proc/<pid>/fd`.
 //! 5. READ and WRITE are `memcpy` between the initiator's region and its
-//!    mapping of the target's, in the initiator's own thread (the one that
-//!    calls [`poll`](Backend::poll)); the target's threads copy nothing.
+//!    mapping of the target's, in the initiator's own thread: the one that
+//!    submits the transfer when nothing is queued before it
+//!    ([`submit_now`](Backend::submit_now): a transfer without a
+//!    notification is then finished before the call returns), else the
+//!    one that calls [`poll`](Backend::poll); the target's threads copy
+//!    nothing.
 //!    Every segment is checked first, as a NIC would (key granted, range
 //!    inside the grant, remote right, local range and right); nothing
 //!    moves when one check fails, and a lying peer gets a typed error,
@@ -227,12 +231,13 @@
 
 mod copy;
 mod peer;
+mod run;
 #[allow(unsafe_code)] // sendmsg/recvmsg with SCM_RIGHTS, mmap of peer regions, process_vm_*
 mod sys;
 mod target;
 mod wire;
 
-use crate::backend::{Backend, Connected, Connecting};
+use crate::backend::{Backend, Connected, Connecting, Submitted};
 use crate::error::{DataError, SubmitError};
 use crate::host_registry::HostRegistry;
 use crate::ids::{FastMap, PeerId, RegionId, RemoteKey, TransferId};
@@ -245,7 +250,7 @@ use std::collections::VecDeque;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 use target::{lock, Cmd, Target};
-use wire::{NotifyStatus, ToTarget, MAX_MESSAGE, MAX_NOTIFY, TOKEN_LEN};
+use wire::{NotifyStatus, MAX_MESSAGE, TOKEN_LEN};
 
 /// Settings of a [`ShmBackend`].
 #[derive(Clone, Debug)]
@@ -375,7 +380,14 @@ pub struct ShmBackend {
     peers: FastMap<PeerId, Slot>,
     next_peer: u64,
     queue: VecDeque<Transfer>,
+    /// Completions found outside `poll` (failures, answers read by a
+    /// submission), reported by the next poll.
     failed: VecDeque<Completion>,
+    /// Whether the last submission left something only `poll` moves on
+    /// ([`Backend::poll_after_submit`]).
+    due: bool,
+    /// The answers a submission reads (reused).
+    answers: Vec<Completion>,
     /// Transfers whose notification awaits the target's answer, by seq.
     waiting: FastMap<u64, Waiting>,
     next_seq: u64,
@@ -432,6 +444,8 @@ impl ShmBackend {
             next_peer: 1,
             queue: VecDeque::new(),
             failed: VecDeque::new(),
+            due: false,
+            answers: Vec::new(),
             waiting: FastMap::default(),
             next_seq: 1,
             scratch: Vec::new(),
@@ -519,85 +533,6 @@ impl ShmBackend {
             }
         }
         self.events = events;
-    }
-
-    /// Runs queued transfers to the peer at the queue's head, while
-    /// `budget` lasts.
-    fn run_peer(&mut self, now: Instant, budget: &mut u64, completions: &mut Vec<Completion>) {
-        let Some(peer) = self.queue.front().map(|t| t.peer) else {
-            return;
-        };
-        // Reading first notices a target that is gone before copying.
-        self.drain(peer, now, completions);
-        let lost = match self.peers.get(&peer) {
-            None => Some(DataError::UnknownPeer(peer)),
-            Some(Slot { conn: Some(_), .. }) => None,
-            Some(Slot { lost, .. }) => Some(DataError::PeerLost {
-                peer,
-                reason: lost.unwrap_or("not connected"),
-                source: None,
-            }),
-        };
-        if let Some(err) = lost {
-            while self.queue.front().is_some_and(|t| t.peer == peer) {
-                let t = self.queue.pop_front().expect("front was just read");
-                completions.push(Completion {
-                    id: t.id,
-                    peer,
-                    result: Err(clone_lost(&err)),
-                });
-                *budget = budget.saturating_sub(1);
-            }
-            return;
-        }
-        let conn = self
-            .peers
-            .get_mut(&peer)
-            .and_then(|s| s.conn.as_mut())
-            .expect("checked above");
-        let mut broken = None;
-        while *budget > 0 && self.queue.front().is_some_and(|t| t.peer == peer) {
-            let t = self.queue.pop_front().expect("front was just read");
-            let result = copy::execute(&t, now, &self.registry, conn, &mut self.scratch);
-            *budget = budget.saturating_sub(if result.is_ok() {
-                t.total_len().max(1)
-            } else {
-                1
-            });
-            match (result, t.notify) {
-                (Ok(()), Some(payload)) => {
-                    let seq = self.next_seq;
-                    self.next_seq += 1;
-                    let left = t.deadline.saturating_duration_since(now);
-                    let msg = wire::encode(&ToTarget::Notify {
-                        seq,
-                        deadline_ns: sys::monotonic_ns()
-                            .saturating_add(u64::try_from(left.as_nanos()).unwrap_or(u64::MAX)),
-                        payload: payload.to_vec(),
-                    });
-                    self.waiting.insert(
-                        seq,
-                        Waiting {
-                            id: t.id,
-                            peer,
-                            deadline: t.deadline,
-                        },
-                    );
-                    if let Err(e) = conn.notify(msg) {
-                        broken = Some(e);
-                        break;
-                    }
-                }
-                (result, _) => completions.push(Completion {
-                    id: t.id,
-                    peer,
-                    result,
-                }),
-            }
-        }
-        if let Some(e) = broken {
-            self.lose(peer, "sending a notification to the target failed", Some(e));
-        }
     }
 }
 
@@ -833,29 +768,45 @@ impl Backend for ShmBackend {
     }
 
     fn submit(&mut self, transfer: Transfer) -> Result<(), SubmitError> {
-        if !self.peers.contains_key(&transfer.peer) {
-            return Err(SubmitError::Rejected(DataError::UnknownPeer(transfer.peer)));
-        }
-        if let Err(e) = transfer.check_lengths() {
+        if let Err(e) = self.admit(&transfer) {
             return Err(SubmitError::Rejected(e));
         }
-        if let Some(n) = &transfer.notify {
-            if n.len() > MAX_NOTIFY {
-                return Err(SubmitError::Rejected(DataError::NotificationTooLarge {
-                    len: n.len(),
-                    max: MAX_NOTIFY,
-                }));
-            }
+        self.enqueue(transfer)
+    }
+
+    /// Copies the transfer here when nothing is queued before it (see
+    /// `run.rs`): finished unless it carries a notification, whose answer
+    /// `poll` awaits.
+    fn submit_now(&mut self, transfer: Transfer, now: Instant) -> Result<Submitted, SubmitError> {
+        // The deadline is checked against the clock as the copy begins, not
+        // the caller's reading, which may be a wait for the backend old.
+        let now = now.max(Instant::now());
+        self.due = false;
+        let mut budget = self.config.poll_budget.max(1);
+        self.submit_inline(transfer, now, &mut budget, &mut None)
+    }
+
+    /// [`submit_now`](Backend::submit_now) for each, in order, the copies
+    /// bounded by one poll's budget for the batch (the rest queued), each
+    /// peer's connection read once.
+    fn submit_batch_now(
+        &mut self,
+        transfers: Vec<Transfer>,
+        now: Instant,
+        results: &mut Vec<Result<Submitted, SubmitError>>,
+    ) -> bool {
+        let now = now.max(Instant::now());
+        self.due = false;
+        let mut budget = self.config.poll_budget.max(1);
+        let mut drained = None;
+        for t in transfers {
+            results.push(self.submit_inline(t, now, &mut budget, &mut drained));
         }
-        let in_flight = self.in_flight();
-        if in_flight >= self.config.queue_depth {
-            return Err(SubmitError::QueueFull {
-                transfer: Box::new(transfer),
-                in_flight,
-            });
-        }
-        self.queue.push_back(transfer);
-        Ok(())
+        self.due
+    }
+
+    fn poll_after_submit(&self) -> bool {
+        self.due
     }
 
     fn poll(&mut self, completions: &mut Vec<Completion>) -> usize {
