@@ -108,6 +108,21 @@ mod raw {
         got
     }
 
+    /// Sends a 16-byte WRITE at offset 100 on a fenced connection, which
+    /// must close it without an answer.
+    fn write_unanswered(mut old: TcpStream, key: RemoteKey) {
+        let req = Request {
+            kind: RequestKind::Write,
+            key,
+            tag: 1,
+            offset: 100,
+            len: 16,
+        };
+        let _ = old.write_all(&req.encode());
+        let _ = old.write_all(&[0xee; 16]);
+        assert!(drain(old).is_empty(), "a fenced connection answered");
+    }
+
     #[test]
     fn raw_client_bad_requests_refused_and_memory_unchanged() {
         let t = target();
@@ -181,16 +196,7 @@ mod raw {
         let mut new = authed(&t.ep);
         fence(&new, 6).unwrap();
         // The old connection's WRITE is dropped and the connection closed.
-        let req = Request {
-            kind: RequestKind::Write,
-            key,
-            tag: 1,
-            offset: 100,
-            len: 16,
-        };
-        let _ = old.write_all(&req.encode());
-        let _ = old.write_all(&[0xee; 16]);
-        assert!(drain(old).is_empty(), "a fenced connection answered");
+        write_unanswered(old, key);
         let now = t.all.0.to_vec().unwrap();
         assert_eq!(now[100..116], before[100..116], "a fenced WRITE landed");
         assert_eq!(now[..16], [0xee; 16], "the WRITE before the fence landed");
@@ -243,16 +249,7 @@ mod raw {
         fence(&sib, 6).unwrap();
         assert_eq!(other.counters().sibling_fences, 1);
         // The old connection to the first backend is fenced...
-        let req = Request {
-            kind: RequestKind::Write,
-            key,
-            tag: 1,
-            offset: 100,
-            len: 16,
-        };
-        let _ = old.write_all(&req.encode());
-        let _ = old.write_all(&[0xee; 16]);
-        assert!(drain(old).is_empty(), "a fenced connection answered");
+        write_unanswered(old, key);
         assert_eq!(
             t.all.0.to_vec().unwrap()[100..116],
             before[100..116],
