@@ -195,12 +195,7 @@ pub trait Backend: Send + 'static {
         transfers: Vec<Transfer>,
         results: &mut Vec<Result<(), SubmitError>>,
     ) -> bool {
-        let mut due = false;
-        for t in transfers {
-            results.push(self.submit(t));
-            due |= self.poll_after_submit();
-        }
-        due
+        submit_each(self, transfers, results)
     }
 
     /// [`submit_at`](Self::submit_at) by a caller that takes the result at
@@ -356,6 +351,36 @@ pub trait Backend: Send + 'static {
     }
 }
 
+/// Submits `transfers` one at a time ([`Backend::submit`]), as the default
+/// [`Backend::submit_batch`] does; for backends that deal a batch whole
+/// only when it is all theirs, and one at a time otherwise.
+pub(crate) fn submit_each<B: Backend + ?Sized>(
+    b: &mut B,
+    transfers: Vec<Transfer>,
+    results: &mut Vec<Result<(), SubmitError>>,
+) -> bool {
+    let mut due = false;
+    for t in transfers {
+        results.push(b.submit(t));
+        due |= b.poll_after_submit();
+    }
+    due
+}
+
+/// [`submit_each`] by [`Backend::submit_now`].
+pub(crate) fn submit_each_now<B: Backend + ?Sized>(
+    b: &mut B,
+    transfers: Vec<Transfer>,
+    now: Instant,
+    results: &mut Vec<Result<Submitted, SubmitError>>,
+) -> bool {
+    let mut due = false;
+    for t in transfers {
+        results.push(b.submit_now(t, now));
+        due |= b.poll_after_submit();
+    }
+    due
+}
 impl<B: Backend + ?Sized> Backend for Box<B> {
     fn kind(&self) -> BackendKind {
         (**self).kind()

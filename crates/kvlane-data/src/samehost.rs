@@ -38,11 +38,11 @@
 //!
 //! [`ShmEndpoint`]: crate::ShmEndpoint
 
-use crate::backend::{Backend, Connected, Connecting, Submitted};
+use crate::backend::{self, Backend, Connected, Connecting, Submitted};
 use crate::error::{DataError, SubmitError};
 use crate::ids::{FastMap, PeerId, RegionId};
-use crate::memory::{Access, MemoryKind, Region, RemoteRegion};
-use crate::shm::ShmBackend;
+use crate::memory::{MemoryKind, Region, RemoteRegion};
+use crate::shm::{self, ShmBackend};
 use crate::transfer::{BackendKind, Completion, Endpoint, Notification, Transfer};
 use serde::{Deserialize, Serialize};
 use std::task::Waker;
@@ -122,15 +122,10 @@ pub fn netns() -> Option<String> {
 /// `cross_memory_attach` on); `None` when it can, or when the region
 /// grants no remote right. The reason names the way to shm.
 pub fn unserved(region: &Region, cross_memory_attach: bool) -> Option<String> {
-    let access = region.access();
-    if !access.contains(Access::REMOTE_READ) && !access.contains(Access::REMOTE_WRITE) {
-        return None;
-    }
-    if region.is_shared() || region.gpu().is_some() {
+    if !shm::remote_rights(region.access()) || shm::serves(region, cross_memory_attach) {
         return None;
     }
     Some(match region.kind() {
-        MemoryKind::Host if cross_memory_attach => return None,
         MemoryKind::Host => format!(
             "{} has remote rights and is memory the application allocated (a torch tensor, \
              a numpy array, Region::alloc), which shm serves only with cross-memory attach \
@@ -199,7 +194,7 @@ impl SameHost {
             shm,
             other,
             shm_off: None,
-            boot_id: crate::shm::boot_id().ok(),
+            boot_id: shm::boot_id().ok(),
             netns: netns(),
             routes: FastMap::default(),
             last_shm: false,
@@ -274,13 +269,8 @@ impl Backend for SameHost {
 
     fn register(&mut self, region: &Region) -> Result<RemoteRegion, DataError> {
         let ad = self.other.register(region)?;
-        let served = region.access().contains(Access::REMOTE_READ)
-            || region.access().contains(Access::REMOTE_WRITE);
-        if served && !self.shm.serves(region) {
-            self.turn_off(
-                unserved(region, false)
-                    .unwrap_or_else(|| format!("shm cannot serve {}", region.id())),
-            );
+        if let Some(why) = unserved(region, self.shm.attaches()) {
+            self.turn_off(why);
         } else if let Err(e) = self.shm.register_as(region, Some(ad.key)) {
             self.turn_off(format!("registering {} with shm: {e}", region.id()));
         }
@@ -444,14 +434,7 @@ impl Backend for SameHost {
             None => false,
             Some(Some(true)) => self.shm.submit_batch(transfers, results),
             Some(Some(false)) => self.other.submit_batch(transfers, results),
-            Some(None) => {
-                let mut due = false;
-                for t in transfers {
-                    results.push(self.submit(t));
-                    due |= self.poll_after_submit();
-                }
-                due
-            }
+            Some(None) => backend::submit_each(self, transfers, results),
         }
     }
 
@@ -474,14 +457,7 @@ impl Backend for SameHost {
             None => false,
             Some(Some(true)) => self.shm.submit_batch_now(transfers, now, results),
             Some(Some(false)) => self.other.submit_batch_now(transfers, now, results),
-            Some(None) => {
-                let mut due = false;
-                for t in transfers {
-                    results.push(self.submit_now(t, now));
-                    due |= self.poll_after_submit();
-                }
-                due
-            }
+            Some(None) => backend::submit_each_now(self, transfers, now, results),
         }
     }
 
@@ -556,7 +532,7 @@ impl Backend for SameHost {
 mod tests {
     use super::*;
     use crate::tcp::{TcpBackend, TcpConfig};
-    use crate::{ShmConfig, ShmEndpoint};
+    use crate::{Access, ShmConfig, ShmEndpoint};
 
     fn same_host() -> SameHost {
         SameHost::new(

@@ -537,13 +537,15 @@ impl ShmBackend {
 }
 
 impl ShmBackend {
-    /// Whether this backend can serve `region` to peers: a memory file,
-    /// GPU memory registered through its runtime (by IPC handle), or host
-    /// memory when cross-memory attach is on.
+    /// Whether this backend can serve `region` to peers ([`serves`]).
     pub(crate) fn serves(&self, region: &Region) -> bool {
-        region.is_shared()
-            || (self.config.cross_memory_attach && region.kind() == MemoryKind::Host)
-            || region.gpu().is_some()
+        serves(region, self.config.cross_memory_attach)
+    }
+
+    /// Whether this backend serves host memory by cross-memory attach
+    /// ([`ShmConfig::cross_memory_attach`]).
+    pub(crate) fn attaches(&self) -> bool {
+        self.config.cross_memory_attach
     }
 
     /// [`register`](Backend::register) under `key` when given (see
@@ -675,8 +677,18 @@ fn clone_lost(e: &DataError) -> DataError {
     }
 }
 
-fn remote_rights(access: Access) -> bool {
+/// Whether `access` grants a peer anything.
+pub(crate) fn remote_rights(access: Access) -> bool {
     access.contains(Access::REMOTE_READ) || access.contains(Access::REMOTE_WRITE)
+}
+
+/// Whether shm can serve `region` to peers: a memory file, GPU memory
+/// registered through its runtime (by IPC handle), or host memory when
+/// `cross_memory_attach` is on.
+pub(crate) fn serves(region: &Region, cross_memory_attach: bool) -> bool {
+    region.is_shared()
+        || (cross_memory_attach && region.kind() == MemoryKind::Host)
+        || region.gpu().is_some()
 }
 
 impl Backend for ShmBackend {
